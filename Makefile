@@ -1,0 +1,34 @@
+# The two commands a newcomer needs:  `make demo`  and  `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint venv controlplane-up controlplane-down
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+# The main job on a local default: render the minimal sample into the
+# Kubernetes objects the operator would apply.
+demo: venv
+	$(BIN)/kvferry-operator render examples/minimal.yaml
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check operator sidecar tests
+
+# Every tier: unit, cluster (local control plane, built on first use) and engine.
+test: venv lint
+	$(BIN)/pytest
+
+controlplane-up:
+	hack/controlplane.sh up
+
+controlplane-down:
+	hack/controlplane.sh down

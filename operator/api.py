@@ -1,0 +1,365 @@
+"""The kvferry.io/v1alpha1 API as typed Python values.
+
+The CRD in ``crds/`` is the single source of defaults: :func:`apply_defaults`
+walks its OpenAPI schema the way the API server does, so a spec read here has
+exactly the values the API server would store, and there is no second copy of
+any default to drift. The dataclasses below mirror the schema; a test checks
+that every schema property has a field here and vice versa.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GROUP = "kvferry.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+SERVER_KIND = "DisaggregatedServer"
+SERVER_PLURAL = "disaggregatedservers"
+STATUS_KIND = "KVCacheStatus"
+STATUS_PLURAL = "kvcachestatuses"
+
+# The one field manager for every object the operator applies; GitOps tools
+# use their own, so ownership of each field stays unambiguous.
+FIELD_MANAGER = "kvferry-operator"
+
+# Labels. On every child object (StatefulSets, Services, ConfigMap, PDBs,
+# KVCacheStatus) and on pods:
+LABEL_NAME = "app.kubernetes.io/name"  # always "kvferry"
+LABEL_INSTANCE = "app.kubernetes.io/instance"  # the DisaggregatedServer's name
+LABEL_COMPONENT = "app.kubernetes.io/component"  # prefill | decode | router | status
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"  # always "kvferry-operator"
+LABEL_PART_OF = "app.kubernetes.io/part-of"  # always "kvferry"
+# On StatefulSets, their pods and headless Services: which engine role.
+LABEL_ROLE = "kvferry.io/role"  # prefill | decode
+# On pods: the DisaggregatedServer they belong to (the report endpoint checks it).
+LABEL_SERVER = "kvferry.io/server"
+
+# On pod templates: hash of everything that decides the engine build (image,
+# model, dtype, KV layout). Both roles carry the same value, so a change rolls
+# both and the sidecars can refuse to pair a new-build prefill with an
+# old-build decode.
+ANNOTATION_BUILD_HASH = "kvferry.io/engine-build"
+# On pod templates: hash of the rendered sidecar ConfigMap, so a settings
+# change restarts the pods that read it.
+ANNOTATION_CONFIG_HASH = "kvferry.io/config-hash"
+# Multus network attachment list, on pod templates when RDMA networks are set.
+ANNOTATION_MULTUS = "k8s.v1.cni.cncf.io/networks"
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLES = (ROLE_PREFILL, ROLE_DECODE)
+
+# Condition types on DisaggregatedServer.status.conditions.
+COND_READY = "Ready"
+COND_PROGRESSING = "Progressing"
+COND_DEGRADED = "Degraded"
+COND_KV_TRANSPORT = "KVTransport"
+
+# Ports. The engine listens on localhost-reachable ENGINE_PORT; clients and
+# peers only ever talk to the sidecar.
+SIDECAR_PORT = 8000
+ENGINE_PORT = 8200
+NIXL_SIDE_CHANNEL_PORT = 5600
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
+
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+CRD_FILES = {
+    SERVER_KIND: "kvferry.io_disaggregatedservers.yaml",
+    STATUS_KIND: "kvferry.io_kvcachestatuses.yaml",
+}
+
+
+class SpecError(ValueError):
+    """A spec that cannot be rendered; the message names the field and the fix."""
+
+
+@functools.cache
+def load_crd(kind: str) -> dict[str, Any]:
+    with open(CRD_DIR / CRD_FILES[kind]) as f:
+        return yaml.safe_load(f)
+
+
+def openapi_schema(kind: str) -> dict[str, Any]:
+    return load_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Return ``value`` with the schema's defaults filled in, as the API server does.
+
+    A missing property with a ``default`` gets it, and the defaulted value is
+    then defaulted further (so ``default: {}`` picks up its children's
+    defaults). Explicit nulls are left alone, like the API server's pruning
+    of nullable fields would not default them either.
+    """
+    value = copy.deepcopy(value)
+    _default_in_place(schema, value)
+    return value
+
+
+def _default_in_place(schema: dict[str, Any], value: Any) -> None:
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for name, sub in props.items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                _default_in_place(sub, value[name])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name, sub_value in value.items():
+                if name not in props:
+                    _default_in_place(extra, sub_value)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            _default_in_place(schema["items"], item)
+
+
+# ---------------------------------------------------------------- spec types
+
+
+@dataclass(frozen=True)
+class PVCSource:
+    claim_name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class HubSource:
+    id: str
+    revision: str | None = None
+    token_secret_name: str | None = None
+    token_secret_key: str = "token"
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    path: str
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    pvc: PVCSource | None
+    hub: HubSource | None
+    image: ImageSource | None
+    dtype: str
+    max_model_len: int | None
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Engine:
+    image: str
+    image_pull_policy: str
+    sidecar_image: str | None
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpus: int  # resolved: unset in the spec means tensorParallelSize
+    gpu_resource_name: str
+    cpu: str | None
+    memory: str | None
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # prefill | decode
+    replicas: int
+    tensor_parallel_size: int
+    resources: Resources
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: dict[str, Any] | None
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+    pod_labels: dict[str, str]
+    pod_annotations: dict[str, str]
+    priority_class_name: str | None
+    max_unavailable: int
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    bidirectional: bool
+    backends: tuple[str, ...]
+    recompute_threshold: int
+    lease_seconds: int
+    decode_retention_seconds: int
+
+
+@dataclass(frozen=True)
+class RDMA:
+    enabled: bool
+    resource_name: str | None
+    count: int
+    networks: tuple[str, ...]
+    devices: tuple[str, ...]
+    gid_index: int | None
+
+
+@dataclass(frozen=True)
+class Network:
+    transport: str
+    shared_memory_size: str
+    rdma: RDMA
+
+
+@dataclass(frozen=True)
+class Routing:
+    session_keys: tuple[str, ...]
+    skip_prefill_below_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheTuning:
+    mode: str
+    coverage: float
+    min_retention_seconds: int
+    max_retention_seconds: int
+    max_restarts_per_day: int
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model: Model
+    engine: Engine
+    prefill: Role
+    decode: Role
+    kv_transfer: KVTransfer
+    network: Network
+    routing: Routing
+    cache_tuning: CacheTuning
+
+    def role(self, name: str) -> Role:
+        return self.prefill if name == ROLE_PREFILL else self.decode
+
+
+@dataclass(frozen=True)
+class Server:
+    """A DisaggregatedServer as the renderer needs it: identity plus typed spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: ServerSpec
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _quantity(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _role(name: str, raw: dict[str, Any]) -> Role:
+    res = raw["resources"]
+    tp = raw["tensorParallelSize"]
+    return Role(
+        name=name,
+        replicas=raw["replicas"],
+        tensor_parallel_size=tp,
+        resources=Resources(
+            gpus=res.get("gpus", tp),
+            gpu_resource_name=res["gpuResourceName"],
+            cpu=_quantity(res.get("cpu")),
+            memory=_quantity(res.get("memory")),
+        ),
+        node_selector=dict(raw["nodeSelector"]),
+        tolerations=tuple(raw["tolerations"]),
+        affinity=raw.get("affinity"),
+        extra_args=tuple(raw["extraArgs"]),
+        env=tuple(raw["env"]),
+        pod_labels=dict(raw["podLabels"]),
+        pod_annotations=dict(raw["podAnnotations"]),
+        priority_class_name=raw.get("priorityClassName"),
+        max_unavailable=raw["maxUnavailable"],
+    )
+
+
+def parse_spec(spec: dict[str, Any]) -> ServerSpec:
+    """Defaulted, typed spec. Raises :class:`SpecError` naming the field."""
+    schema = openapi_schema(SERVER_KIND)["properties"]["spec"]
+    raw = apply_defaults(schema, spec)
+    try:
+        m = raw["model"]
+        src = m["source"]
+        hub = src.get("hub")
+        model = Model(
+            name=m["name"],
+            pvc=PVCSource(src["pvc"]["claimName"], src["pvc"]["path"]) if "pvc" in src else None,
+            hub=HubSource(
+                id=hub["id"],
+                revision=hub.get("revision"),
+                token_secret_name=hub.get("tokenSecret", {}).get("name"),
+                token_secret_key=hub.get("tokenSecret", {}).get("key", "token"),
+            )
+            if hub
+            else None,
+            image=ImageSource(src["image"]["path"]) if "image" in src else None,
+            dtype=m["dtype"],
+            max_model_len=m.get("maxModelLen"),
+            extra_args=tuple(m["extraArgs"]),
+        )
+        e = raw["engine"]
+        kv = raw["kvTransfer"]
+        net = raw["network"]
+        rdma = net["rdma"]
+        routing = raw["routing"]
+        tuning = raw["cacheTuning"]
+        return ServerSpec(
+            model=model,
+            engine=Engine(e["image"], e["imagePullPolicy"], e.get("sidecarImage")),
+            prefill=_role(ROLE_PREFILL, raw["prefill"]),
+            decode=_role(ROLE_DECODE, raw["decode"]),
+            kv_transfer=KVTransfer(
+                bidirectional=kv["bidirectional"],
+                backends=tuple(kv["backends"]),
+                recompute_threshold=kv["recomputeThreshold"],
+                lease_seconds=kv["leaseSeconds"],
+                decode_retention_seconds=kv["decodeRetentionSeconds"],
+            ),
+            network=Network(
+                transport=net["transport"],
+                shared_memory_size=str(net["sharedMemorySize"]),
+                rdma=RDMA(
+                    enabled=rdma["enabled"],
+                    resource_name=rdma.get("resourceName"),
+                    count=rdma["count"],
+                    networks=tuple(rdma["networks"]),
+                    devices=tuple(rdma["devices"]),
+                    gid_index=rdma.get("gidIndex"),
+                ),
+            ),
+            routing=Routing(tuple(routing["sessionKeys"]), routing["skipPrefillBelowTokens"]),
+            cache_tuning=CacheTuning(
+                mode=tuning["mode"],
+                coverage=float(tuning["coverage"]),
+                min_retention_seconds=tuning["minRetentionSeconds"],
+                max_retention_seconds=tuning["maxRetentionSeconds"],
+                max_restarts_per_day=tuning["maxRestartsPerDay"],
+            ),
+        )
+    except (KeyError, TypeError) as exc:
+        # The CRD schema rejects these before the operator sees them; this
+        # only fires for manifests rendered offline without validation.
+        raise SpecError(f"spec is missing or mistypes a required field near {exc}") from exc
+
+
+def parse_server(obj: dict[str, Any]) -> Server:
+    meta = obj.get("metadata", {})
+    return Server(
+        name=meta["name"],
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation", 0)),
+        spec=parse_spec(obj.get("spec") or {}),
+        labels=dict(meta.get("labels") or {}),
+    )

@@ -1,0 +1,94 @@
+"""``kvferry-operator``: run the operator, or render a manifest offline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+import yaml
+
+from . import api, render, validation
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (ConfigMap data) as readable ``|`` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump_yaml(objects: list[dict[str, Any]], out: TextIO) -> None:
+    yaml.dump_all(objects, out, Dumper=_Dumper, sort_keys=False, width=120)
+
+
+def render_documents(stream: TextIO) -> tuple[list[dict[str, Any]], list[str]]:
+    """Children of every DisaggregatedServer in ``stream``, and the errors found."""
+    out: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for i, doc in enumerate(yaml.safe_load_all(stream)):
+        if not doc:
+            continue
+        if doc.get("apiVersion") != api.API_VERSION or doc.get("kind") != api.SERVER_KIND:
+            errors.append(
+                f"document {i}: expected apiVersion {api.API_VERSION} and kind "
+                f"{api.SERVER_KIND}, got {doc.get('apiVersion')}/{doc.get('kind')}"
+            )
+            continue
+        name = (doc.get("metadata") or {}).get("name", f"document {i}")
+        problems = validation.validate(doc)
+        if problems:
+            errors += [f"{api.SERVER_KIND} {name}: {p}" for p in problems]
+            continue
+        out += render.render(api.parse_server(doc))
+    return out, errors
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    with open(args.file) if args.file != "-" else sys.stdin as f:
+        objects, errors = render_documents(f)
+    for err in errors:
+        print(f"error: {err}", file=sys.stderr)
+    if errors:
+        return 2
+    dump_yaml(objects, sys.stdout)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from . import main as operator_main  # kopf is only needed here
+
+    return operator_main.run(namespaces=args.namespace, standalone=args.standalone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry-operator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("render", help="print the Kubernetes objects for a DisaggregatedServer")
+    p.add_argument("file", help="manifest with one or more DisaggregatedServers ('-' = stdin)")
+    p.set_defaults(func=_cmd_render)
+    p = sub.add_parser("run", help="run the operator against the cluster in KUBECONFIG")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable); default all",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no peering with other operator replicas (single replica, tests)",
+    )
+    p.set_defaults(func=_cmd_run)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

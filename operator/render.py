@@ -1,0 +1,544 @@
+"""DisaggregatedServer -> the Kubernetes objects that run it. Pure: no API calls.
+
+For a server ``x`` in namespace ``ns``:
+
+- ConfigMap ``x-sidecar``: the sidecars' settings (``sidecar.json``) and the
+  peer topology (``topology.json``, which changes on scaling without
+  restarting pods);
+- StatefulSets ``x-prefill`` and ``x-decode`` (stable pod names give stable
+  NIXL side-channel identities and the decode session ring) and their headless
+  Services;
+- Service ``x``: port 8000 to the decode pods' sidecars, the client entry point;
+- PodDisruptionBudgets ``x-prefill`` / ``x-decode``;
+- KVCacheStatus ``x`` (its status is written by the operator, not rendered).
+
+Every object carries the ``app.kubernetes.io/*`` labels and an owner
+reference to the server, so deleting the server garbage-collects them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from . import api
+from .api import Role, Server, ServerSpec
+
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvferry/kvferry-sidecar:0.1.0"
+
+CONFIG_KEY_SETTINGS = "sidecar.json"
+CONFIG_KEY_TOPOLOGY = "topology.json"
+CONFIG_MOUNT = "/etc/kvferry"
+TOKEN_MOUNT = "/var/run/secrets/kvferry"
+TOKEN_AUDIENCE = "kvferry"
+MODELS_MOUNT = "/models"
+
+# The sidecar runs as this non-root user (distroless "nonroot").
+SIDECAR_UID = 65532
+
+# UCX transport lists per network.transport. "auto" leaves UCX_TLS unset so UCX
+# picks the best it finds and the sidecar reports what it negotiated. cuda_copy
+# and cuda_ipc stay in both lists: without them UCX cannot move GPU memory.
+UCX_TLS = {
+    "tcp": "tcp,cuda_copy,cuda_ipc,sm,self",
+    "rdma": "ib,cuda_copy,cuda_ipc,gdr_copy,sm,self",
+}
+
+Obj = dict[str, Any]
+
+
+# ------------------------------------------------------------ names & labels
+
+
+def child_name(server: Server, role: str | None = None) -> str:
+    return f"{server.name}-{role}" if role else server.name
+
+
+def config_map_name(server: Server) -> str:
+    return f"{server.name}-sidecar"
+
+
+def selector_labels(server: Server, role: str | None = None) -> dict[str, str]:
+    labels = {api.LABEL_NAME: "kvferry", api.LABEL_INSTANCE: server.name}
+    if role:
+        labels[api.LABEL_ROLE] = role
+    return labels
+
+
+def common_labels(server: Server, component: str, role: str | None = None) -> dict[str, str]:
+    return {
+        **selector_labels(server, role),
+        api.LABEL_COMPONENT: component,
+        api.LABEL_MANAGED_BY: api.FIELD_MANAGER,
+        api.LABEL_PART_OF: "kvferry",
+    }
+
+
+def owner_reference(server: Server) -> Obj:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.SERVER_KIND,
+        "name": server.name,
+        "uid": server.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(server: Server, name: str, labels: dict[str, str]) -> Obj:
+    meta: Obj = {"name": name, "namespace": server.namespace, "labels": labels}
+    if server.uid:
+        meta["ownerReferences"] = [owner_reference(server)]
+    return meta
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------ engine config
+
+
+def engine_build_hash(spec: ServerSpec) -> str:
+    """What NIXL's compatibility check compares: a change here rolls both roles."""
+    m = spec.model
+    return _hash(
+        repr(
+            (
+                spec.engine.image,
+                m.name,
+                m.pvc,
+                m.hub,
+                m.image,
+                m.dtype,
+                m.max_model_len,
+                m.extra_args,
+            )
+        )
+    )
+
+
+def build_kv_transfer_config(spec: ServerSpec, role: str) -> Obj:
+    """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode)."""
+    kv = spec.kv_transfer
+    return {
+        "kv_connector": "NixlConnector",
+        # vLLM 0.32 deprecates kv_both for NIXL; bidirectional transfer still
+        # works with producer on prefill and consumer on decode.
+        "kv_role": "kv_producer" if role == api.ROLE_PREFILL else "kv_consumer",
+        # Under "recompute", vLLM 0.32 hangs a request whose pull failed; under
+        # "fail" it answers 500 at once and the sidecar retries without the handle.
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": kv.bidirectional,
+            "decoder_kv_blocks_ttl": kv.decode_retention_seconds,
+            "kv_recompute_threshold": kv.recompute_threshold,
+            "kv_lease_duration": kv.lease_seconds,
+            "backends": list(kv.backends),
+        },
+    }
+
+
+def build_kv_events_config() -> Obj:
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{api.KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{api.KV_EVENTS_REPLAY_PORT}",
+        "topic": "kv-events",
+    }
+
+
+def model_path(spec: ServerSpec) -> str:
+    m = spec.model
+    if m.pvc:
+        return f"{MODELS_MOUNT}/{m.pvc.path}".rstrip("/")
+    if m.image:
+        return m.image.path
+    assert m.hub
+    return m.hub.id
+
+
+def build_engine_args(spec: ServerSpec, role: Role) -> list[str]:
+    m = spec.model
+    args = [
+        model_path(spec),
+        "--served-model-name",
+        m.name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(api.ENGINE_PORT),
+        "--tensor-parallel-size",
+        str(role.tensor_parallel_size),
+        "--dtype",
+        m.dtype,
+        "--kv-transfer-config",
+        json.dumps(build_kv_transfer_config(spec, role.name), sort_keys=True),
+        "--kv-events-config",
+        json.dumps(build_kv_events_config(), sort_keys=True),
+        # Reproducible block hashes let the sidecar match KV events to prompts.
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+    ]
+    if m.max_model_len:
+        args += ["--max-model-len", str(m.max_model_len)]
+    if m.hub and m.hub.revision:
+        args += ["--revision", m.hub.revision]
+    return args + list(m.extra_args) + list(role.extra_args)
+
+
+def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
+    net = spec.network
+    env: list[Obj] = [
+        # NIXL's side channel defaults to localhost, unreachable from peers.
+        {
+            "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        },
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(api.NIXL_SIDE_CHANNEL_PORT)},
+    ]
+    if net.transport in UCX_TLS:
+        env.append({"name": "UCX_TLS", "value": UCX_TLS[net.transport]})
+    if net.rdma.enabled and net.rdma.devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(net.rdma.devices)})
+    if net.rdma.enabled and net.rdma.gid_index is not None:
+        env.append({"name": "UCX_IB_GID_INDEX", "value": str(net.rdma.gid_index)})
+    hub = spec.model.hub
+    if hub and hub.token_secret_name:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {
+                    "secretKeyRef": {"name": hub.token_secret_name, "key": hub.token_secret_key}
+                },
+            }
+        )
+    # The user's entries win over ours, name by name.
+    user = {e["name"] for e in role.env}
+    return [e for e in env if e["name"] not in user] + [dict(e) for e in role.env]
+
+
+def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
+    limits: Obj = {}
+    requests: Obj = {}
+    if role.resources.gpus:
+        limits[role.resources.gpu_resource_name] = role.resources.gpus
+    rdma = spec.network.rdma
+    if rdma.enabled and rdma.resource_name:
+        limits[rdma.resource_name] = rdma.count
+    for key, value in (("cpu", role.resources.cpu), ("memory", role.resources.memory)):
+        if value is not None:
+            limits[key] = requests[key] = value
+    out: Obj = {"limits": limits}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def build_engine_container(spec: ServerSpec, role: Role) -> Obj:
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.model.pvc:
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    if spec.model.hub:
+        mounts.append({"name": "hf-cache", "mountPath": "/root/.cache/huggingface"})
+    security: Obj = {"allowPrivilegeEscalation": False}
+    if spec.network.rdma.enabled:
+        # RDMA registers (pins) memory; without IPC_LOCK registration fails.
+        security["capabilities"] = {"add": ["IPC_LOCK"]}
+    return {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["vllm", "serve"],
+        "args": build_engine_args(spec, role),
+        "env": build_engine_env(spec, role),
+        "ports": [
+            {"name": "engine", "containerPort": api.ENGINE_PORT},
+            {"name": "nixl", "containerPort": api.NIXL_SIDE_CHANNEL_PORT},
+        ],
+        "resources": build_engine_resources(spec, role),
+        "securityContext": security,
+        "volumeMounts": mounts,
+        # Loading a large model from a volume can take many minutes; the
+        # startup probe allows 30 before liveness takes over.
+        "startupProbe": _http_probe("/health", "engine", 10, 180),
+        "readinessProbe": _http_probe("/health", "engine", 5, 3),
+        "livenessProbe": _http_probe("/health", "engine", 10, 6),
+    }
+
+
+def build_sidecar_container(spec: ServerSpec, server: Server, role: Role) -> Obj:
+    def field_env(name: str, path: str) -> Obj:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return {
+        "name": "kvferry-sidecar",
+        "image": spec.engine.sidecar_image or DEFAULT_SIDECAR_IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        # A native sidecar: starts before the engine and lives as long as the pod.
+        "restartPolicy": "Always",
+        "args": [
+            "--role",
+            role.name,
+            "--config",
+            f"{CONFIG_MOUNT}/{CONFIG_KEY_SETTINGS}",
+            "--topology",
+            f"{CONFIG_MOUNT}/{CONFIG_KEY_TOPOLOGY}",
+        ],
+        "env": [
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP"),
+            {"name": "KVFERRY_SERVER", "value": server.name},
+            {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
+        ],
+        "ports": [{"name": "http", "containerPort": api.SIDECAR_PORT}],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"memory": "512Mi"},
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": SIDECAR_UID,
+            "runAsGroup": SIDECAR_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "sidecar-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "kvferry-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+        ],
+        "readinessProbe": _http_probe("/readyz", "http", 5, 3),
+        "livenessProbe": _http_probe("/healthz", "http", 10, 6),
+    }
+
+
+def build_volumes(server: Server) -> list[Obj]:
+    spec = server.spec
+    volumes: list[Obj] = [
+        {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": spec.network.shared_memory_size},
+        },
+        {"name": "sidecar-config", "configMap": {"name": config_map_name(server)}},
+        {
+            # Only the sidecar mounts a token, and only one for our audience: it
+            # proves the pod's identity to the operator's report endpoint.
+            "name": "kvferry-token",
+            "projected": {
+                "sources": [
+                    {
+                        "serviceAccountToken": {
+                            "audience": TOKEN_AUDIENCE,
+                            "expirationSeconds": 3600,
+                            "path": "token",
+                        }
+                    }
+                ]
+            },
+        },
+    ]
+    if spec.model.pvc:
+        volumes.append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": spec.model.pvc.claim_name, "readOnly": True},
+            }
+        )
+    if spec.model.hub:
+        volumes.append({"name": "hf-cache", "emptyDir": {}})
+    return volumes
+
+
+def build_pod_template(server: Server, role: Role, config_hash: str) -> Obj:
+    spec = server.spec
+    annotations = {
+        **role.pod_annotations,
+        api.ANNOTATION_BUILD_HASH: engine_build_hash(spec),
+        api.ANNOTATION_CONFIG_HASH: config_hash,
+    }
+    if spec.network.rdma.enabled and spec.network.rdma.networks:
+        annotations[api.ANNOTATION_MULTUS] = ",".join(spec.network.rdma.networks)
+    labels = {
+        **role.pod_labels,
+        **common_labels(server, role.name, role.name),
+        api.LABEL_SERVER: server.name,
+    }
+    pod: Obj = {
+        # Service env vars are off: a Service named like "vllm" would inject
+        # VLLM_PORT=tcp://..., which vLLM reads as its own setting and crashes.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 60,
+        "initContainers": [build_sidecar_container(spec, server, role)],
+        "containers": [build_engine_container(spec, role)],
+        "volumes": build_volumes(server),
+    }
+    if role.node_selector:
+        pod["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod["tolerations"] = [dict(t) for t in role.tolerations]
+    if role.affinity:
+        pod["affinity"] = role.affinity
+    if role.priority_class_name:
+        pod["priorityClassName"] = role.priority_class_name
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}
+
+
+# ------------------------------------------------------------ objects
+
+
+def peer_urls(server: Server, role: str, port: int) -> list[str]:
+    """Stable per-ordinal addresses through the role's headless Service."""
+    svc = child_name(server, role)
+    replicas = server.spec.role(role).replicas
+    return [f"http://{svc}-{i}.{svc}.{server.namespace}.svc:{port}" for i in range(replicas)]
+
+
+def build_sidecar_settings(server: Server) -> Obj:
+    spec = server.spec
+    return {
+        "version": 1,
+        "server": server.name,
+        "model": spec.model.name,
+        "engineBuild": engine_build_hash(spec),
+        "enginePort": api.ENGINE_PORT,
+        "listenPort": api.SIDECAR_PORT,
+        "bidirectional": spec.kv_transfer.bidirectional,
+        "recomputeThreshold": spec.kv_transfer.recompute_threshold,
+        "decodeRetentionSeconds": spec.kv_transfer.decode_retention_seconds,
+        "sessionKeys": list(spec.routing.session_keys),
+        "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
+        "transport": spec.network.transport,
+        "kvEvents": f"tcp://127.0.0.1:{api.KV_EVENTS_PORT}",
+        "kvEventsReplay": f"tcp://127.0.0.1:{api.KV_EVENTS_REPLAY_PORT}",
+    }
+
+
+def build_topology(server: Server) -> Obj:
+    return {
+        "version": 1,
+        "prefillEngines": peer_urls(server, api.ROLE_PREFILL, api.ENGINE_PORT),
+        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, api.SIDECAR_PORT),
+    }
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def build_config_map(server: Server) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(server, config_map_name(server), common_labels(server, "sidecar")),
+        "data": {
+            CONFIG_KEY_SETTINGS: _json(build_sidecar_settings(server)),
+            CONFIG_KEY_TOPOLOGY: _json(build_topology(server)),
+        },
+    }
+
+
+def build_statefulset(server: Server, role: Role) -> Obj:
+    # Only settings restart pods; topology (replica counts) is re-read live.
+    config_hash = _hash(build_sidecar_settings(server))
+    name = child_name(server, role.name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(server, name, common_labels(server, role.name, role.name)),
+        "spec": {
+            "serviceName": name,
+            "replicas": role.replicas,
+            # Engines do not depend on each other's start order.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(server, role.name)},
+            "template": build_pod_template(server, role, config_hash),
+        },
+    }
+
+
+def build_headless_service(server: Server, role: Role) -> Obj:
+    name = child_name(server, role.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(server, name, common_labels(server, role.name, role.name)),
+        "spec": {
+            "clusterIP": "None",
+            # Peers must resolve a starting pod to finish the NIXL handshake.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(server, role.name),
+            "ports": [
+                {"name": "http", "port": api.SIDECAR_PORT, "targetPort": "http"},
+                {"name": "engine", "port": api.ENGINE_PORT, "targetPort": "engine"},
+                {"name": "nixl", "port": api.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
+            ],
+        },
+    }
+
+
+def build_entry_service(server: Server) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(server, child_name(server), common_labels(server, "router")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(server, api.ROLE_DECODE),
+            "ports": [{"name": "http", "port": api.SIDECAR_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def build_pdb(server: Server, role: Role) -> Obj:
+    name = child_name(server, role.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(server, name, common_labels(server, role.name, role.name)),
+        "spec": {
+            "maxUnavailable": role.max_unavailable,
+            "selector": {"matchLabels": selector_labels(server, role.name)},
+        },
+    }
+
+
+def build_kv_cache_status(server: Server) -> Obj:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.STATUS_KIND,
+        "metadata": _metadata(server, server.name, common_labels(server, "status")),
+        "spec": {"serverName": server.name},
+    }
+
+
+def endpoint(server: Server) -> str:
+    return f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}"
+
+
+def render(server: Server) -> list[Obj]:
+    """All children of ``server``, in the order they should be applied."""
+    roles = [server.spec.prefill, server.spec.decode]
+    return [
+        build_config_map(server),
+        *(build_headless_service(server, r) for r in roles),
+        build_entry_service(server),
+        *(build_statefulset(server, r) for r in roles),
+        *(build_pdb(server, r) for r in roles),
+        build_kv_cache_status(server),
+    ]

@@ -1,0 +1,176 @@
+"""Check a manifest against the CRD schema without a cluster.
+
+The same rules the API server enforces: the structural OpenAPI schema (types,
+enums, bounds, patterns, required fields, unknown fields as under kubectl's
+strict field validation) and the CEL ``x-kubernetes-validations`` rules,
+evaluated on the defaulted object. Used by ``kvferry-operator render`` so an
+offline render fails with the message ``kubectl apply`` would print, and by the
+tests that pin every rule's message.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import celpy
+import jsonschema
+
+from . import api
+
+
+@dataclass(frozen=True)
+class FieldError:
+    path: str  # e.g. spec.prefill.resources.gpus
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+def _to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
+    """Translate a Kubernetes structural schema node into JSON Schema draft 4."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-") or key in ("description", "default", "format"):
+            continue
+        if key == "properties":
+            out[key] = {k: _to_jsonschema(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _to_jsonschema(value)
+        else:
+            out[key] = value
+    if node.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def _validator(kind: str) -> jsonschema.Draft4Validator:
+    schema = _to_jsonschema(api.openapi_schema(kind))
+    # metadata is validated by the API server's own rules, not the CRD's.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft4Validator(schema)
+
+
+def _path(parts: list[Any] | tuple[Any, ...]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _json_type(value: Any) -> str:
+    for name, kind in (("boolean", bool), ("integer", int), ("number", float), ("string", str)):
+        if isinstance(value, kind):
+            return name
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else "null"
+
+
+def _quote(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def _describe(err: jsonschema.ValidationError, where: str) -> str:
+    """The API server's wording, so one expected message fits both checks."""
+    v, arg, got = err.validator, err.validator_value, err.instance
+    if v == "enum":
+        supported = ", ".join(_quote(x) for x in arg)
+        msg = f"Unsupported value: {_quote(got)}: supported values: {supported}"
+        if isinstance(got, bool):
+            # YAML 1.1 reads unquoted Off/On/Yes/No as booleans.
+            msg += " (an unquoted Off/On/Yes/No is read as a boolean: quote it)"
+        return msg
+    if v == "type":
+        msg = f"Invalid value: {_quote(_json_type(got))}: {where} in body must be of type {arg}"
+        if isinstance(got, bool) and arg == "string":
+            msg += " (an unquoted Off/On/Yes/No is read as a boolean: quote it)"
+        return msg
+    if v == "minimum":
+        if err.schema.get("exclusiveMinimum"):
+            return f"Invalid value: {got}: {where} in body should be greater than {arg}"
+        return f"Invalid value: {got}: {where} in body should be greater than or equal to {arg}"
+    if v == "maximum":
+        return f"Invalid value: {got}: {where} in body should be less than or equal to {arg}"
+    if v == "pattern":
+        return f"Invalid value: {_quote(got)}: {where} in body should match '{arg}'"
+    if v == "minItems":
+        return f"Invalid value: {len(got)}: {where} in body should have at least {arg} items"
+    if v == "minLength":
+        return f"Invalid value: {_quote(got)}: {where} in body should be at least {arg} chars long"
+    if v == "maxLength":
+        return f"Too long: may not be more than {arg} bytes"
+    return err.message
+
+
+def _schema_errors(kind: str, obj: dict[str, Any]) -> list[FieldError]:
+    errors = []
+    for err in _validator(kind).iter_errors(obj):
+        path = list(err.absolute_path)
+        if err.validator == "required":
+            missing = err.message.split("'")[1]
+            errors.append(FieldError(_path([*path, missing]), "Required value"))
+        elif err.validator == "additionalProperties":
+            for extra in sorted(set(err.instance) - set(err.schema.get("properties", {}))):
+                where = _path([*path, extra])
+                errors.append(FieldError(where, f'unknown field "{where}"'))
+        elif err.validator == "anyOf" and err.schema.get("anyOf", [{}])[0] == {"type": "integer"}:
+            where = _path(path)
+            errors.append(
+                FieldError(
+                    where,
+                    f"Invalid value: {_quote(err.instance)}: "
+                    f"{where} in body must be of type integer or string",
+                )
+            )
+        else:
+            errors.append(FieldError(_path(path), _describe(err, _path(path))))
+    # Like the API server, a value of the wrong type gets only that complaint.
+    mistyped = {e.path for e in errors if "must be of type" in e.message}
+    errors = [e for e in errors if e.path not in mistyped or "must be of type" in e.message]
+    return sorted(errors, key=lambda e: e.path)
+
+
+@functools.cache
+def _cel_program(rule: str) -> celpy.Runner:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _cel_errors(schema: dict[str, Any], value: Any, path: list[Any]) -> list[FieldError]:
+    errors: list[FieldError] = []
+    for check in schema.get("x-kubernetes-validations", []):
+        where = _path(path) + check.get("fieldPath", "")
+        try:
+            ok = _cel_program(check["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        except Exception as exc:  # a rule that cannot evaluate is a bug in our CRD
+            errors.append(FieldError(where, f"rule {check['rule']!r} failed to evaluate: {exc}"))
+            continue
+        if not bool(ok):
+            errors.append(FieldError(where, " ".join(check["message"].split())))
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                errors += _cel_errors(sub, value[name], [*path, name])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            errors += _cel_errors(schema["items"], item, [*path, i])
+    return errors
+
+
+def validate(obj: dict[str, Any], kind: str = api.SERVER_KIND) -> list[FieldError]:
+    """All the reasons the API server would reject ``obj``; empty when it is valid."""
+    errors = _schema_errors(kind, obj)
+    if errors:
+        # CEL runs only on schema-valid objects, as in the API server.
+        return errors
+    schema = api.openapi_schema(kind)
+    return _cel_errors(schema, api.apply_defaults(schema, obj), [])

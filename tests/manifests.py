@@ -1,0 +1,147 @@
+"""Manifest builders and the invalid-spec table shared by the unit and cluster tiers."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+MINIMAL: dict[str, Any] = {
+    "apiVersion": "kvferry.io/v1alpha1",
+    "kind": "DisaggregatedServer",
+    "metadata": {"name": "tiny", "namespace": "default"},
+    "spec": {
+        "model": {"name": "tiny-llama", "source": {"pvc": {"claimName": "models", "path": "tiny"}}}
+    },
+}
+
+
+def load_example(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge; a value of DELETE removes the key."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is DELETE:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+DELETE = object()
+
+
+def server(spec: dict[str, Any] | None = None, **metadata: Any) -> dict[str, Any]:
+    """A DisaggregatedServer manifest: MINIMAL with ``spec`` merged in."""
+    obj = merge(MINIMAL, {"spec": spec or {}})
+    obj["metadata"].update(metadata)
+    return obj
+
+
+@dataclass(frozen=True)
+class Invalid:
+    id: str
+    manifest: dict[str, Any]
+    path: str  # the field the error names ("" for rules on the whole object)
+    message: str  # a fragment of the message, as local validation and the API server word it
+
+
+def _spec(patch: dict[str, Any]) -> dict[str, Any]:
+    return merge(MINIMAL, {"spec": patch})
+
+
+NO_SOURCE = {"model": {"source": DELETE}}
+
+# Every CEL rule and every required field of the CRD appears here at least once
+# (tests/unit/test_validation.py checks that), each with the message that
+# tells the user what to do.
+INVALID: list[Invalid] = [
+    Invalid("spec-required", merge(MINIMAL, {"spec": DELETE}), "spec", "Required value"),
+    Invalid("model-required", _spec({"model": DELETE}), "spec.model", "Required value"),
+    Invalid("model-name-required", _spec({"model": {"name": DELETE}}), "spec.model.name",
+            "Required value"),
+    Invalid("model-source-required", _spec(NO_SOURCE), "spec.model.source", "Required value"),
+    Invalid("source-none", _spec({"model": {"source": {"pvc": DELETE}}}), "spec.model.source",
+            "must set exactly one of pvc, hub or image"),
+    Invalid("source-two", _spec({"model": {"source": {"hub": {"id": "org/m"}}}}),
+            "spec.model.source", "must set exactly one of pvc, hub or image"),
+    Invalid("pvc-claim-required", _spec({"model": {"source": {"pvc": {"claimName": DELETE}}}}),
+            "spec.model.source.pvc.claimName", "Required value"),
+    Invalid("pvc-path-absolute", _spec({"model": {"source": {"pvc": {"path": "/etc"}}}}),
+            "spec.model.source.pvc.path", "must be relative to the volume root"),
+    Invalid("pvc-path-dotdot", _spec({"model": {"source": {"pvc": {"path": "a/../../b"}}}}),
+            "spec.model.source.pvc.path", "must not contain '..'"),
+    Invalid("hub-id-required", _spec({"model": {"source": {"pvc": DELETE, "hub": {}}}}),
+            "spec.model.source.hub.id", "Required value"),
+    Invalid("hub-secret-name-required",
+            _spec({"model": {"source": {"pvc": DELETE,
+                                        "hub": {"id": "org/m", "tokenSecret": {"key": "t"}}}}}),
+            "spec.model.source.hub.tokenSecret.name", "Required value"),
+    Invalid("image-path-required", _spec({"model": {"source": {"pvc": DELETE, "image": {}}}}),
+            "spec.model.source.image.path", "Required value"),
+    Invalid("image-path-relative",
+            _spec({"model": {"source": {"pvc": DELETE, "image": {"path": "models/x"}}}}),
+            "spec.model.source.image.path", "must be an absolute path in the engine image"),
+    Invalid("dtype-enum", _spec({"model": {"dtype": "fp8"}}), "spec.model.dtype",
+            'Unsupported value: "fp8"'),
+    Invalid("max-model-len-positive", _spec({"model": {"maxModelLen": 0}}),
+            "spec.model.maxModelLen", "should be greater than or equal to 1"),
+    Invalid("prefill-replicas-negative", _spec({"prefill": {"replicas": -1}}),
+            "spec.prefill.replicas", "should be greater than or equal to 0"),
+    Invalid("decode-replicas-negative", _spec({"decode": {"replicas": -2}}),
+            "spec.decode.replicas", "should be greater than or equal to 0"),
+    Invalid("decode-tp-zero", _spec({"decode": {"tensorParallelSize": 0}}),
+            "spec.decode.tensorParallelSize", "should be greater than or equal to 1"),
+    Invalid("prefill-gpus-below-tp",
+            _spec({"prefill": {"tensorParallelSize": 8, "resources": {"gpus": 4}}}),
+            "spec.prefill.resources.gpus", "resources.gpus must be at least tensorParallelSize"),
+    Invalid("decode-gpus-below-tp",
+            _spec({"decode": {"tensorParallelSize": 2, "resources": {"gpus": 1}}}),
+            "spec.decode.resources.gpus", "resources.gpus must be at least tensorParallelSize"),
+    Invalid("prefill-env-name-required", _spec({"prefill": {"env": [{"value": "1"}]}}),
+            "spec.prefill.env[0].name", "Required value"),
+    Invalid("decode-env-name-required", _spec({"decode": {"env": [{"value": "1"}]}}),
+            "spec.decode.env[0].name", "Required value"),
+    Invalid("unknown-field", _spec({"prefill": {"replica": 2}}), "spec.prefill.replica",
+            'unknown field "spec.prefill.replica"'),
+    Invalid("backends-enum", _spec({"kvTransfer": {"backends": ["TCP"]}}),
+            "spec.kvTransfer.backends[0]", 'Unsupported value: "TCP"'),
+    Invalid("backends-empty", _spec({"kvTransfer": {"backends": []}}),
+            "spec.kvTransfer.backends", "should have at least 1 items"),
+    Invalid("retention-below-vllm-margin", _spec({"kvTransfer": {"decodeRetentionSeconds": 5}}),
+            "spec.kvTransfer.decodeRetentionSeconds", "should be greater than or equal to 10"),
+    Invalid("rdma-needs-resource", _spec({"network": {"rdma": {"enabled": True}}}),
+            "spec.network.rdma", "network.rdma.enabled needs network.rdma.resourceName"),
+    Invalid("transport-rdma-needs-rdma", _spec({"network": {"transport": "rdma"}}),
+            "spec.network.transport", "network.transport: rdma needs network.rdma.enabled"),
+    Invalid("transport-enum", _spec({"network": {"transport": "infiniband"}}),
+            "spec.network.transport", 'Unsupported value: "infiniband"'),
+    Invalid("session-key-pattern", _spec({"routing": {"sessionKeys": ["cookie:sid"]}}),
+            "spec.routing.sessionKeys[0]", "should match"),
+    Invalid("tuning-mode-off", _spec({"cacheTuning": {"mode": "Off"}}), "spec.cacheTuning.mode",
+            'Unsupported value: "Off"'),
+    Invalid("tuning-mode-yaml-bool", _spec({"cacheTuning": {"mode": False}}),
+            "spec.cacheTuning.mode", "must be of type string"),
+    Invalid("coverage-zero", _spec({"cacheTuning": {"coverage": 0}}), "spec.cacheTuning.coverage",
+            "should be greater than 0"),
+    Invalid("coverage-above-one", _spec({"cacheTuning": {"coverage": 1.5}}),
+            "spec.cacheTuning.coverage", "should be less than or equal to 1"),
+    Invalid("retention-min-above-max",
+            _spec({"cacheTuning": {"minRetentionSeconds": 600, "maxRetentionSeconds": 60}}),
+            "spec.cacheTuning.minRetentionSeconds",
+            "cacheTuning.minRetentionSeconds must be at most maxRetentionSeconds"),
+    Invalid("name-too-long", merge(MINIMAL, {"metadata": {"name": "x" * 45}}), "",
+            "metadata.name must be at most 44 characters"),
+]

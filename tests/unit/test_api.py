@@ -1,0 +1,124 @@
+"""The API module: defaults come from the CRD schema and match the typed spec."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from kvferry_operator import api
+from tests.manifests import MINIMAL, server
+
+SPEC_SCHEMA = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def test_minimal_spec_gets_schema_defaults():
+    spec = api.parse_spec(MINIMAL["spec"])
+    assert spec.engine.image == "vllm/vllm-openai:v0.33.0"
+    assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
+    assert spec.kv_transfer.bidirectional is True
+    assert spec.kv_transfer.decode_retention_seconds == 480
+    assert spec.kv_transfer.recompute_threshold == 64
+    assert spec.kv_transfer.lease_seconds == 30
+    assert spec.kv_transfer.backends == ("UCX",)
+    assert spec.network.transport == "auto"
+    assert spec.network.shared_memory_size == "16Gi"
+    assert spec.network.rdma.enabled is False
+    assert spec.routing.session_keys == ("session_id", "conversation_id", "header:X-Session-Id",
+                                         "user")
+    assert spec.routing.skip_prefill_below_tokens == 256
+    assert spec.cache_tuning.mode == "Recommend"
+    assert spec.cache_tuning.coverage == 0.95
+    assert (spec.cache_tuning.min_retention_seconds, spec.cache_tuning.max_retention_seconds) == (
+        30,
+        1800,
+    )
+
+
+def test_gpus_default_to_tensor_parallel_size():
+    spec = api.parse_spec(server({"decode": {"tensorParallelSize": 4}})["spec"])
+    assert spec.decode.resources.gpus == 4
+    assert spec.prefill.resources.gpus == 1
+
+
+def test_explicit_values_override_defaults():
+    spec = api.parse_spec(
+        server({"kvTransfer": {"decodeRetentionSeconds": 60, "bidirectional": False}})["spec"]
+    )
+    assert spec.kv_transfer.decode_retention_seconds == 60
+    assert spec.kv_transfer.bidirectional is False
+
+
+def test_defaulting_does_not_mutate_the_input():
+    raw = server()
+    before = repr(raw)
+    api.parse_spec(raw["spec"])
+    assert repr(raw) == before
+
+
+def test_nested_defaults_apply_under_a_defaulted_parent():
+    # `network: {}` defaulted must still get network.rdma.count, as the API server does.
+    out = api.apply_defaults(SPEC_SCHEMA, {"model": {}})
+    assert out["network"]["rdma"]["count"] == 1
+    assert out["network"]["rdma"]["networks"] == []
+
+
+def _schema_leaf_paths(schema, path=""):
+    props = schema.get("properties")
+    if not props or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return [path]
+    out = []
+    for name, sub in props.items():
+        out += _schema_leaf_paths(sub, f"{path}.{name}" if path else name)
+    return out
+
+
+# Schema paths the typed spec folds into other fields, and why.
+FOLDED = {
+    "model.source.pvc.claimName": "model.pvc.claim_name",
+    "model.source.pvc.path": "model.pvc.path",
+    "model.source.hub.id": "model.hub.id",
+    "model.source.hub.revision": "model.hub.revision",
+    "model.source.hub.tokenSecret.name": "model.hub.token_secret_name",
+    "model.source.hub.tokenSecret.key": "model.hub.token_secret_key",
+    "model.source.image.path": "model.image.path",
+}
+
+
+def _dataclass_paths(cls, path=""):
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = f"{path}.{f.name}" if path else f.name
+        inner = re.findall(r"\b([A-Z][A-Za-z]+)\b", str(f.type))
+        nested = [getattr(api, n) for n in inner if dataclasses.is_dataclass(getattr(api, n, None))]
+        if nested:
+            out += _dataclass_paths(nested[0], sub)
+        else:
+            out.append(sub)
+    return out
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_schema_field_has_a_typed_field(role):
+    # Keeps api.py and the CRD from drifting: a field added to one must reach the other.
+    typed = set(_dataclass_paths(api.ServerSpec))
+    for path in _schema_leaf_paths(SPEC_SCHEMA):
+        if path in FOLDED:
+            assert FOLDED[path] in typed, path
+            continue
+        snake = ".".join(re.sub(r"(?<!^)(?=[A-Z])", "_", p).lower() for p in path.split("."))
+        assert snake in typed, f"spec.{path} has no field in kvferry_operator.api"
+
+
+def test_every_typed_field_is_in_the_schema():
+    schema_paths = set(_schema_leaf_paths(SPEC_SCHEMA)) | set(FOLDED.values())
+    camel = {".".join(_camel(p) for p in t.split(".")) for t in _dataclass_paths(api.ServerSpec)}
+    folded_typed = {".".join(_camel(p) for p in v.split(".")) for v in FOLDED.values()}
+    extra = camel - {p for p in schema_paths} - folded_typed - {"prefill.name", "decode.name"}
+    assert sorted(extra) == []

@@ -1,0 +1,312 @@
+"""The renderer: DisaggregatedServer -> Kubernetes objects, pure.
+
+Golden files pin the whole output of each example (refresh them with
+KVFERRY_UPDATE_GOLDEN=1 after an intended change and review the diff); the
+classes below pin the rules, one builder each.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from kvferry_operator import api, cli, render, validation
+from tests.manifests import EXAMPLES, ROOT, load_example, server
+
+GOLDEN = ROOT / "tests" / "golden"
+K8S_VERSION = "1.37.0"
+UID = "0b8d1c4e-0000-4000-8000-000000000001"
+
+
+def rendered(manifest: dict) -> list[dict]:
+    manifest = {**manifest, "metadata": {**manifest["metadata"], "uid": UID}}
+    return render.render(api.parse_server(manifest))
+
+
+def by_kind(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    (obj,) = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return obj
+
+
+def pod_spec(objs: list[dict], role: str) -> dict:
+    sts = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith(role)]
+    return sts[0]["spec"]["template"]["spec"]
+
+
+def engine(objs: list[dict], role: str) -> dict:
+    return pod_spec(objs, role)["containers"][0]
+
+
+def sidecar(objs: list[dict], role: str) -> dict:
+    return pod_spec(objs, role)["initContainers"][0]
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def arg_after(container: dict, flag: str) -> str:
+    args = container["args"]
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_renders_to_its_golden_file(path: Path):
+    out = io.StringIO()
+    with open(path) as f:
+        objects, errors = cli.render_documents(f)
+    assert errors == []
+    cli.dump_yaml(objects, out)
+    golden = GOLDEN / path.name
+    if os.environ.get("KVFERRY_UPDATE_GOLDEN"):
+        golden.write_text(out.getvalue())
+    assert out.getvalue() == golden.read_text(), f"refresh with KVFERRY_UPDATE_GOLDEN=1: {golden}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_builtin_object_passes_strict_kubernetes_schema(path: Path):
+    for obj in rendered(load_example(path)):
+        if obj["apiVersion"].startswith(api.GROUP):
+            assert validation.validate(obj, obj["kind"]) == []
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_render_names_and_kinds():
+    objs = rendered(server())
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("ConfigMap", "tiny-sidecar"),
+        ("Service", "tiny-prefill"),
+        ("Service", "tiny-decode"),
+        ("Service", "tiny"),
+        ("StatefulSet", "tiny-prefill"),
+        ("StatefulSet", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-prefill"),
+        ("PodDisruptionBudget", "tiny-decode"),
+        ("KVCacheStatus", "tiny"),
+    ]
+
+
+def test_every_child_is_owned_and_labelled():
+    for obj in rendered(server()):
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "kvferry.io/v1alpha1",
+                "kind": "DisaggregatedServer",
+                "name": "tiny",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"][api.LABEL_NAME] == "kvferry"
+        assert meta["labels"][api.LABEL_INSTANCE] == "tiny"
+        assert meta["labels"][api.LABEL_MANAGED_BY] == "kvferry-operator"
+
+
+class TestKVTransferConfig:
+    def test_roles_follow_vllm_032_recommendation(self):
+        objs = rendered(server())
+        p = json.loads(arg_after(engine(objs, "prefill"), "--kv-transfer-config"))
+        d = json.loads(arg_after(engine(objs, "decode"), "--kv-transfer-config"))
+        assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+        assert p["kv_connector"] == d["kv_connector"] == "NixlConnector"
+
+    def test_failed_pull_fails_fast_instead_of_hanging(self):
+        # Under "recompute" vLLM 0.32 hangs a request whose pull failed.
+        for role in api.ROLES:
+            cfg = json.loads(arg_after(engine(rendered(server()), role), "--kv-transfer-config"))
+            assert cfg["kv_load_failure_policy"] == "fail"
+
+    def test_extra_config_comes_from_kv_transfer_spec(self):
+        spec = {"kvTransfer": {"decodeRetentionSeconds": 90, "recomputeThreshold": 128,
+                               "leaseSeconds": 12, "backends": ["UCX", "LIBFABRIC"]}}
+        cfg = json.loads(arg_after(engine(rendered(server(spec)), "decode"), "--kv-transfer-config"))
+        assert cfg["kv_connector_extra_config"] == {
+            "bidirectional_kv_xfer": True,
+            "decoder_kv_blocks_ttl": 90,
+            "kv_recompute_threshold": 128,
+            "kv_lease_duration": 12,
+            "backends": ["UCX", "LIBFABRIC"],
+        }
+
+    def test_no_keys_vllm_032_rejects(self):
+        cfg = json.loads(arg_after(engine(rendered(server()), "prefill"), "--kv-transfer-config"))
+        assert not {"kv_ip", "kv_rank", "kv_parallel_size", "kv_buffer_size"} & set(cfg)
+
+
+class TestEngineContainer:
+    def test_both_roles_get_the_same_args_except_the_role(self):
+        objs = rendered(server({"prefill": {"tensorParallelSize": 2}}))
+        p, d = engine(objs, "prefill")["args"], engine(objs, "decode")["args"]
+        differ = [(a, b) for a, b in zip(p, d, strict=True) if a != b]
+        assert len(differ) == 2  # --tensor-parallel-size value and kv_role in the config
+        assert ("2", "1") in differ
+
+    def test_events_and_reproducible_hashes_are_on(self):
+        args = engine(rendered(server()), "decode")["args"]
+        assert arg_after({"args": args}, "--prefix-caching-hash-algo") == "sha256_cbor"
+        events = json.loads(arg_after({"args": args}, "--kv-events-config"))
+        assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+
+    def test_gpus_default_to_tp_and_use_the_resource_name(self):
+        objs = rendered(server({"decode": {"tensorParallelSize": 4,
+                                           "resources": {"gpuResourceName": "amd.com/gpu"}}}))
+        assert engine(objs, "decode")["resources"]["limits"] == {"amd.com/gpu": 4}
+        assert engine(objs, "prefill")["resources"]["limits"] == {"nvidia.com/gpu": 1}
+
+    def test_side_channel_host_is_the_pod_ip(self):
+        env = env_of(engine(rendered(server()), "decode"))
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(api.NIXL_SIDE_CHANNEL_PORT)
+
+    def test_user_env_overrides_ours_by_name(self):
+        objs = rendered(server({"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+                                                    "value": "7000"}]}}))
+        names = [e["name"] for e in engine(objs, "decode")["env"]]
+        assert names.count("VLLM_NIXL_SIDE_CHANNEL_PORT") == 1
+        assert env_of(engine(objs, "decode"))["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
+
+    def test_model_from_pvc_is_mounted_read_only(self):
+        objs = rendered(server())
+        assert engine(objs, "prefill")["args"][0] == "/models/tiny"
+        vol = next(v for v in pod_spec(objs, "prefill")["volumes"] if v["name"] == "models")
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+    def test_hub_token_comes_from_the_secret(self):
+        spec = {"model": {"source": {"pvc": None, "hub": {"id": "org/m",
+                                                          "tokenSecret": {"name": "hf"}}}}}
+        manifest = server(spec)
+        del manifest["spec"]["model"]["source"]["pvc"]
+        env = env_of(engine(rendered(manifest), "decode"))
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+
+    def test_service_links_are_off(self):
+        # A Service named "vllm" would inject VLLM_PORT and crash vLLM.
+        assert pod_spec(rendered(server()), "decode")["enableServiceLinks"] is False
+
+
+class TestRDMA:
+    RDMA = {"network": {"transport": "rdma", "sharedMemorySize": "32Gi",
+                        "rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a",
+                                 "count": 2, "networks": ["rdma-net-a", "rdma-net-b"],
+                                 "devices": ["mlx5_0", "mlx5_1"], "gidIndex": 3}}}
+
+    def test_rdma_resource_multus_and_ucx_env(self):
+        objs = rendered(server(self.RDMA))
+        for role in api.ROLES:
+            eng = engine(objs, role)
+            assert eng["resources"]["limits"]["rdma/hca_shared_devices_a"] == 2
+            env = env_of(eng)
+            assert env["UCX_NET_DEVICES"] == "mlx5_0,mlx5_1"
+            assert env["UCX_IB_GID_INDEX"] == "3"
+            assert env["UCX_TLS"].startswith("ib,")
+            sts = by_kind(objs, "StatefulSet", f"tiny-{role}")
+            annotations = sts["spec"]["template"]["metadata"]["annotations"]
+            assert annotations[api.ANNOTATION_MULTUS] == "rdma-net-a,rdma-net-b"
+
+    def test_ipc_lock_only_when_rdma_is_on(self):
+        on = engine(rendered(server(self.RDMA)), "decode")["securityContext"]
+        off = engine(rendered(server()), "decode")["securityContext"]
+        assert on["capabilities"] == {"add": ["IPC_LOCK"]}
+        assert "capabilities" not in off
+
+    def test_no_rdma_parts_without_rdma(self):
+        objs = rendered(server())
+        eng = engine(objs, "decode")
+        assert not any(k.startswith("rdma/") for k in eng["resources"]["limits"])
+        assert "UCX_TLS" not in env_of(eng)  # transport auto: UCX picks
+        annotations = by_kind(objs, "StatefulSet", "tiny-decode")["spec"]["template"]["metadata"]
+        assert api.ANNOTATION_MULTUS not in annotations["annotations"]
+
+    def test_tcp_transport_excludes_rdma(self):
+        env = env_of(engine(rendered(server({"network": {"transport": "tcp"}})), "decode"))
+        assert "ib" not in env["UCX_TLS"].split(",")
+
+    def test_shared_memory_volume_is_sized_from_the_spec(self):
+        vols = pod_spec(rendered(server(self.RDMA)), "decode")["volumes"]
+        dshm = next(v for v in vols if v["name"] == "dshm")
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+class TestSidecar:
+    def test_native_sidecar_with_role(self):
+        for role in api.ROLES:
+            sc = sidecar(rendered(server()), role)
+            assert sc["restartPolicy"] == "Always"
+            assert sc["args"][:2] == ["--role", role]
+
+    def test_sidecar_runs_non_root_without_privileges(self):
+        sec = sidecar(rendered(server()), "decode")["securityContext"]
+        assert sec["runAsNonRoot"] is True and sec["allowPrivilegeEscalation"] is False
+        assert sec["readOnlyRootFilesystem"] is True and sec["capabilities"] == {"drop": ["ALL"]}
+
+    def test_only_the_sidecar_gets_a_token_and_only_for_kvferry(self):
+        objs = rendered(server())
+        pod = pod_spec(objs, "decode")
+        assert pod["automountServiceAccountToken"] is False
+        token = next(v for v in pod["volumes"] if v["name"] == "kvferry-token")
+        assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kvferry"
+        assert not any(m["name"] == "kvferry-token" for m in engine(objs, "decode")["volumeMounts"])
+
+    def test_probes(self):
+        sc = sidecar(rendered(server()), "decode")
+        assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+class TestRollout:
+    def test_engine_image_change_rolls_both_roles(self):
+        a = rendered(server())
+        b = rendered(server({"engine": {"image": "vllm/vllm-openai:v0.33.1"}}))
+        for role in api.ROLES:
+            ta = by_kind(a, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            tb = by_kind(b, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            assert ta["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH] != tb["metadata"][
+                "annotations"
+            ][api.ANNOTATION_BUILD_HASH]
+
+    def test_scaling_one_role_changes_only_its_replicas(self):
+        # The peer list lives in topology.json, which pods re-read: no restart on scale.
+        a = rendered(server())
+        b = rendered(server({"decode": {"replicas": 3}}))
+        pa = by_kind(a, "StatefulSet", "tiny-prefill")
+        pb = by_kind(b, "StatefulSet", "tiny-prefill")
+        assert pa == pb
+        da = by_kind(a, "StatefulSet", "tiny-decode")
+        db = by_kind(b, "StatefulSet", "tiny-decode")
+        assert da["spec"]["template"] == db["spec"]["template"]
+        assert (da["spec"]["replicas"], db["spec"]["replicas"]) == (1, 3)
+
+
+class TestServices:
+    def test_entry_service_targets_decode_sidecars(self):
+        svc = by_kind(rendered(server()), "Service", "tiny")
+        assert svc["spec"]["selector"][api.LABEL_ROLE] == "decode"
+        assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+
+    def test_headless_services_publish_not_ready_pods(self):
+        svc = by_kind(rendered(server()), "Service", "tiny-decode")
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+
+    def test_topology_lists_stable_peer_addresses(self):
+        cm = by_kind(rendered(server({"decode": {"replicas": 2}})), "ConfigMap")
+        topo = json.loads(cm["data"]["topology.json"])
+        assert topo["decodeSidecars"] == [
+            "http://tiny-decode-0.tiny-decode.default.svc:8000",
+            "http://tiny-decode-1.tiny-decode.default.svc:8000",
+        ]
+
+
+class TestPDB:
+    def test_pdb_per_role_from_max_unavailable(self):
+        objs = rendered(server({"decode": {"maxUnavailable": 0}}))
+        assert by_kind(objs, "PodDisruptionBudget", "tiny-decode")["spec"]["maxUnavailable"] == 0
+        assert by_kind(objs, "PodDisruptionBudget", "tiny-prefill")["spec"]["maxUnavailable"] == 1

@@ -1,0 +1,80 @@
+"""The CRD schema and its CEL rules, evaluated locally (the cluster tier re-runs
+the same table through a real API server)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from kvferry_operator import api, validation
+from tests.manifests import EXAMPLES, INVALID, Invalid, load_example
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_is_valid(path):
+    assert validation.validate(load_example(path)) == []
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
+def test_invalid_spec_is_rejected_with_its_message(case: Invalid):
+    errors = validation.validate(case.manifest)
+    matching = [e for e in errors if e.path == case.path and case.message in e.message]
+    assert matching, f"expected {case.path}: ...{case.message}...; got {[str(e) for e in errors]}"
+
+
+def _walk_rules(schema: dict[str, Any], path: str) -> list[tuple[str, str]]:
+    """(field path, message) of every CEL rule, with [] for list items."""
+    found = [
+        (path + rule.get("fieldPath", ""), " ".join(rule["message"].split()))
+        for rule in schema.get("x-kubernetes-validations", [])
+    ]
+    for name, sub in schema.get("properties", {}).items():
+        found += _walk_rules(sub, f"{path}.{name}" if path else name)
+    if isinstance(schema.get("items"), dict):
+        found += _walk_rules(schema["items"], path + "[]")
+    return found
+
+
+def _walk_required(schema: dict[str, Any], path: str) -> list[str]:
+    found = [f"{path}.{name}" if path else name for name in schema.get("required", [])]
+    for name, sub in schema.get("properties", {}).items():
+        found += _walk_required(sub, f"{path}.{name}" if path else name)
+    if isinstance(schema.get("items"), dict):
+        found += _walk_required(schema["items"], path + "[]")
+    return found
+
+
+def _covered_paths() -> set[str]:
+    return {re.sub(r"\[\d+\]", "[]", c.path) for c in INVALID}
+
+
+SPEC_SCHEMA = api.openapi_schema(api.SERVER_KIND)
+
+
+def test_table_covers_every_cel_rule():
+    # A rule added to the CRD without a case here would ship untested.
+    missing = [
+        (path, msg)
+        for path, msg in _walk_rules(SPEC_SCHEMA, "")
+        if not any(c.path == path and c.message in msg for c in INVALID)
+    ]
+    assert missing == []
+
+
+def test_table_covers_every_required_field():
+    required = [p for p in _walk_required(SPEC_SCHEMA, "") if not p.startswith("status")]
+    assert sorted(set(required) - _covered_paths()) == []
+
+
+def test_table_has_at_least_fifteen_cases():
+    assert len(INVALID) >= 15
+    assert len({c.id for c in INVALID}) == len(INVALID)
+
+
+def test_unquoted_off_gets_a_yaml_hint():
+    # `mode: Off` in YAML 1.1 arrives as false; the user must learn to quote it.
+    case = next(c for c in INVALID if c.id == "tuning-mode-yaml-bool")
+    (err,) = validation.validate(case.manifest)
+    assert "quote it" in err.message
