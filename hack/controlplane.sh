@@ -68,7 +68,204 @@ build() {
   echo "$out"
 }
 
+# ------------------------------------------------------------------ up/down
+
+etcd_port=$((port + 1)); etcd_peer=$((port + 2)); sched_port=$((port + 3))
+kwok_port=$((port + 4)); kcm_port=$((port + 5))
+
+pids_file() { echo "$state/pids"; }
+
+is_up() {
+  [[ -f $(pids_file) ]] || return 1
+  local pid
+  while read -r _ pid; do kill -0 "$pid" 2>/dev/null || return 1; done < "$(pids_file)"
+}
+
+# Start a process in its own session, logging to $state/<name>.log.
+start() {
+  local name=$1; shift
+  setsid "$@" >"$state/$name.log" 2>&1 < /dev/null &
+  echo "$name $!" >> "$(pids_file)"
+}
+
+fail_with_logs() {
+  log "ERROR: $*"
+  for f in "$state"/*.log; do
+    [[ -f $f ]] || continue
+    printf '==> %s (last 25 lines) <==\n' "$f" >&2; tail -n 25 "$f" >&2
+  done
+  down >/dev/null 2>&1 || true
+  exit 1
+}
+
+# wait_for <seconds> <what> <command...>
+wait_for() {
+  local limit=$1 what=$2; shift 2
+  local deadline=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || fail_with_logs "$what not ready after ${limit}s"
+    sleep 0.5
+  done
+}
+
+certs() {
+  local d=$state/pki; mkdir -p "$d"; cd "$d"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 30 \
+    -subj "/CN=kvferry-test-ca" 2>/dev/null
+  cat > server.ext <<EOT
+subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc
+extendedKeyUsage=serverAuth
+EOT
+  openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=kube-apiserver" 2>/dev/null
+  openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt \
+    -days 30 -extfile server.ext 2>/dev/null
+  printf 'extendedKeyUsage=clientAuth\n' > client.ext
+  openssl req -newkey rsa:2048 -nodes -keyout admin.key -out admin.csr \
+    -subj "/O=system:masters/CN=kvferry-admin" 2>/dev/null
+  openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out admin.crt \
+    -days 30 -extfile client.ext 2>/dev/null
+  openssl genrsa -out sa.key 2048 2>/dev/null
+  openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+  cd - >/dev/null
+}
+
+kubeconfig() {
+  cat > "$state/kubeconfig" <<EOT
+apiVersion: v1
+kind: Config
+clusters:
+- name: kvferry-local
+  cluster:
+    server: https://127.0.0.1:$port
+    certificate-authority: $state/pki/ca.crt
+users:
+- name: admin
+  user:
+    client-certificate: $state/pki/admin.crt
+    client-key: $state/pki/admin.key
+contexts:
+- name: kvferry-local
+  context: {cluster: kvferry-local, user: admin, namespace: default}
+current-context: kvferry-local
+EOT
+}
+
+kwok_stages() {
+  # The standard stages ship inside the kwok module; kwok refuses to start without any.
+  local dir; dir=$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+  local s=$dir/kustomize/stage
+  for f in "$s/node/fast/node-initialize.yaml" "$s/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
+           "$s/pod/fast/pod-ready.yaml" "$s/pod/fast/pod-complete.yaml" "$s/pod/fast/pod-delete.yaml"; do
+    echo "---"; cat "$f"
+  done
+}
+
+create_nodes() {
+  local i
+  for ((i = 0; i < nodes; i++)); do
+    cat <<EOT
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: gpu-node-$i
+  annotations: {kwok.x-k8s.io/node: fake}
+  labels:
+    kubernetes.io/hostname: gpu-node-$i
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+    nvidia.com/gpu.product: NVIDIA-H200
+status:
+  capacity: &cap {cpu: "64", memory: 1Ti, pods: "110", nvidia.com/gpu: "8", rdma/hca_shared_devices_a: "1"}
+  allocatable: *cap
+EOT
+  done | "$kubectl" --kubeconfig "$state/kubeconfig" apply -f - >/dev/null
+}
+
+kubectl=${KUBECTL:-kubectl}
+
+up() {
+  if is_up; then log "already up"; echo "$state/kubeconfig"; return 0; fi
+  down >/dev/null 2>&1 || true
+  local bin; bin=$(build)
+  local started=$SECONDS
+  mkdir -p "$state"; : > "$(pids_file)"
+  certs
+  kubeconfig
+  local pki=$state/pki
+  start etcd "$bin/etcd" --name kvferry --data-dir "$state/etcd" --unsafe-no-fsync \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-cluster "kvferry=http://127.0.0.1:$etcd_peer" --log-level warn
+  wait_for 30 etcd curl -sf "http://127.0.0.1:$etcd_port/health"
+  start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
+    --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
+    --client-ca-file "$pki/ca.crt" \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --api-audiences https://kubernetes.default.svc,kvferry \
+    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
+    --endpoint-reconciler-type none --allow-privileged=true
+  wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
+  # CRDs before the controller-manager: its garbage collector discovers new
+  # owner types only every 30 s.
+  if [[ -d $here/../crds ]]; then
+    "$kubectl" --kubeconfig "$state/kubeconfig" apply --server-side -f "$here/../crds" >/dev/null \
+      || fail_with_logs "applying crds/ failed"
+    "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Established --timeout 30s \
+      -f "$here/../crds" >/dev/null || fail_with_logs "crds/ not established"
+  fi
+  start kube-controller-manager "$bin/kube-controller-manager" --kubeconfig "$state/kubeconfig" \
+    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+    --use-service-account-credentials=false --leader-elect=false \
+    --bind-address 127.0.0.1 --secure-port "$kcm_port" \
+    --node-monitor-grace-period 5m --concurrent-gc-syncs 5
+  start kube-scheduler "$bin/kube-scheduler" --kubeconfig "$state/kubeconfig" --leader-elect=false \
+    --bind-address 127.0.0.1 --secure-port "$sched_port"
+  kwok_stages > "$state/kwok.yaml"
+  start kwok "$bin/kwok" --kubeconfig "$state/kubeconfig" --config "$state/kwok.yaml" \
+    --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+    --node-lease-duration-seconds 40 --server-address "127.0.0.1:$kwok_port" --cidr 10.244.0.0/16
+  create_nodes
+  wait_for 60 "fake nodes" "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Ready \
+    node --all --timeout 2s
+  wait_for 60 "default ServiceAccount" "$kubectl" --kubeconfig "$state/kubeconfig" get serviceaccount default
+  log "up in $((SECONDS - started)) s"
+  echo "$state/kubeconfig"
+}
+
+down() {
+  [[ -f $(pids_file) ]] || { log "not running"; return 0; }
+  local name pid
+  # Reverse start order: controllers first, etcd last.
+  tac "$(pids_file)" | while read -r name pid; do
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  local deadline=$((SECONDS + 15))
+  while read -r name pid; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  done < "$(pids_file)"
+  rm -rf "$state"
+  log "down"
+}
+
+status() {
+  if [[ ! -f $(pids_file) ]]; then echo "down"; return 1; fi
+  local name pid rc=0
+  while read -r name pid; do
+    if kill -0 "$pid" 2>/dev/null; then echo "$name running (pid $pid)"; else echo "$name DEAD (pid $pid)"; rc=1; fi
+  done < "$(pids_file)"
+  echo "KUBECONFIG=$state/kubeconfig"
+  return $rc
+}
+
 case "${1:-}" in
   build) build ;;
+  up) up ;;
+  down) down ;;
+  status) status ;;
   *) echo "usage: $0 build|up|down|status" >&2; exit 2 ;;
 esac
