@@ -278,13 +278,15 @@ def build_engine_container(spec: ServerSpec, role: Role) -> Obj:
     }
 
 
-def build_sidecar_container(spec: ServerSpec, server: Server, role: Role) -> Obj:
+def build_sidecar_container(
+    spec: ServerSpec, server: Server, role: Role, sidecar_image: str
+) -> Obj:
     def field_env(name: str, path: str) -> Obj:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     return {
         "name": "kvferry-sidecar",
-        "image": spec.engine.sidecar_image or DEFAULT_SIDECAR_IMAGE,
+        "image": spec.engine.sidecar_image or sidecar_image,
         "imagePullPolicy": "IfNotPresent",
         # A native sidecar: starts before the engine and lives as long as the pod.
         "restartPolicy": "Always",
@@ -363,7 +365,7 @@ def build_volumes(server: Server) -> list[Obj]:
     return volumes
 
 
-def build_pod_template(server: Server, role: Role, config_hash: str) -> Obj:
+def build_pod_template(server: Server, role: Role, config_hash: str, sidecar_image: str) -> Obj:
     spec = server.spec
     annotations = {
         **role.pod_annotations,
@@ -383,7 +385,7 @@ def build_pod_template(server: Server, role: Role, config_hash: str) -> Obj:
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
-        "initContainers": [build_sidecar_container(spec, server, role)],
+        "initContainers": [build_sidecar_container(spec, server, role, sidecar_image)],
         "containers": [build_engine_container(spec, role)],
         "volumes": build_volumes(server),
     }
@@ -452,7 +454,7 @@ def build_config_map(server: Server) -> Obj:
     }
 
 
-def build_statefulset(server: Server, role: Role) -> Obj:
+def build_statefulset(server: Server, role: Role, sidecar_image: str) -> Obj:
     # Only settings restart pods; topology (replica counts) is re-read live.
     config_hash = _hash(build_sidecar_settings(server))
     name = child_name(server, role.name)
@@ -467,7 +469,7 @@ def build_statefulset(server: Server, role: Role) -> Obj:
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(server, role.name)},
-            "template": build_pod_template(server, role, config_hash),
+            "template": build_pod_template(server, role, config_hash, sidecar_image),
         },
     }
 
@@ -531,14 +533,18 @@ def endpoint(server: Server) -> str:
     return f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}"
 
 
-def render(server: Server) -> list[Obj]:
-    """All children of ``server``, in the order they should be applied."""
+def render(server: Server, sidecar_image: str = "") -> list[Obj]:
+    """All children of ``server``, in the order they should be applied.
+
+    ``sidecar_image`` is the operator's default, used when the spec names none.
+    """
+    sidecar_image = sidecar_image or DEFAULT_SIDECAR_IMAGE
     roles = [server.spec.prefill, server.spec.decode]
     return [
         build_config_map(server),
         *(build_headless_service(server, r) for r in roles),
         build_entry_service(server),
-        *(build_statefulset(server, r) for r in roles),
+        *(build_statefulset(server, r, sidecar_image) for r in roles),
         *(build_pdb(server, r) for r in roles),
         build_kv_cache_status(server),
     ]

@@ -1,0 +1,313 @@
+"""kopf registrations. Thin: read inputs, call the pure cores, write through kube.py.
+
+Reconcile, in named steps:
+  1. parse the server spec (defaults from the CRD);
+  2. render the children (pure);
+  3. server-side apply each child under our field manager; keep going when
+     one fails, so an independent child still lands;
+  4. fold the StatefulSets and pods (from indexes) into status;
+  5. write status only when it changed, then emit Events for the changes.
+
+The operator keeps no state on the DisaggregatedServer itself: no kopf
+progress annotations, no finalizer (owner references let the garbage
+collector delete children). It reacts to watch events of the server and of
+its children, with a timer as the safety net. The only thing it writes to a
+server is ``status``, so a GitOps tool owning the spec never sees drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import Any
+
+import kopf
+
+from . import api, render, status
+from .kube import Kube
+from .settings import Settings, from_env
+
+SETTINGS = from_env()
+SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
+OURS = {api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
+
+# Event reasons.
+EVENT_APPLIED = "Applied"
+EVENT_APPLY_FAILED = "ApplyFailed"
+EVENT_INVALID = "InvalidSpec"
+EVENT_DRIFT = "DriftCorrected"
+
+# Child kinds we watch for drift: (group, version, plural, apiVersion, kind).
+CHILD_KINDS = [
+    ("apps", "v1", "statefulsets", "apps/v1", "StatefulSet"),
+    ("", "v1", "services", "v1", "Service"),
+    ("", "v1", "configmaps", "v1", "ConfigMap"),
+    ("policy", "v1", "poddisruptionbudgets", "policy/v1", "PodDisruptionBudget"),
+    (api.GROUP, api.VERSION, api.STATUS_PLURAL, api.API_VERSION, api.STATUS_KIND),
+]
+
+NO_REPORTS_STATUS = {
+    "phase": "NoReports",
+    "message": "no residency reports yet: figures appear once the sidecars report",
+    "summary": {
+        "hitRate": "-",
+        "reusedTokenShare": "-",
+        "gapP95": "-",
+        "retention": "-",
+        "recommendedRetention": "-",
+        "ttftP95": "-",
+        "transport": "Unknown",
+    },
+}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+@kopf.on.startup()
+async def configure(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    # Our own names for whatever kopf persists, should a future handler need it.
+    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    # Re-establish watches every 5 min: proxies and load balancers silently drop
+    # idle long-polls, and a dead watch would freeze the operator's view.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    # Events at INFO and above become Kubernetes Events on the server.
+    settings.posting.level = logging.INFO
+    memo.kube = Kube()
+    memo.settings = SETTINGS
+    memo.resync = asyncio.get_running_loop().create_task(
+        _resync_forever(memo.kube, SETTINGS, logger)
+    )
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync.cancel()
+    memo.kube.close()
+
+
+# ------------------------------------------------------------------ indexes
+
+
+@kopf.index(*SERVER)
+def servers(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {
+        (namespace, name): {
+            "metadata": dict(body.metadata),
+            "spec": dict(body.spec),
+            "status": dict(body.status),
+        }
+    }
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=OURS)
+def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {
+        (
+            namespace,
+            labels.get(api.LABEL_INSTANCE),
+            labels.get(api.LABEL_ROLE),
+        ): status.role_observed_from({"metadata": dict(body.metadata), "status": dict(body.status)})
+    }
+
+
+@kopf.index("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})
+def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {
+        (namespace, labels[api.LABEL_SERVER]): status.pod_state_from(
+            {"metadata": dict(body.metadata), "status": dict(body.status)}
+        )
+    }
+
+
+# ------------------------------------------------------------------ reconcile
+
+
+def apply_children(
+    body: dict[str, Any],
+    kube: Kube,
+    settings: Settings,
+    logger: logging.Logger,
+    only: tuple[str, str] | None = None,
+) -> bool:
+    """Steps 1-3. ``only`` = (kind, name) applies just that child. True if all applied."""
+    try:
+        server = api.parse_server(body)
+    except api.SpecError as exc:
+        kopf.warn(body, reason=EVENT_INVALID, message=str(exc))
+        return False
+    ok = True
+    for child in render.render(server, settings.sidecar_image):
+        meta = child["metadata"]
+        if only and (child["kind"], meta["name"]) != only:
+            continue
+        try:
+            applied = kube.apply(child)
+        except Exception as exc:  # keep going: one bad child must not block the rest
+            ok = False
+            logger.error("apply failed kind=%s name=%s: %s", child["kind"], meta["name"], exc)
+            kopf.warn(
+                body, reason=EVENT_APPLY_FAILED, message=f"{child['kind']} {meta['name']}: {exc}"
+            )
+            continue
+        if child["kind"] == api.STATUS_KIND and not applied.get("status"):
+            kube.patch_status(
+                api.API_VERSION,
+                api.STATUS_KIND,
+                meta["namespace"],
+                meta["name"],
+                {**NO_REPORTS_STATUS, "lastUpdateTime": _now()},
+            )
+    return ok
+
+
+def refresh_status(
+    body: dict[str, Any], kube: Kube, statefulsets: kopf.Index, pods: kopf.Index
+) -> None:
+    """Steps 4-5."""
+    try:
+        server = api.parse_server(body)
+    except api.SpecError:
+        return
+    key = (server.namespace, server.name)
+    roles = {}
+    for role in api.ROLES:
+        found = list(statefulsets.get((*key, role), []))
+        roles[role] = found[0] if found else status.RoleObserved()
+    observed = status.Observed(roles=roles, pods=list(pods.get(key, [])))
+    old = body.get("status") or {}
+    new, changes = status.compute_status(server, observed, old, _now())
+    if not status.status_changed(old, new):
+        return
+    kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
+    for change in changes:
+        healthy = (change.type == api.COND_DEGRADED) == (change.status != "True")
+        emit = kopf.info if healthy or change.status == "Unknown" else kopf.warn
+        emit(body, reason=change.reason, message=f"{change.type}={change.status}: {change.message}")
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": dict(body.metadata),
+        "spec": dict(body.spec),
+        "status": dict(body.status),
+    }
+
+
+@kopf.on.event(*SERVER)
+def server_changed(
+    type: str | None,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    **_: Any,
+) -> None:
+    if type == "DELETED" or body.metadata.get("deletionTimestamp"):
+        return  # the garbage collector removes the children
+    plain = _plain(body)
+    generation = body.metadata.get("generation")
+    # Status-only updates (our own writes) need no re-apply; a new generation,
+    # the initial listing (type None, e.g. after an operator restart) do.
+    new_generation = body.status.get("observedGeneration") != generation
+    if (type in (None, "ADDED") or new_generation) and apply_children(
+        plain, memo.kube, memo.settings, logger
+    ):
+        logger.info("applied children generation=%s", generation)
+    refresh_status(plain, memo.kube, statefulsets, pods)
+
+
+async def _resync_forever(kube: Kube, settings: Settings, logger: logging.Logger) -> None:
+    """Safety net for missed watch events: re-apply every server's children.
+
+    A kopf timer would do this too, but kopf guards timers with a finalizer on
+    every server, and a finalizer would block deleting servers whenever the
+    operator is down. Applying unchanged objects writes nothing.
+    """
+    while True:
+        await asyncio.sleep(settings.resync_seconds)
+        try:
+            listed = await asyncio.to_thread(kube.list_servers)
+        except Exception as exc:
+            logger.warning("resync: listing servers failed: %s", exc)
+            continue
+        for body in listed:
+            if not body["metadata"].get("deletionTimestamp"):
+                await asyncio.to_thread(apply_children, body, kube, settings, logger)
+
+
+def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str, Any] | None:
+    found = list(servers.get((namespace, labels.get(api.LABEL_INSTANCE)), []))
+    return found[0] if found else None
+
+
+def _on_child_event(kind: str):
+    def child_changed(
+        type: str | None,
+        name: str,
+        namespace: str,
+        labels: kopf.Labels,
+        memo: kopf.Memo,
+        logger: logging.Logger,
+        servers: kopf.Index,
+        statefulsets: kopf.Index,
+        pods: kopf.Index,
+        **_: Any,
+    ) -> None:
+        owner = _owner(namespace, labels, servers)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
+        # Re-apply this one child: a no-op unless someone edited or deleted it.
+        # A deleted child comes back; an edited one gets our fields back, while
+        # fields we never set (another manager's) stay as they are.
+        if type == "DELETED":
+            logger.info("child deleted, restoring kind=%s name=%s", kind, name)
+            kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
+        apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
+        if kind == "StatefulSet":
+            refresh_status(owner, memo.kube, statefulsets, pods)
+
+    return child_changed
+
+
+for _group, _version, _plural, _api_version, _kind in CHILD_KINDS:
+    kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(
+        _on_child_event(_kind)
+    )
+
+
+@kopf.on.event("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})
+def pod_changed(
+    namespace: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    servers: kopf.Index,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    **_: Any,
+) -> None:
+    owner = _owner(namespace, {api.LABEL_INSTANCE: labels[api.LABEL_SERVER]}, servers)
+    if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+        refresh_status(
+            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
+            memo.kube,
+            statefulsets,
+            pods,
+        )

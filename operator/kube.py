@@ -1,0 +1,74 @@
+"""The operator's only door to the API server: server-side apply, status patches, events.
+
+Every write goes through here with one field manager, so ``kubectl get
+--show-managed-fields`` tells a GitOps tool's fields (the server spec) from
+ours (children and status) at a glance.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kubernetes import client, config, dynamic
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+        self.api_client = api_client
+        self.dyn = dynamic.DynamicClient(api_client)
+
+    def close(self) -> None:
+        self.api_client.close()
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    def apply(self, obj: Obj) -> Obj:
+        """Server-side apply ``obj`` as ours; forced, since these are our children."""
+        meta = obj["metadata"]
+        res = self._resource(obj["apiVersion"], obj["kind"])
+        out = res.server_side_apply(
+            body=obj,
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=api.FIELD_MANAGER,
+            force_conflicts=True,
+        )
+        return out.to_dict()
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+        try:
+            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: Obj
+    ) -> None:
+        res = self._resource(api_version, kind)
+        res.status.patch(
+            body={"status": status},
+            name=name,
+            namespace=namespace,
+            content_type="application/merge-patch+json",
+        )
+
+    def list_servers(self) -> list[Obj]:
+        res = self._resource(api.API_VERSION, api.SERVER_KIND)
+        return [item.to_dict() for item in res.get().items]

@@ -1,0 +1,284 @@
+"""Observed children -> DisaggregatedServer status. Pure: no API calls.
+
+:func:`compute_status` takes what the operator sees (each role's StatefulSet
+status and the pods' scheduling state) and returns the status to write plus
+the condition changes worth an Event. A condition keeps its
+``lastTransitionTime`` unless its status flips, and :func:`status_changed`
+ignores nothing but that, so an unchanged world writes nothing (no status
+flapping under GitOps).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import api
+from .api import Server
+
+# Condition reasons (also Event reasons).
+REASON_READY = "AllReplicasReady"
+REASON_NO_DECODE = "NoDecodeReplicas"
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_WAITING = "ReplicasNotReady"
+REASON_ROLLING = "RollingUpdate"
+REASON_CREATING = "Creating"
+REASON_COMPLETE = "Complete"
+REASON_HEALTHY = "Healthy"
+REASON_CRASHING = "ContainersCrashing"
+REASON_NO_REPORTS = "NoReports"
+
+
+# Container waiting reasons that will not clear by themselves.
+STUCK_WAITING_REASONS = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerError",
+)
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    role: str
+    unschedulable_message: str | None = None  # PodScheduled=False, reason Unschedulable
+    waiting_reason: str | None = None  # e.g. CrashLoopBackOff, ImagePullBackOff
+
+
+@dataclass(frozen=True)
+class RoleObserved:
+    """A StatefulSet as seen; None fields mean the object does not exist yet."""
+
+    exists: bool = False
+    observed_generation: int = 0
+    generation: int = 0
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    current_revision: str | None = None
+    update_revision: str | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    roles: dict[str, RoleObserved]
+    pods: list[PodState] = field(default_factory=list)
+    transport: str = "Unknown"
+
+
+@dataclass(frozen=True)
+class ConditionChange:
+    type: str
+    status: str
+    reason: str
+    message: str
+
+
+def role_observed_from(sts: dict[str, Any] | None) -> RoleObserved:
+    if not sts:
+        return RoleObserved()
+    st = sts.get("status") or {}
+    return RoleObserved(
+        exists=True,
+        observed_generation=int(st.get("observedGeneration", 0)),
+        generation=int(sts.get("metadata", {}).get("generation", 0)),
+        replicas=int(st.get("replicas", 0)),
+        ready_replicas=int(st.get("readyReplicas", 0)),
+        updated_replicas=int(st.get("updatedReplicas", 0)),
+        current_revision=st.get("currentRevision"),
+        update_revision=st.get("updateRevision"),
+    )
+
+
+def pod_state_from(pod: dict[str, Any]) -> PodState:
+    meta = pod.get("metadata", {})
+    st = pod.get("status") or {}
+    unschedulable = None
+    for cond in st.get("conditions") or []:
+        if (cond.get("type"), cond.get("status"), cond.get("reason")) == (
+            "PodScheduled",
+            "False",
+            "Unschedulable",
+        ):
+            unschedulable = cond.get("message") or "no node fits"
+    waiting = None
+    for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
+        reason = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+        if reason in (
+            "CrashLoopBackOff",
+            "ImagePullBackOff",
+            "ErrImagePull",
+            "CreateContainerError",
+        ):
+            waiting = f"{cs.get('name')}: {reason}"
+    return PodState(
+        name=meta.get("name", ""),
+        role=(meta.get("labels") or {}).get(api.LABEL_ROLE, ""),
+        unschedulable_message=unschedulable,
+        waiting_reason=waiting,
+    )
+
+
+_INSUFFICIENT = re.compile(r"Insufficient ([\w./-]+)")
+
+
+def unschedulable_summary(server: Server, pods: list[PodState]) -> str | None:
+    """One actionable sentence about pods no node can take, naming the resource."""
+    stuck = [p for p in pods if p.unschedulable_message]
+    if not stuck:
+        return None
+    first = stuck[0]
+    resources = sorted({r for p in stuck for r in _INSUFFICIENT.findall(p.unschedulable_message)})
+    msg = (
+        f"{len(stuck)} pod(s) cannot be scheduled ({first.name}: "
+        f"{first.unschedulable_message.strip()})"
+    )
+    if resources:
+        role = server.spec.role(first.role) if first.role in api.ROLES else None
+        field_hint = f"spec.{first.role}.resources" if role else "the role's resources"
+        msg += (
+            f". Not enough {', '.join(resources)} on any node: add nodes with "
+            f"{', '.join(resources)} or lower {field_hint}"
+        )
+    return msg
+
+
+def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]:
+    desired = server.spec.role(role).replicas
+    return {
+        "replicas": obs.replicas,
+        "readyReplicas": obs.ready_replicas,
+        "updatedReplicas": obs.updated_replicas,
+        "display": f"{obs.ready_replicas}/{desired}",
+    }
+
+
+def _role_settled(server: Server, role: str, obs: RoleObserved) -> bool:
+    desired = server.spec.role(role).replicas
+    return (
+        obs.exists
+        and obs.observed_generation >= obs.generation
+        and obs.replicas == desired
+        and obs.updated_replicas == desired
+        and obs.ready_replicas == desired
+        and (obs.current_revision is None or obs.current_revision == obs.update_revision)
+    )
+
+
+def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any]]:
+    """Ready, Progressing, Degraded and KVTransport, without transition times."""
+    roles = observed.roles
+    unschedulable = unschedulable_summary(server, observed.pods)
+    crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
+    settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
+    not_ready = [
+        f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.spec.role(r).replicas} ready"
+        for r in api.ROLES
+        if roles.get(r, RoleObserved()).ready_replicas < server.spec.role(r).replicas
+    ]
+
+    if server.spec.decode.replicas == 0:
+        ready = (
+            "False",
+            REASON_NO_DECODE,
+            "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more",
+        )
+    elif unschedulable:
+        ready = ("False", REASON_UNSCHEDULABLE, unschedulable)
+    elif settled:
+        ready = ("True", REASON_READY, "all prefill and decode replicas are ready")
+    else:
+        ready = ("False", REASON_WAITING, "waiting for " + (", ".join(not_ready) or "rollout"))
+
+    if settled:
+        progressing = ("False", REASON_COMPLETE, "prefill and decode match the spec")
+    elif not all(roles.get(r, RoleObserved()).exists for r in api.ROLES):
+        progressing = ("True", REASON_CREATING, "creating StatefulSets")
+    else:
+        rolling = [
+            r
+            for r in api.ROLES
+            if roles[r].updated_replicas < server.spec.role(r).replicas
+            or roles[r].observed_generation < roles[r].generation
+        ]
+        what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)
+        progressing = ("True", REASON_ROLLING, what or "waiting for StatefulSets")
+
+    if unschedulable:
+        degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
+    elif crashing:
+        degraded = ("True", REASON_CRASHING, "containers not running: " + ", ".join(crashing))
+    else:
+        degraded = ("False", REASON_HEALTHY, "no unschedulable or crashing pods")
+
+    transport = (
+        ("Unknown", REASON_NO_REPORTS, "no sidecar has reported a negotiated transport yet")
+        if observed.transport == "Unknown"
+        else ("True", observed.transport, f"sidecars negotiated {observed.transport}")
+    )
+    out = []
+    for ctype, (status, reason, message) in (
+        (api.COND_READY, ready),
+        (api.COND_PROGRESSING, progressing),
+        (api.COND_DEGRADED, degraded),
+        (api.COND_KV_TRANSPORT, transport),
+    ):
+        out.append(
+            {
+                "type": ctype,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": server.generation,
+            }
+        )
+    return out
+
+
+def merge_conditions(
+    old: list[dict[str, Any]], new: list[dict[str, Any]], now: str
+) -> tuple[list[dict[str, Any]], list[ConditionChange]]:
+    """Carry lastTransitionTime over unless the status flips; report what changed."""
+    previous = {c.get("type"): c for c in old or []}
+    merged, changes = [], []
+    for cond in new:
+        before = previous.get(cond["type"])
+        flipped = before is None or before.get("status") != cond["status"]
+        since = (
+            now if flipped or not before.get("lastTransitionTime") else before["lastTransitionTime"]
+        )
+        merged.append({**cond, "lastTransitionTime": since})
+        if before is None or flipped or before.get("reason") != cond["reason"]:
+            changes.append(
+                ConditionChange(cond["type"], cond["status"], cond["reason"], cond["message"])
+            )
+    return merged, changes
+
+
+def compute_status(
+    server: Server, observed: Observed, old_status: dict[str, Any] | None, now: str
+) -> tuple[dict[str, Any], list[ConditionChange]]:
+    old_status = old_status or {}
+    conditions, changes = merge_conditions(
+        old_status.get("conditions") or [], compute_conditions(server, observed), now
+    )
+    status = {
+        **{k: v for k, v in old_status.items() if k == "retention"},
+        "observedGeneration": server.generation,
+        "endpoint": f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}",
+        "transport": observed.transport,
+        "prefill": _role_status(
+            server, api.ROLE_PREFILL, observed.roles.get(api.ROLE_PREFILL, RoleObserved())
+        ),
+        "decode": _role_status(
+            server, api.ROLE_DECODE, observed.roles.get(api.ROLE_DECODE, RoleObserved())
+        ),
+        "conditions": conditions,
+    }
+    return status, changes
+
+
+def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    return (old or {}) != new
