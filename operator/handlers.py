@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 
 from . import api, render, status
-from .kube import Kube
+from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
 from .settings import Settings, from_env
 
 SETTINGS = from_env()
@@ -156,12 +156,13 @@ def apply_children(
             continue
         try:
             applied = kube.apply(child)
-        except Exception as exc:  # keep going: one bad child must not block the rest
+        except ApiException as exc:  # keep going: one bad child must not block the rest
+            if is_namespace_terminating(exc):
+                return False  # everything here is about to go; nothing to restore
             ok = False
-            logger.error("apply failed kind=%s name=%s: %s", child["kind"], meta["name"], exc)
-            kopf.warn(
-                body, reason=EVENT_APPLY_FAILED, message=f"{child['kind']} {meta['name']}: {exc}"
-            )
+            message = f"{child['kind']} {meta['name']}: {api_error_message(exc)}"
+            logger.error("apply failed: %s", message)
+            kopf.warn(body, reason=EVENT_APPLY_FAILED, message=message)
             continue
         if child["kind"] == api.STATUS_KIND and not applied.get("status"):
             kube.patch_status(

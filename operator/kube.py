@@ -7,6 +7,7 @@ ours (children and status) at a glance.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -18,6 +19,18 @@ from . import api
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
+
+
+def api_error_message(exc: ApiException) -> str:
+    """The API server's own sentence, not the client's header dump."""
+    try:
+        return f"{exc.status} {json.loads(exc.body)['message']}"
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"
+
+
+def is_namespace_terminating(exc: ApiException) -> bool:
+    return exc.status == 403 and "because it is being terminated" in (exc.body or "")
 
 
 class Kube:
@@ -61,13 +74,18 @@ class Kube:
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Obj
     ) -> None:
+        """Merge-patch ``status``; a server deleted meanwhile is not an error."""
         res = self._resource(api_version, kind)
-        res.status.patch(
-            body={"status": status},
-            name=name,
-            namespace=namespace,
-            content_type="application/merge-patch+json",
-        )
+        try:
+            res.status.patch(
+                body={"status": status},
+                name=name,
+                namespace=namespace,
+                content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def list_servers(self) -> list[Obj]:
         res = self._resource(api.API_VERSION, api.SERVER_KIND)

@@ -6,8 +6,8 @@ import dataclasses
 import re
 
 import pytest
-
 from kvferry_operator import api
+
 from tests.manifests import MINIMAL, server
 
 SPEC_SCHEMA = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]
@@ -30,8 +30,12 @@ def test_minimal_spec_gets_schema_defaults():
     assert spec.network.transport == "auto"
     assert spec.network.shared_memory_size == "16Gi"
     assert spec.network.rdma.enabled is False
-    assert spec.routing.session_keys == ("session_id", "conversation_id", "header:X-Session-Id",
-                                         "user")
+    assert spec.routing.session_keys == (
+        "session_id",
+        "conversation_id",
+        "header:X-Session-Id",
+        "user",
+    )
     assert spec.routing.skip_prefill_below_tokens == 256
     assert spec.cache_tuning.mode == "Recommend"
     assert spec.cache_tuning.coverage == 0.95

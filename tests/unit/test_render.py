@@ -14,8 +14,8 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-
 from kvferry_operator import api, cli, render, validation
+
 from tests.manifests import EXAMPLES, ROOT, load_example, server
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -29,7 +29,9 @@ def rendered(manifest: dict) -> list[dict]:
 
 
 def by_kind(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    (obj,) = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    (obj,) = [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
     return obj
 
 
@@ -125,9 +127,17 @@ class TestKVTransferConfig:
             assert cfg["kv_load_failure_policy"] == "fail"
 
     def test_extra_config_comes_from_kv_transfer_spec(self):
-        spec = {"kvTransfer": {"decodeRetentionSeconds": 90, "recomputeThreshold": 128,
-                               "leaseSeconds": 12, "backends": ["UCX", "LIBFABRIC"]}}
-        cfg = json.loads(arg_after(engine(rendered(server(spec)), "decode"), "--kv-transfer-config"))
+        spec = {
+            "kvTransfer": {
+                "decodeRetentionSeconds": 90,
+                "recomputeThreshold": 128,
+                "leaseSeconds": 12,
+                "backends": ["UCX", "LIBFABRIC"],
+            }
+        }
+        cfg = json.loads(
+            arg_after(engine(rendered(server(spec)), "decode"), "--kv-transfer-config")
+        )
         assert cfg["kv_connector_extra_config"] == {
             "bidirectional_kv_xfer": True,
             "decoder_kv_blocks_ttl": 90,
@@ -156,8 +166,16 @@ class TestEngineContainer:
         assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
 
     def test_gpus_default_to_tp_and_use_the_resource_name(self):
-        objs = rendered(server({"decode": {"tensorParallelSize": 4,
-                                           "resources": {"gpuResourceName": "amd.com/gpu"}}}))
+        objs = rendered(
+            server(
+                {
+                    "decode": {
+                        "tensorParallelSize": 4,
+                        "resources": {"gpuResourceName": "amd.com/gpu"},
+                    }
+                }
+            )
+        )
         assert engine(objs, "decode")["resources"]["limits"] == {"amd.com/gpu": 4}
         assert engine(objs, "prefill")["resources"]["limits"] == {"nvidia.com/gpu": 1}
 
@@ -167,8 +185,9 @@ class TestEngineContainer:
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(api.NIXL_SIDE_CHANNEL_PORT)
 
     def test_user_env_overrides_ours_by_name(self):
-        objs = rendered(server({"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                                    "value": "7000"}]}}))
+        objs = rendered(
+            server({"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "7000"}]}})
+        )
         names = [e["name"] for e in engine(objs, "decode")["env"]]
         assert names.count("VLLM_NIXL_SIDE_CHANNEL_PORT") == 1
         assert env_of(engine(objs, "decode"))["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
@@ -180,8 +199,11 @@ class TestEngineContainer:
         assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 
     def test_hub_token_comes_from_the_secret(self):
-        spec = {"model": {"source": {"pvc": None, "hub": {"id": "org/m",
-                                                          "tokenSecret": {"name": "hf"}}}}}
+        spec = {
+            "model": {
+                "source": {"pvc": None, "hub": {"id": "org/m", "tokenSecret": {"name": "hf"}}}
+            }
+        }
         manifest = server(spec)
         del manifest["spec"]["model"]["source"]["pvc"]
         env = env_of(engine(rendered(manifest), "decode"))
@@ -192,14 +214,25 @@ class TestEngineContainer:
         assert pod_spec(rendered(server()), "decode")["enableServiceLinks"] is False
 
 
-class TestRDMA:
-    RDMA = {"network": {"transport": "rdma", "sharedMemorySize": "32Gi",
-                        "rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a",
-                                 "count": 2, "networks": ["rdma-net-a", "rdma-net-b"],
-                                 "devices": ["mlx5_0", "mlx5_1"], "gidIndex": 3}}}
+RDMA_SPEC = {
+    "network": {
+        "transport": "rdma",
+        "sharedMemorySize": "32Gi",
+        "rdma": {
+            "enabled": True,
+            "resourceName": "rdma/hca_shared_devices_a",
+            "count": 2,
+            "networks": ["rdma-net-a", "rdma-net-b"],
+            "devices": ["mlx5_0", "mlx5_1"],
+            "gidIndex": 3,
+        },
+    }
+}
 
+
+class TestRDMA:
     def test_rdma_resource_multus_and_ucx_env(self):
-        objs = rendered(server(self.RDMA))
+        objs = rendered(server(RDMA_SPEC))
         for role in api.ROLES:
             eng = engine(objs, role)
             assert eng["resources"]["limits"]["rdma/hca_shared_devices_a"] == 2
@@ -212,7 +245,7 @@ class TestRDMA:
             assert annotations[api.ANNOTATION_MULTUS] == "rdma-net-a,rdma-net-b"
 
     def test_ipc_lock_only_when_rdma_is_on(self):
-        on = engine(rendered(server(self.RDMA)), "decode")["securityContext"]
+        on = engine(rendered(server(RDMA_SPEC)), "decode")["securityContext"]
         off = engine(rendered(server()), "decode")["securityContext"]
         assert on["capabilities"] == {"add": ["IPC_LOCK"]}
         assert "capabilities" not in off
@@ -230,7 +263,7 @@ class TestRDMA:
         assert "ib" not in env["UCX_TLS"].split(",")
 
     def test_shared_memory_volume_is_sized_from_the_spec(self):
-        vols = pod_spec(rendered(server(self.RDMA)), "decode")["volumes"]
+        vols = pod_spec(rendered(server(RDMA_SPEC)), "decode")["volumes"]
         dshm = next(v for v in vols if v["name"] == "dshm")
         assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
 
@@ -268,9 +301,10 @@ class TestRollout:
         for role in api.ROLES:
             ta = by_kind(a, "StatefulSet", f"tiny-{role}")["spec"]["template"]
             tb = by_kind(b, "StatefulSet", f"tiny-{role}")["spec"]["template"]
-            assert ta["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH] != tb["metadata"][
-                "annotations"
-            ][api.ANNOTATION_BUILD_HASH]
+            assert (
+                ta["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH]
+                != tb["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH]
+            )
 
     def test_scaling_one_role_changes_only_its_replicas(self):
         # The peer list lives in topology.json, which pods re-read: no restart on scale.

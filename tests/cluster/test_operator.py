@@ -1,0 +1,288 @@
+"""The operator on a real API server: create, drift, GitOps, scheduling, deletion, restart."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.manifests import INVALID, Invalid, load_example, merge, server
+
+CHILDREN = [
+    ("statefulset", "{n}-prefill"),
+    ("statefulset", "{n}-decode"),
+    ("service", "{n}-prefill"),
+    ("service", "{n}-decode"),
+    ("service", "{n}"),
+    ("configmap", "{n}-sidecar"),
+    ("poddisruptionbudget", "{n}-prefill"),
+    ("poddisruptionbudget", "{n}-decode"),
+    ("kvcachestatus", "{n}"),
+]
+READY_TIMEOUT = 90
+
+
+def make(ns: str, name: str = "tiny", spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    return server(spec, name=name, namespace=ns)
+
+
+def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
+    obj = kubectl.get("dserver", name, ns) or {}
+    for cond in (obj.get("status") or {}).get("conditions", []):
+        if cond["type"] == ctype:
+            return cond
+    return {}
+
+
+def wait_ready(kubectl: Kubectl, ns: str, name: str = "tiny") -> dict[str, Any]:
+    return wait_until(
+        lambda: (c := condition(kubectl, ns, name, "Ready")).get("status") == "True" and c,
+        READY_TIMEOUT,
+        f"{ns}/{name} Ready=True",
+    )
+
+
+def uid(kubectl: Kubectl, kind: str, name: str, ns: str) -> str | None:
+    obj = kubectl.get(kind, name, ns)
+    return obj["metadata"]["uid"] if obj else None
+
+
+def test_sample_creates_children_and_becomes_ready(kubectl: Kubectl, operator: Operator, ns: str):
+    sample = load_example(
+        next(
+            p for p in __import__("tests.manifests").manifests.EXAMPLES if p.name == "minimal.yaml"
+        )
+    )
+    sample["metadata"]["namespace"] = ns
+    kubectl.apply(sample, "--server-side")
+    name = sample["metadata"]["name"]
+    ready = wait_ready(kubectl, ns, name)
+    assert ready["reason"] == "AllReplicasReady"
+    for kind, pattern in CHILDREN:
+        assert kubectl.get(kind, pattern.format(n=name), ns), f"{kind} {pattern} missing"
+    pods = kubectl.json("get", "pods", "-n", ns, "-l", f"app.kubernetes.io/instance={name}")
+    assert sorted((p["metadata"]["name"], p["status"]["phase"]) for p in pods["items"]) == [
+        (f"{name}-decode-0", "Running"),
+        (f"{name}-prefill-0", "Running"),
+    ]
+    assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in pods["items"])
+    status = kubectl.get("dserver", name, ns)["status"]
+    assert status["prefill"]["display"] == "1/1" and status["decode"]["display"] == "1/1"
+    assert status["observedGeneration"] == 1
+    kvcs = kubectl.get("kvcachestatus", name, ns)
+    assert kvcs["status"]["phase"] == "NoReports"
+    assert "no residency reports yet" in kvcs["status"]["message"]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
+def test_invalid_spec_is_rejected_by_the_api_server(kubectl: Kubectl, case: Invalid):
+    manifest = merge(case.manifest, {"metadata": {"namespace": "default"}})
+    proc = kubectl.apply(manifest, "--dry-run=server", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"accepted: {out}"
+    assert case.message in out, out
+    assert case.path in out, out
+
+
+def test_deleted_children_are_restored(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    for kind, name in [
+        ("statefulset", "tiny-decode"),
+        ("service", "tiny"),
+        ("configmap", "tiny-sidecar"),
+        ("poddisruptionbudget", "tiny-prefill"),
+    ]:
+        before = uid(kubectl, kind, name, ns)
+        kubectl.run("delete", kind, name, "-n", ns, "--wait=true")
+        wait_until(
+            lambda k=kind, n=name, b=before: uid(kubectl, k, n, ns) not in (None, b),
+            30,
+            f"{kind} {name} restored",
+        )
+    wait_ready(kubectl, ns)
+
+
+def test_edited_child_is_restored_and_foreign_fields_are_kept(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    kubectl.run(
+        "patch",
+        "service",
+        "tiny",
+        "-n",
+        ns,
+        "--type=json",
+        "-p",
+        json.dumps([{"op": "replace", "path": "/spec/ports/0/targetPort", "value": 9999}]),
+    )
+    kubectl.run("label", "service", "tiny", "-n", ns, "team=platform")
+    kubectl.run("scale", "statefulset", "tiny-decode", "-n", ns, "--replicas=3")
+
+    def restored() -> bool:
+        svc = kubectl.get("service", "tiny", ns)
+        sts = kubectl.get("statefulset", "tiny-decode", ns)
+        ports = [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]]
+        return ports == [(8000, "http")] and sts["spec"]["replicas"] == 1
+
+    wait_until(restored, 30, "service port and decode replicas restored")
+    # A label we never set belongs to whoever set it: it stays.
+    assert kubectl.get("service", "tiny", ns)["metadata"]["labels"]["team"] == "platform"
+
+
+def test_gitops_reapply_changes_nothing(kubectl: Kubectl, operator: Operator, ns: str, tmp_path):
+    manifest = make(ns)
+    kubectl.apply(manifest, "--server-side", "--field-manager=argocd")
+    wait_ready(kubectl, ns)
+    time.sleep(3)  # let the last status write land
+    before = kubectl.get("dserver", "tiny", ns)
+    out = kubectl.apply(manifest, "--server-side", "--field-manager=argocd").stdout
+    assert "serverside-applied" in out
+    time.sleep(5)  # longer than the test operator's resync period
+    after = kubectl.get("dserver", "tiny", ns)
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] == 1
+    # No status flapping: nothing wrote the object in between.
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    path = tmp_path / "server.json"
+    path.write_text(json.dumps(manifest))
+    diff = kubectl.run(
+        "diff", "--server-side", "--field-manager=argocd", "-f", str(path), check=False
+    )
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    assert diff.stdout == ""
+    # The operator never touched the spec: argocd is its only manager.
+    fields = kubectl.json("get", "dserver", "tiny", "-n", ns, "--show-managed-fields")
+    managers = {
+        (f["manager"], f.get("subresource", ""))
+        for f in fields["metadata"]["managedFields"]
+        if "f:spec" in f.get("fieldsV1", {})
+    }
+    assert managers == {("argocd", "")}
+
+
+def test_not_enough_gpus_is_reported_naming_the_resource(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    # The fake nodes have 8 GPUs each; 16 per pod fits nowhere.
+    kubectl.apply(make(ns, spec={"decode": {"resources": {"gpus": 16}}}), "--server-side")
+    ready = wait_until(
+        lambda: (
+            (c := condition(kubectl, ns, "tiny", "Ready")).get("reason") == "Unschedulable" and c
+        ),
+        60,
+        "Ready=False Unschedulable",
+    )
+    assert ready["status"] == "False"
+    assert "nvidia.com/gpu" in ready["message"]
+    assert "spec.decode.resources" in ready["message"]
+    assert condition(kubectl, ns, "tiny", "Degraded")["status"] == "True"
+    events = kubectl.json(
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        "involvedObject.name=tiny,reason=Unschedulable",
+    )
+    assert events["items"], "no Unschedulable event on the server"
+
+
+def test_deleting_the_server_garbage_collects_children(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    kubectl.run("delete", "dserver", "tiny", "-n", ns, "--wait=true", timeout=60)
+
+    def all_gone() -> bool:
+        return all(kubectl.get(k, p.format(n="tiny"), ns) is None for k, p in CHILDREN)
+
+    wait_until(all_gone, 60, "children garbage-collected")
+
+
+def test_scaling_a_role_touches_only_its_statefulset(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    prefill_before = kubectl.get("statefulset", "tiny-prefill", ns)["metadata"]["generation"]
+    kubectl.apply(make(ns, spec={"decode": {"replicas": 2}}), "--server-side")
+    wait_until(
+        lambda: kubectl.get("dserver", "tiny", ns)["status"]["decode"]["display"] == "2/2",
+        READY_TIMEOUT,
+        "decode 2/2",
+    )
+    assert (
+        kubectl.get("statefulset", "tiny-prefill", ns)["metadata"]["generation"] == prefill_before
+    )
+    wait_ready(kubectl, ns)
+
+
+def test_engine_image_change_rolls_both_roles(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    image = "vllm/vllm-openai:v0.33.1"
+    kubectl.apply(make(ns, spec={"engine": {"image": image}}), "--server-side")
+
+    def both_rolled() -> bool:
+        for role in ("prefill", "decode"):
+            sts = kubectl.get("statefulset", f"tiny-{role}", ns)
+            if sts["spec"]["template"]["spec"]["containers"][0]["image"] != image:
+                return False
+        return True
+
+    wait_until(both_rolled, 30, "both StatefulSets on the new image")
+    wait_ready(kubectl, ns)
+
+
+def test_printer_columns(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    out = kubectl.run("get", "dserver", "-n", ns).stdout
+    assert out.split("\n")[0].split() == [
+        "NAME",
+        "MODEL",
+        "PREFILL",
+        "DECODE",
+        "TRANSPORT",
+        "READY",
+        "AGE",
+    ]
+    assert out.split("\n")[1].split()[:6] == ["tiny", "tiny-llama", "1/1", "1/1", "Unknown", "True"]
+    for alias in ("kv-cache-status", "kvcs", "kvcachestatus"):
+        out = kubectl.run("get", alias, "-n", ns).stdout
+        assert out.split("\n")[0].split() == [
+            "NAME",
+            "HIT-RATE",
+            "REUSED",
+            "GAP-P95",
+            "RETENTION",
+            "RECOMMENDED",
+            "TTFT-P95",
+            "TRANSPORT",
+            "AGE",
+        ], alias
+    out = kubectl.run("get", "kvferry", "-n", ns).stdout
+    assert "disaggregatedserver.kvferry.io/tiny" in out
+    assert "kvcachestatus.kvferry.io/tiny" in out
+
+
+def test_operator_restart_mid_reconcile_converges(kubectl: Kubectl, operator: Operator, ns: str):
+    operator.stop()
+    kubectl.apply(make(ns, "restart"), "--server-side")
+    operator.start()
+    # Let it get partway through, then kill it hard and start again.
+    wait_until(lambda: kubectl.get("configmap", "restart-sidecar", ns), 30, "first child")
+    operator.stop(sig=9)
+    operator.start()
+    wait_ready(kubectl, ns, "restart")
+    for kind in ("statefulsets", "services", "configmaps", "poddisruptionbudgets"):
+        items = kubectl.json("get", kind, "-n", ns, "-l", "app.kubernetes.io/instance=restart")
+        assert (
+            len(items["items"])
+            == {"statefulsets": 2, "services": 3, "configmaps": 1, "poddisruptionbudgets": 2}[kind]
+        ), kind
+    assert "Traceback" not in operator.log()
