@@ -25,7 +25,7 @@ lint: venv
 
 # Every tier: unit, cluster (local control plane, built on first use) and engine.
 test: venv lint
-	$(BIN)/pytest
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -v
 
 controlplane-up:
 	hack/controlplane.sh up

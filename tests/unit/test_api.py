@@ -6,8 +6,8 @@ import dataclasses
 import re
 
 import pytest
-from kvferry_operator import api
 
+from kvferry_operator import api
 from tests.manifests import MINIMAL, server
 
 SPEC_SCHEMA = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from kvferry_operator import api, cli, render, validation
 
+from kvferry_operator import api, cli, render, validation
 from tests.manifests import EXAMPLES, ROOT, load_example, server
 
 GOLDEN = ROOT / "tests" / "golden"

@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 import pytest
-from kvferry_operator import api, validation
 
+from kvferry_operator import api, validation
 from tests.manifests import EXAMPLES, INVALID, Invalid, load_example
 
 

@@ -1,0 +1,202 @@
+"""Status from observed children: one test per contract rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry_operator import api, status
+from kvferry_operator.status import Observed, PodState, RoleObserved
+from tests.manifests import server
+
+NOW = "2026-11-29T10:00:00Z"
+EARLIER = "2026-11-29T09:00:00Z"
+SERVER = api.parse_server(
+    {**server(), "metadata": {"name": "tiny", "namespace": "ns", "generation": 3}}
+)
+SETTLED = RoleObserved(
+    exists=True,
+    observed_generation=2,
+    generation=2,
+    replicas=1,
+    ready_replicas=1,
+    updated_replicas=1,
+    current_revision="r1",
+    update_revision="r1",
+)
+GPU_MESSAGE = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+
+
+def observed(
+    prefill: RoleObserved = SETTLED,
+    decode: RoleObserved = SETTLED,
+    pods: list[PodState] | None = None,
+) -> Observed:
+    return Observed(roles={"prefill": prefill, "decode": decode}, pods=pods or [])
+
+
+def cond(conditions: list[dict], ctype: str) -> dict:
+    return next(c for c in conditions if c["type"] == ctype)
+
+
+@pytest.mark.parametrize(
+    ("name", "obs", "ready", "reason"),
+    [
+        ("all settled", observed(), "True", status.REASON_READY),
+        (
+            "nothing exists yet",
+            observed(RoleObserved(), RoleObserved()),
+            "False",
+            status.REASON_WAITING,
+        ),
+        (
+            "decode not ready",
+            observed(
+                decode=RoleObserved(exists=True, replicas=1, updated_replicas=1, ready_replicas=0)
+            ),
+            "False",
+            status.REASON_WAITING,
+        ),
+        (
+            "stale statefulset generation",
+            observed(
+                prefill=RoleObserved(
+                    exists=True,
+                    observed_generation=1,
+                    generation=2,
+                    replicas=1,
+                    ready_replicas=1,
+                    updated_replicas=1,
+                )
+            ),
+            "False",
+            status.REASON_WAITING,
+        ),
+        (
+            "rollout in progress",
+            observed(
+                decode=RoleObserved(
+                    exists=True,
+                    observed_generation=2,
+                    generation=2,
+                    replicas=1,
+                    ready_replicas=1,
+                    updated_replicas=1,
+                    current_revision="r1",
+                    update_revision="r2",
+                )
+            ),
+            "False",
+            status.REASON_WAITING,
+        ),
+        (
+            "unschedulable wins over waiting",
+            observed(pods=[PodState("tiny-decode-0", "decode", unschedulable_message=GPU_MESSAGE)]),
+            "False",
+            status.REASON_UNSCHEDULABLE,
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " in v else None,
+)
+def test_ready_condition(name, obs, ready, reason):
+    c = cond(status.compute_conditions(SERVER, obs), api.COND_READY)
+    assert (c["status"], c["reason"]) == (ready, reason)
+
+
+def test_unschedulable_message_names_the_resource_and_the_field():
+    # A user must learn which resource is short and which field to change.
+    pods = [PodState("tiny-decode-0", "decode", unschedulable_message=GPU_MESSAGE)]
+    c = cond(status.compute_conditions(SERVER, observed(pods=pods)), api.COND_READY)
+    assert "nvidia.com/gpu" in c["message"]
+    assert "spec.decode.resources" in c["message"]
+
+
+def test_zero_decode_replicas_is_never_ready():
+    zero = api.parse_server(
+        {**server({"decode": {"replicas": 0}}), "metadata": {"name": "tiny", "namespace": "ns"}}
+    )
+    decode = RoleObserved(exists=True, replicas=0)
+    c = cond(status.compute_conditions(zero, observed(decode=decode)), api.COND_READY)
+    assert (c["status"], c["reason"]) == ("False", status.REASON_NO_DECODE)
+
+
+def test_crashing_containers_degrade():
+    pods = [PodState("tiny-prefill-0", "prefill", waiting_reason="engine: CrashLoopBackOff")]
+    c = cond(status.compute_conditions(SERVER, observed(pods=pods)), api.COND_DEGRADED)
+    assert (c["status"], c["reason"]) == ("True", status.REASON_CRASHING)
+    assert "tiny-prefill-0" in c["message"]
+
+
+def test_transport_is_unknown_until_reported():
+    c = cond(status.compute_conditions(SERVER, observed()), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"]) == ("Unknown", status.REASON_NO_REPORTS)
+
+
+def test_transition_time_is_kept_while_status_holds():
+    # Rewriting lastTransitionTime on every pass would make status flap under GitOps.
+    first, _ = status.compute_status(SERVER, observed(), None, EARLIER)
+    second, changes = status.compute_status(SERVER, observed(), first, NOW)
+    assert second == first
+    assert changes == []
+    assert not status.status_changed(first, second)
+
+
+def test_transition_time_moves_when_status_flips():
+    first, _ = status.compute_status(SERVER, observed(), None, EARLIER)
+    waiting = observed(decode=RoleObserved(exists=True, replicas=1, updated_replicas=1))
+    second, changes = status.compute_status(SERVER, waiting, first, NOW)
+    assert cond(second["conditions"], api.COND_READY)["lastTransitionTime"] == NOW
+    assert cond(second["conditions"], api.COND_DEGRADED)["lastTransitionTime"] == EARLIER
+    assert [(c.type, c.status) for c in changes] == [
+        (api.COND_READY, "False"),
+        (api.COND_PROGRESSING, "True"),
+    ]
+
+
+def test_role_counts_and_display():
+    decode = RoleObserved(exists=True, replicas=2, ready_replicas=1, updated_replicas=2)
+    st, _ = status.compute_status(SERVER, observed(decode=decode), None, NOW)
+    assert st["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 1,
+        "updatedReplicas": 2,
+        "display": "1/1",
+    }
+    assert st["observedGeneration"] == 3
+    assert st["endpoint"] == "http://tiny.ns.svc:8000"
+
+
+def test_pod_state_reads_scheduler_and_container_waits():
+    pod = {
+        "metadata": {"name": "p", "labels": {api.LABEL_ROLE: "decode"}},
+        "status": {
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": GPU_MESSAGE,
+                }
+            ],
+            "initContainerStatuses": [
+                {"name": "kvferry-sidecar", "state": {"waiting": {"reason": "ImagePullBackOff"}}}
+            ],
+        },
+    }
+    st = status.pod_state_from(pod)
+    assert st == PodState("p", "decode", GPU_MESSAGE, "kvferry-sidecar: ImagePullBackOff")
+
+
+def test_statefulset_status_is_read():
+    sts = {
+        "metadata": {"generation": 4},
+        "status": {
+            "observedGeneration": 4,
+            "replicas": 2,
+            "readyReplicas": 1,
+            "updatedReplicas": 2,
+            "currentRevision": "a",
+            "updateRevision": "b",
+        },
+    }
+    assert status.role_observed_from(sts) == RoleObserved(True, 4, 4, 2, 1, 2, "a", "b")
+    assert status.role_observed_from(None) == RoleObserved()
