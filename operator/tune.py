@@ -1,0 +1,265 @@
+"""Cache-retention tuner: aggregated residency reports -> recommendations. Pure.
+
+The algorithm, per DisaggregatedServer:
+
+1. **Retention** (``kvTransfer.decodeRetentionSeconds``). A decode pod pins a
+   finished turn's KV until the next turn reads it or the retention ends. It
+   pays only if the next turn comes within the retention, so the retention
+   should cover the ``coverage`` quantile of observed inter-turn gaps, plus
+   the safety margins the handle is dropped early by (vLLM declines reads in
+   the last 5 s; the sidecar stops offering a handle a few seconds before
+   that). The result is clamped to ``[minRetentionSeconds,
+   maxRetentionSeconds]``.
+2. **Pressure.** Pinned KV is taken from the decode cache. When the decode
+   pods' KV usage passes the high-water mark or preemptions rose since the
+   last report, retention is lowered (halved, never above what runs now, never
+   below the minimum): fewer pinned handles, more room for running requests.
+3. **Too little data.** With fewer than ``MIN_GAP_SAMPLES`` gaps the tuner
+   recommends what runs now: it never raises retention on a handful of turns.
+4. **Recompute threshold** (``kvTransfer.recomputeThreshold``). A pull costs a
+   fixed latency plus bytes/token over the measured bandwidth; recomputing
+   costs the measured prefill seconds per token. Pulling wins from
+   ``N* = latency / (recompute_s_per_token - transfer_s_per_token)`` tokens
+   on; if transfer per token is not cheaper, the threshold is the model
+   length (never pull).
+
+Every recommendation carries the inputs it used and a one-line reason, and is
+deterministic for its inputs.
+
+:func:`plan_apply` decides, for ``Auto``, whether to roll the pods now:
+never while the server is not Ready, at most ``maxRestartsPerDay`` in any
+24 h, one role at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Fewer gaps than this and a quantile says little about the traffic.
+MIN_GAP_SAMPLES = 20
+# vLLM declines reads of a handle in its last 5 s; the sidecar stops offering
+# it 5 s before that (kvferry_sidecar's expiry margin). Cover both.
+EXPIRY_MARGINS_SECONDS = 10
+# Decode KV usage above this share means pinned handles crowd out live requests.
+KV_USAGE_HIGH_WATER = 0.90
+PRESSURE_FACTOR = 0.5
+# Only a change of at least this share is worth a rolling restart.
+MIN_APPLY_CHANGE = 0.2
+DAY_SECONDS = 86400
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Bucket counts: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``,
+    and a last overflow count for observations above ``bounds[-1]``."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError("a histogram needs one count per bound plus an overflow count")
+        if list(self.bounds) != sorted(self.bounds) or any(c < 0 for c in self.counts):
+            raise ValueError("bounds must ascend and counts must not be negative")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> tuple[float, bool]:
+        """The q-quantile by linear interpolation inside its bucket, and whether it
+        fell in the overflow bucket (then the value is only a lower bound)."""
+        if self.total == 0:
+            return math.nan, False
+        rank = q * self.total
+        seen = 0
+        for i, count in enumerate(self.counts[:-1]):
+            if count and seen + count >= rank:
+                lo = self.bounds[i - 1] if i > 0 else 0.0
+                return lo + (self.bounds[i] - lo) * max(0.0, rank - seen) / count, False
+            seen += count
+        return self.bounds[-1], True
+
+
+def merge_histograms(hists: list[Histogram]) -> Histogram | None:
+    """Sum histograms with identical bounds; mismatched bounds are a caller bug."""
+    if not hists:
+        return None
+    bounds = hists[0].bounds
+    if any(h.bounds != bounds for h in hists):
+        raise ValueError("histograms with different bucket bounds cannot be merged")
+    return Histogram(bounds, tuple(sum(c) for c in zip(*(h.counts for h in hists), strict=True)))
+
+
+@dataclass(frozen=True)
+class TuningInputs:
+    gaps: Histogram | None
+    current_retention: int
+    coverage: float
+    min_retention: int
+    max_retention: int
+    decode_kv_usage_max: float | None = None  # 0..1, highest among decode pods
+    preemptions_delta: int = 0  # since the previous aggregation
+    # For the recompute threshold:
+    bytes_per_token: float | None = None
+    transfer_bytes_per_second: float | None = None
+    pull_fixed_latency_seconds: float | None = None
+    recompute_seconds_per_token: float | None = None
+    current_threshold: int = 64
+    max_model_len: int = 131072
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    value: int
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+def is_under_pressure(inp: TuningInputs) -> bool:
+    usage_high = inp.decode_kv_usage_max is not None and (
+        inp.decode_kv_usage_max >= KV_USAGE_HIGH_WATER
+    )
+    return usage_high or inp.preemptions_delta > 0
+
+
+def clamp(value: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, value))
+
+
+def recommend_retention(inp: TuningInputs) -> Recommendation:
+    samples = inp.gaps.total if inp.gaps else 0
+    inputs: dict[str, Any] = {
+        "gapSamples": samples,
+        "coverage": inp.coverage,
+        "current": inp.current_retention,
+        "min": inp.min_retention,
+        "max": inp.max_retention,
+        "decodeKVUsageMax": inp.decode_kv_usage_max,
+        "preemptionsDelta": inp.preemptions_delta,
+    }
+    pressure = is_under_pressure(inp)
+    if samples < MIN_GAP_SAMPLES:
+        if pressure:
+            value = clamp(
+                math.floor(inp.current_retention * PRESSURE_FACTOR),
+                inp.min_retention,
+                inp.current_retention,
+            )
+            return Recommendation(
+                value,
+                f"KV pressure with only {samples} gaps observed: lowering to {value}s",
+                inputs,
+            )
+        return Recommendation(
+            inp.current_retention,
+            f"only {samples} inter-turn gaps observed (need {MIN_GAP_SAMPLES}): keeping "
+            f"{inp.current_retention}s",
+            inputs,
+        )
+    assert inp.gaps is not None
+    q, lower_bound = inp.gaps.quantile(inp.coverage)
+    inputs["gapQuantileSeconds"] = round(q, 3)
+    wanted = math.ceil(q) + EXPIRY_MARGINS_SECONDS
+    value = clamp(wanted, inp.min_retention, inp.max_retention)
+    pct = f"p{round(inp.coverage * 100, 2):g}"
+    reason = f"{pct} of {samples} inter-turn gaps is {q:.1f}s"
+    if lower_bound:
+        reason += f" or more (gaps beyond {q:g}s seen)"
+    reason += f"; +{EXPIRY_MARGINS_SECONDS}s margins"
+    if value != wanted:
+        reason += f", clamped to [{inp.min_retention}, {inp.max_retention}]"
+    if pressure:
+        lowered = clamp(
+            math.floor(min(value, inp.current_retention) * PRESSURE_FACTOR),
+            inp.min_retention,
+            inp.max_retention,
+        )
+        if lowered < value:
+            value = lowered
+            reason += (
+                f"; lowered to {value}s under KV pressure (usage "
+                f"{inp.decode_kv_usage_max}, preemptions +{inp.preemptions_delta})"
+            )
+    return Recommendation(value, f"{reason} -> {value}s", inputs)
+
+
+def recommend_threshold(inp: TuningInputs) -> Recommendation:
+    inputs = {
+        "bytesPerToken": inp.bytes_per_token,
+        "transferBytesPerSecond": inp.transfer_bytes_per_second,
+        "pullFixedLatencySeconds": inp.pull_fixed_latency_seconds,
+        "recomputeSecondsPerToken": inp.recompute_seconds_per_token,
+    }
+    needed = (
+        inp.bytes_per_token,
+        inp.transfer_bytes_per_second,
+        inp.pull_fixed_latency_seconds,
+        inp.recompute_seconds_per_token,
+    )
+    if any(v is None or v <= 0 for v in needed[:2]) or any(v is None for v in needed[2:]):
+        return Recommendation(
+            inp.current_threshold,
+            f"no transfer or prefill measurements yet: keeping {inp.current_threshold}",
+            inputs,
+        )
+    assert inp.bytes_per_token and inp.transfer_bytes_per_second
+    assert inp.pull_fixed_latency_seconds is not None
+    assert inp.recompute_seconds_per_token is not None
+    transfer = inp.bytes_per_token / inp.transfer_bytes_per_second
+    saving = inp.recompute_seconds_per_token - transfer
+    inputs["transferSecondsPerToken"] = transfer
+    if saving <= 0:
+        return Recommendation(
+            inp.max_model_len,
+            f"pulling a token ({transfer * 1e6:.1f}us) is not faster than recomputing it "
+            f"({inp.recompute_seconds_per_token * 1e6:.1f}us): never pull",
+            inputs,
+        )
+    breakeven = math.ceil(max(0.0, inp.pull_fixed_latency_seconds) / saving)
+    value = clamp(breakeven, 0, inp.max_model_len)
+    return Recommendation(
+        value,
+        f"pull costs {inp.pull_fixed_latency_seconds * 1e3:.1f}ms + {transfer * 1e6:.2f}us/token,"
+        f" recompute {inp.recompute_seconds_per_token * 1e6:.1f}us/token: pulls win from "
+        f"{value} tokens",
+        inputs,
+    )
+
+
+@dataclass(frozen=True)
+class ApplyDecision:
+    apply: bool
+    reason: str
+
+
+def plan_apply(
+    mode: str,
+    recommended: int,
+    applied: int,
+    ready: bool,
+    restarts: list[float],
+    now: float,
+    max_restarts_per_day: int,
+    rolling_role: str | None,
+) -> ApplyDecision:
+    """Whether ``Auto`` should roll the pods to ``recommended`` now."""
+    if mode != "Auto":
+        return ApplyDecision(False, f"mode {mode}: recommendations are not applied")
+    if recommended == applied:
+        return ApplyDecision(False, "already running the recommended value")
+    if abs(recommended - applied) < MIN_APPLY_CHANGE * applied:
+        return ApplyDecision(False, f"change under {MIN_APPLY_CHANGE:.0%}: not worth a restart")
+    if not ready:
+        return ApplyDecision(False, "server is not Ready: not restarting pods now")
+    if rolling_role:
+        return ApplyDecision(False, f"{rolling_role} is still rolling: one role at a time")
+    recent = [t for t in restarts if now - t < DAY_SECONDS]
+    if len(recent) >= max_restarts_per_day:
+        return ApplyDecision(
+            False,
+            f"{len(recent)} restarts in the last 24h (maxRestartsPerDay {max_restarts_per_day})",
+        )
+    return ApplyDecision(True, f"applying {recommended}s (was {applied}s)")

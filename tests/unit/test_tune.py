@@ -1,0 +1,228 @@
+"""The retention tuner: table cases for the rules, properties for the invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry_operator import tune
+from kvferry_operator.tune import Histogram, TuningInputs
+
+BOUNDS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+
+def hist_of(samples: list[float]) -> Histogram:
+    counts = [0] * (len(BOUNDS) + 1)
+    for s in samples:
+        i = next((i for i, b in enumerate(BOUNDS) if s <= b), len(BOUNDS))
+        counts[i] += 1
+    return Histogram(BOUNDS, tuple(counts))
+
+
+def inputs(samples: list[float], **kw) -> TuningInputs:
+    base = dict(
+        gaps=hist_of(samples),
+        current_retention=480,
+        coverage=0.95,
+        min_retention=30,
+        max_retention=1800,
+    )
+    base.update(kw)
+    return TuningInputs(**base)
+
+
+class TestHistogram:
+    def test_quantile_interpolates_inside_the_bucket(self):
+        h = Histogram((10.0, 20.0), (0, 10, 0))
+        assert h.quantile(0.5) == (15.0, False)
+
+    def test_overflow_is_a_lower_bound(self):
+        h = Histogram((10.0,), (1, 9))
+        assert h.quantile(0.95) == (10.0, True)
+
+    def test_merge_sums_counts(self):
+        a, b = Histogram((1.0,), (1, 2)), Histogram((1.0,), (3, 4))
+        assert tune.merge_histograms([a, b]) == Histogram((1.0,), (4, 6))
+
+    def test_merge_refuses_different_bounds(self):
+        with pytest.raises(ValueError, match="different bucket bounds"):
+            tune.merge_histograms([Histogram((1.0,), (0, 0)), Histogram((2.0,), (0, 0))])
+
+    def test_malformed_counts_are_rejected(self):
+        with pytest.raises(ValueError, match="overflow"):
+            Histogram((1.0, 2.0), (1, 2))
+
+
+# Gaps land in buckets; 100 gaps of 40 s sit in (30, 60], whose p95 interpolates
+# to 58.5 s -> 59 + 10 s margins = 69 s. 100 s gaps: (60, 120] -> 117 -> 127;
+# under pressure halved to 63.
+RETENTION_CASES = [
+    # name, samples, extra inputs, expected value, fragment of the reason
+    ("too few gaps keeps current", [40.0] * 5, {}, 480, "only 5 inter-turn gaps"),
+    ("covers p95 plus margins", [40.0] * 100, {}, 69, "p95 of 100 inter-turn gaps"),
+    ("clamped to max", [3000.0] * 100, {}, 1800, "clamped to [30, 1800]"),
+    ("clamped to min", [0.5] * 100, {}, 30, "clamped to [30, 1800]"),
+    ("overflow said plainly", [5000.0] * 100, {}, 1800, "or more"),
+    ("kv pressure lowers", [100.0] * 100, {"decode_kv_usage_max": 0.97}, 63, "KV pressure"),
+    ("preemptions lower", [100.0] * 100, {"preemptions_delta": 3}, 63, "preemptions +3"),
+    (
+        "pressure with few gaps halves current",
+        [10.0] * 3,
+        {"decode_kv_usage_max": 0.95},
+        240,
+        "KV pressure with only 3 gaps",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "samples", "extra", "value", "reason"),
+    RETENTION_CASES,
+    ids=[c[0] for c in RETENTION_CASES],
+)
+def test_retention_rule(name, samples, extra, value, reason):
+    rec = tune.recommend_retention(inputs(samples, **extra))
+    assert rec.value == value
+    assert reason in rec.reason
+    assert rec.inputs["gapSamples"] == len(samples)
+
+
+gap_lists = st.lists(st.floats(min_value=0.1, max_value=5000.0), min_size=0, max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    samples=gap_lists,
+    coverage=st.floats(min_value=0.5, max_value=0.999),
+    lo=st.integers(10, 600),
+    span=st.integers(0, 3000),
+    current=st.integers(10, 3600),
+    usage=st.none() | st.floats(0, 1),
+    preempt=st.integers(0, 5),
+)
+def test_recommendation_stays_within_bounds(samples, coverage, lo, span, current, usage, preempt):
+    hi = lo + span
+    current = max(lo, min(hi, current))
+    rec = tune.recommend_retention(
+        inputs(
+            samples,
+            coverage=coverage,
+            min_retention=lo,
+            max_retention=hi,
+            current_retention=current,
+            decode_kv_usage_max=usage,
+            preemptions_delta=preempt,
+        )
+    )
+    assert lo <= rec.value <= hi
+    assert rec.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    samples=st.lists(st.floats(0.1, 1500.0), min_size=tune.MIN_GAP_SAMPLES, max_size=300),
+    coverage=st.floats(0.5, 0.99),
+)
+def test_unpressured_recommendation_covers_the_coverage_share_of_gaps(samples, coverage):
+    # The promise behind the number: at least `coverage` of the observed gaps
+    # arrive while the handle is still offered.
+    rec = tune.recommend_retention(inputs(samples, coverage=coverage, max_retention=1800))
+    offered = rec.value - tune.EXPIRY_MARGINS_SECONDS
+    # Bucketed data can only promise coverage up to the bucket holding the quantile.
+    covered_bound = next((b for b in BOUNDS if b >= offered), math.inf)
+    share = sum(1 for s in samples if s <= covered_bound) / len(samples)
+    assert share >= coverage or rec.value == 1800
+
+
+@settings(max_examples=100, deadline=None)
+@given(samples=gap_lists, usage=st.floats(0, 1), preempt=st.integers(0, 3))
+def test_pressure_never_raises_above_the_unpressured_value(samples, usage, preempt):
+    calm = tune.recommend_retention(inputs(samples))
+    pressed = tune.recommend_retention(
+        inputs(samples, decode_kv_usage_max=usage, preemptions_delta=preempt)
+    )
+    assert pressed.value <= max(calm.value, 480)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    samples=st.lists(st.floats(0.1, 5000.0), max_size=tune.MIN_GAP_SAMPLES - 1),
+    current=st.integers(30, 1800),
+)
+def test_too_little_data_never_raises(samples, current):
+    rec = tune.recommend_retention(inputs(samples, current_retention=current))
+    assert rec.value <= current
+
+
+@given(samples=gap_lists)
+def test_deterministic(samples):
+    assert tune.recommend_retention(inputs(samples)) == tune.recommend_retention(inputs(samples))
+
+
+class TestThreshold:
+    def test_no_measurements_keeps_current(self):
+        rec = tune.recommend_threshold(inputs([], current_threshold=64))
+        assert (rec.value, "no transfer or prefill measurements" in rec.reason) == (64, True)
+
+    def test_breakeven_from_latency_and_per_token_costs(self):
+        # 128 KiB/token at 10 GB/s = 13.1us/token; recompute 100us/token; 5 ms fixed:
+        # 0.005 / (100e-6 - 13.1072e-6) = 57.5 -> 58 tokens.
+        rec = tune.recommend_threshold(
+            inputs(
+                [],
+                bytes_per_token=131072,
+                transfer_bytes_per_second=10e9,
+                pull_fixed_latency_seconds=0.005,
+                recompute_seconds_per_token=100e-6,
+            )
+        )
+        assert rec.value == 58
+        assert "pulls win from 58 tokens" in rec.reason
+
+    def test_slow_transport_means_never_pull(self):
+        rec = tune.recommend_threshold(
+            inputs(
+                [],
+                bytes_per_token=327680,
+                transfer_bytes_per_second=1e9,
+                pull_fixed_latency_seconds=0.001,
+                recompute_seconds_per_token=50e-6,
+                max_model_len=32768,
+            )
+        )
+        assert rec.value == 32768 and "never pull" in rec.reason
+
+
+APPLY_CASES = [
+    ("observe never applies", dict(mode="Observe"), False, "mode Observe"),
+    ("recommend never applies", dict(mode="Recommend"), False, "mode Recommend"),
+    ("same value", dict(recommended=480), False, "already running"),
+    ("small change", dict(recommended=500), False, "not worth a restart"),
+    ("not ready", dict(ready=False), False, "not Ready"),
+    ("one role at a time", dict(rolling_role="decode"), False, "one role at a time"),
+    ("daily budget spent", dict(restarts=[90000.0, 95000.0]), False, "maxRestartsPerDay 2"),
+    ("old restarts do not count", dict(restarts=[1.0, 2.0]), True, "applying 120s"),
+    ("auto applies", {}, True, "applying 120s (was 480s)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "apply", "reason"), APPLY_CASES, ids=[c[0] for c in APPLY_CASES]
+)
+def test_plan_apply(name, kw, apply, reason):
+    base = dict(
+        mode="Auto",
+        recommended=120,
+        applied=480,
+        ready=True,
+        restarts=[],
+        now=100000.0,
+        max_restarts_per_day=2,
+        rolling_role=None,
+    )
+    decision = tune.plan_apply(**{**base, **kw})
+    assert decision.apply is apply
+    assert reason in decision.reason
