@@ -1,0 +1,130 @@
+"""The aiohttp application: routes, middleware and lifecycle. No protocol logic here.
+
+Routes (both roles): ``/healthz`` (the process is up), ``/readyz`` (the local engine
+answers /health), ``/metrics``, ``/v1/models`` (the local engine's). Decode role:
+``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
+(``pipeline.serve_turn``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from . import pipeline
+from .config import ROLE_DECODE, Settings
+from .handles import Clock
+from .state import Sidecar
+from .types import HDR_REQUEST_ID, PATH_CHAT, PATH_COMPLETIONS, PATH_MODELS, Api
+from .upstream import UpstreamError
+
+log = logging.getLogger(__name__)
+
+SIDECAR = web.AppKey("sidecar", Sidecar)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+# Chat histories with long tool outputs get large; vLLM itself accepts them.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Take the client's X-Request-Id (or make one) and echo it on every response."""
+    request_id = request.headers.get(HDR_REQUEST_ID) or uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    started = time.monotonic()
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        exc.headers[HDR_REQUEST_ID] = request_id
+        raise
+    if not response.prepared:
+        response.headers[HDR_REQUEST_ID] = request_id
+    log.debug(
+        "access method=%s path=%s status=%s request_id=%s seconds=%.4f",
+        request.method,
+        request.path,
+        response.status,
+        request_id,
+        time.monotonic() - started,
+    )
+    return response
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    sc = app[SIDECAR]
+    await sc.start()
+    task = asyncio.create_task(sc.run(), name="kvferry-sidecar-background")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await sc.close()
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    sc = request.app[SIDECAR]
+    body = {
+        "role": sc.settings.role,
+        "engine": sc.settings.engine_url,
+        "engine_version": sc.local.info.version,
+        "streaming_handles": sc.local.streaming_handles,
+        "block_size": sc.local.block_size,
+    }
+    if sc.is_decode:
+        body["prefill_engines_ready"] = sc.pool.ready_count()
+        body["prefill_engines"] = len(sc.pool.engines)
+        body["handles"] = len(sc.store)
+    if sc.local.ready:
+        return web.json_response({"status": "ready", **body})
+    return web.json_response(
+        {"status": "not-ready", "reason": sc.local.last_error, **body}, status=503
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    sc = request.app[SIDECAR]
+    return web.Response(body=sc.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def models(request: web.Request) -> web.Response:
+    sc = request.app[SIDECAR]
+    try:
+        status, body, content_type = await sc.local.client.get(PATH_MODELS)
+    except UpstreamError as exc:
+        return pipeline.not_ready(sc, request[REQUEST_ID], exc.reason)
+    return web.Response(status=status, body=body, content_type=content_type or "application/json")
+
+
+def _turn(api: Api) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await pipeline.serve_turn(request.app[SIDECAR], request, api, request[REQUEST_ID])
+
+    return handler
+
+
+def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Application:
+    """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests."""
+    app = web.Application(middlewares=[request_id_middleware], client_max_size=MAX_BODY_BYTES)
+    app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get(PATH_MODELS, models)
+    if settings.role == ROLE_DECODE:
+        app.router.add_post(PATH_CHAT, _turn(Api.CHAT))
+        app.router.add_post(PATH_COMPLETIONS, _turn(Api.COMPLETIONS))
+    return app

@@ -1,0 +1,90 @@
+"""``kvferry-sidecar``: run the sidecar for one pod.
+
+    kvferry-sidecar --role decode --config /etc/kvferry/sidecar.json \\
+        --topology /etc/kvferry/topology.json
+
+Every flag has a ``KVFERRY_<FIELD>`` environment twin (e.g. ``KVFERRY_ENGINE_URL``);
+flags win over the environment, which wins over the files. The pod's ordinal comes
+from ``--ordinal`` or the StatefulSet pod name in ``POD_NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from . import config
+from .app import app_factory
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvferry-sidecar", description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=config.ROLES)
+    p.add_argument("--config", dest="settings_path", help="settings file (JSON or YAML)")
+    p.add_argument("--topology", dest="topology_path", help="topology file, re-read live")
+    p.add_argument("--host", dest="listen_host")
+    p.add_argument("--port", dest="listen_port", type=int)
+    p.add_argument("--engine-url", help="the vLLM server in this pod")
+    p.add_argument("--prefill-engines", type=_csv, help="comma-separated prefill engine URLs")
+    p.add_argument(
+        "--decode-sidecars", type=_csv, help="comma-separated decode sidecar URLs, by ordinal"
+    )
+    p.add_argument("--ordinal", type=int, help="this pod's ordinal (default: from POD_NAME)")
+    p.add_argument("--model")
+    p.add_argument("--engine-build")
+    p.add_argument("--session-keys", type=_csv)
+    p.add_argument("--skip-prefill-below-tokens", type=int)
+    p.add_argument("--recompute-threshold", type=int)
+    p.add_argument("--retention-seconds", type=float)
+    p.add_argument("--expiry-margin-seconds", type=float)
+    p.add_argument("--handle-store-cap", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--log-level")
+    return p
+
+
+def settings_from_args(argv: Sequence[str] | None = None) -> config.Settings:
+    args: dict[str, Any] = vars(parser().parse_args(argv))
+    return config.build({k: v for k, v in args.items() if v is not None})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = settings_from_args(argv)
+    except config.ConfigError as exc:
+        print(f"kvferry-sidecar: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger(__name__).info(
+        "starting role=%s port=%s engine=%s prefill_engines=%s decode_ring=%s ordinal=%s",
+        settings.role,
+        settings.listen_port,
+        settings.engine_url,
+        len(settings.prefill_engines),
+        len(settings.decode_sidecars),
+        settings.ordinal,
+    )
+    web.run_app(
+        app_factory(settings),
+        host=settings.listen_host,
+        port=settings.listen_port,
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""One hop to the session's owner: the decode pod whose D holds the session's KV.
+
+The Service spreads clients over every decode sidecar; a sidecar that is not the
+session's owner relays the request, unchanged, to the owner's sidecar and streams the
+answer back. The relayed request carries ``X-Kvferry-Forwarded-By``; a sidecar serves
+such a request itself whatever its own view of the ring, so a request is forwarded at
+most once even while two pods disagree about the topology (a scale-up in progress).
+An owner that cannot be reached, or answers 5xx before anything was streamed, is
+skipped: this pod serves the turn (without the handle: a recompute).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+
+from . import session
+from .state import Sidecar
+from .types import HDR_FORWARDED_BY, HDR_REQUEST_ID, Ordinal, TurnInput
+
+log = logging.getLogger(__name__)
+
+# Not relayed: hop-by-hop headers, and those aiohttp recomputes. Accept-Encoding is
+# dropped so the owner's body can be relayed as is (the client session decompresses).
+_HOP_HEADERS = frozenset(
+    h.lower()
+    for h in (
+        "Host",
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Content-Length",
+        "Accept-Encoding",
+        "Content-Encoding",
+    )
+)
+
+
+def target(sc: Sidecar, turn: TurnInput, headers: Mapping[str, str]) -> Ordinal | None:
+    """The owner's ordinal when the request should be relayed there, else None."""
+    own = sc.settings.ordinal
+    ring = len(sc.decode_sidecars)
+    if HDR_FORWARDED_BY in headers or own is None or ring < 2 or own >= ring:
+        return None
+    owner = session.owner(turn.session_key, ring)
+    return None if owner == own else owner
+
+
+def _relay_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+async def forward(
+    sc: Sidecar, request: web.Request, raw: bytes, turn: TurnInput, ordinal: Ordinal
+) -> web.StreamResponse | None:
+    """Relay to the owner; None when this pod should serve the request instead."""
+    url = sc.decode_sidecars[ordinal].rstrip("/") + request.path_qs
+    headers = _relay_headers(request.headers)
+    headers[HDR_REQUEST_ID] = turn.request_id
+    headers[HDR_FORWARDED_BY] = str(sc.settings.ordinal)
+    try:
+        upstream = await sc.http.post(
+            url,
+            data=raw,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=sc.settings.connect_timeout_seconds,
+                sock_connect=sc.settings.connect_timeout_seconds,
+            ),
+        )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        sc.metrics.forwarded.labels("unreachable").inc()
+        log.warning(
+            "owner unreachable, serving here request_id=%s owner=%s err=%s",
+            turn.request_id,
+            ordinal,
+            exc,
+        )
+        return None
+    response: web.StreamResponse | None = None
+    try:
+        if upstream.status >= 500:
+            await upstream.read()
+            sc.metrics.forwarded.labels("owner-error").inc()
+            log.warning(
+                "owner answered %s, serving here request_id=%s owner=%s",
+                upstream.status,
+                turn.request_id,
+                ordinal,
+            )
+            return None
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.update(_relay_headers(upstream.headers))
+        response.headers[HDR_REQUEST_ID] = turn.request_id
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        sc.metrics.forwarded.labels("ok").inc()
+        return response
+    except (aiohttp.ClientError, ConnectionResetError) as exc:
+        sc.metrics.forwarded.labels("broken").inc()
+        log.warning("relay broken request_id=%s owner=%s err=%s", turn.request_id, ordinal, exc)
+        upstream.close()
+        # Once the client has part of the answer there is nothing to fall back to.
+        return response
+    finally:
+        upstream.release()

@@ -1,0 +1,90 @@
+"""Which session a request belongs to, and which decode pod owns that session.
+
+Key order is configurable (``routing.sessionKeys``); each entry is a body field name
+(``session_id``, ``conversation_id``, ``user``, ...) or ``header:<Name>``. When none
+is present, the key is a digest of the model and the first messages (or the start of
+the prompt), so a client that resends its growing history still lands on one owner.
+
+The owner is chosen by rendezvous (highest-random-weight) hashing over the decode
+StatefulSet's ordinals: stable across processes and restarts (no Python ``hash()``),
+and scaling from n to n+1 pods moves only the sessions the new pod wins (~1/(n+1)).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .types import Ordinal, SessionKey, SessionTag
+
+# Characters of a completions prompt used for the fallback key.
+FALLBACK_PROMPT_CHARS = 512
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def _as_key(value: Any) -> str | None:
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    text = str(value).strip()
+    return text or None
+
+
+def conversation_head(messages: list[Any]) -> list[Any]:
+    """The messages up to and including the first user message: the system prompt and
+    the opening question, which stay the same as the conversation grows."""
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return messages[: i + 1]
+    return messages[:1]
+
+
+def fallback_key(body: Mapping[str, Any]) -> SessionKey:
+    model = str(body.get("model") or "")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        head = json.dumps(conversation_head(messages), sort_keys=True, default=str)
+        return "auto:" + _digest(model, head)
+    prompt = body.get("prompt")
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
+    return "auto:" + _digest(model, text[:FALLBACK_PROMPT_CHARS])
+
+
+def session_key(
+    body: Mapping[str, Any], headers: Mapping[str, str], order: Iterable[str]
+) -> SessionKey:
+    """The first key present in ``order``, namespaced by its source."""
+    for source in order:
+        if source.startswith("header:"):
+            name = source.removeprefix("header:")
+            value = _as_key(headers.get(name))
+        else:
+            value = _as_key(body.get(source))
+        if value is not None:
+            return f"{source}={value}"
+    return fallback_key(body)
+
+
+def session_tag(key: SessionKey) -> SessionTag:
+    """A short, stable digest of the key: safe for logs, metrics and engine session_id."""
+    return "kvf-" + _digest(key)[:16]
+
+
+def _weight(key: SessionKey, ordinal: Ordinal) -> int:
+    digest = hashlib.blake2b(f"{ordinal}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def owner(key: SessionKey, ring_size: int) -> Ordinal:
+    """Rendezvous hashing: the ordinal with the highest weight for this key."""
+    if ring_size < 1:
+        raise ValueError("ring_size must be >= 1")
+    return max(range(ring_size), key=lambda ordinal: _weight(key, ordinal))

@@ -1,0 +1,296 @@
+"""Typed values and wire vocabulary of the sidecar. Nothing else lives here.
+
+No I/O and no aiohttp: every other module imports this one, and it imports only the
+standard library.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+# ------------------------------------------------------------------ ids
+
+RequestId = str  # the X-Request-Id shared by both legs of a turn
+SessionKey = str  # the raw key a request was routed by (may be a user id: never logged)
+SessionTag = str  # short digest of a SessionKey, safe for logs and engine `session_id`
+Ordinal = int  # a decode pod's StatefulSet ordinal
+JSON = dict[str, Any]
+
+# ------------------------------------------------------------------ HTTP vocabulary
+
+HDR_REQUEST_ID: Final = "X-Request-Id"
+HDR_SESSION_ID: Final = "X-Session-Id"
+# Set by a sidecar that forwards a request to the session's owner. Its presence makes
+# the receiver serve the request itself, so one request is forwarded at most once.
+HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
+# Diagnostics on every turn's response.
+HDR_OUTCOME: Final = "X-Kvferry-Outcome"
+HDR_REUSED_TOKENS: Final = "X-Kvferry-Reused-Tokens"
+HDR_OWNER: Final = "X-Kvferry-Owner"
+HDR_ROUTE: Final = "X-Kvferry-Route"
+# Present when the answer will leave no handle for the next turn, with the reason.
+HDR_HANDLE: Final = "X-Kvferry-Handle"
+
+PATH_CHAT: Final = "/v1/chat/completions"
+PATH_COMPLETIONS: Final = "/v1/completions"
+PATH_MODELS: Final = "/v1/models"
+PATH_TOKENIZE: Final = "/tokenize"
+PATH_VERSION: Final = "/version"
+PATH_HEALTH: Final = "/health"
+PATH_METRICS: Final = "/metrics"
+
+# ------------------------------------------------------------------ body fields
+
+F_KV_PARAMS: Final = "kv_transfer_params"
+F_RETURN_TOKEN_IDS: Final = "return_token_ids"
+F_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"
+F_TOKEN_IDS: Final = "token_ids"
+F_SESSION_ID: Final = "session_id"
+F_STREAM: Final = "stream"
+F_STREAM_OPTIONS: Final = "stream_options"
+F_MAX_TOKENS: Final = "max_tokens"
+F_MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
+
+# kv_transfer_params keys (vLLM NixlConnector, pull mode).
+K_DO_REMOTE_DECODE: Final = "do_remote_decode"
+K_DO_REMOTE_PREFILL: Final = "do_remote_prefill"
+K_REMOTE_ENGINE_ID: Final = "remote_engine_id"
+K_REMOTE_REQUEST_ID: Final = "remote_request_id"
+K_REMOTE_BLOCK_IDS: Final = "remote_block_ids"
+K_REMOTE_HOST: Final = "remote_host"
+K_REMOTE_PORT: Final = "remote_port"
+K_REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
+# D's deadline for its pinned blocks, on D's time.perf_counter() clock. Forwarded
+# untouched: seen with 0.32, a handle without it let P read freed blocks silently.
+K_REMOTE_EXPIRY: Final = "remote_blocks_expiry_time"
+
+# The prefill leg asks P to keep its KV for a remote decode (P->D).
+PREFILL_REQUEST_PARAMS: Final[Mapping[str, Any]] = {
+    K_DO_REMOTE_DECODE: True,
+    K_DO_REMOTE_PREFILL: False,
+    K_REMOTE_ENGINE_ID: None,
+    K_REMOTE_BLOCK_IDS: None,
+    K_REMOTE_HOST: None,
+    K_REMOTE_PORT: None,
+}
+
+# A decode request that D prefills itself. vLLM only returns a handle for a request
+# that carried kv_transfer_params (NixlConnector.request_finished returns nothing for
+# an empty dict), so a locally prefilled turn still sends these "no transfer" flags.
+LOCAL_PREFILL_PARAMS: Final[Mapping[str, Any]] = {
+    K_DO_REMOTE_PREFILL: False,
+    K_DO_REMOTE_DECODE: False,
+}
+
+# ------------------------------------------------------------------ the handle
+
+# Handle format version. Bump on any change to what KVHandle.to_wire() writes, so a
+# peer that reads another's handles (debug dumps, a future ownership hand-off) fails
+# with a clear HandleFormatError instead of misreading KV coordinates.
+#   1: kv_transfer_params as D returned them + token ids + build + expiry deadline.
+HANDLE_FORMAT: Final = 1
+
+
+class HandleFormatError(ValueError):
+    """A serialised handle of another format version, or malformed."""
+
+
+def token_array(ids: Any) -> array:
+    """Token ids as a compact uint32 array (a 32k-token conversation is 128 KiB)."""
+    return array("I", ids)
+
+
+@dataclass(frozen=True, eq=False)
+class KVHandle:
+    """What D returned at the end of a turn: its pinned KV for prompt + answer.
+
+    ``params`` is D's ``kv_transfer_params`` exactly as returned and is only ever
+    copied, never edited in place (see ``align.params_for_prefill``).
+    """
+
+    session: SessionTag
+    params: Mapping[str, Any]
+    # Prompt ids followed by generated ids, from return_token_ids. KV exists for the
+    # first `num_tokens` of them (the last sampled token was never forwarded).
+    token_ids: array
+    num_tokens: int
+    engine_build: str | None
+    created_at: float  # time.monotonic() when the sidecar received it
+    # Monotonic deadline after which D frees the blocks; None when unknown.
+    expires_at: float | None
+    request_id: RequestId = ""
+    format: int = HANDLE_FORMAT
+
+    def to_wire(self) -> JSON:
+        return {
+            "format": self.format,
+            "session": self.session,
+            "params": dict(self.params),
+            "token_ids": list(self.token_ids),
+            "num_tokens": self.num_tokens,
+            "engine_build": self.engine_build,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> KVHandle:
+        version = data.get("format")
+        if version != HANDLE_FORMAT:
+            raise HandleFormatError(
+                f"handle format {version!r} is not supported (this sidecar reads "
+                f"format {HANDLE_FORMAT}); upgrade the sidecars together"
+            )
+        try:
+            return cls(
+                session=str(data["session"]),
+                params=dict(data["params"]),
+                token_ids=token_array(data["token_ids"]),
+                num_tokens=int(data["num_tokens"]),
+                engine_build=data.get("engine_build"),
+                created_at=float(data["created_at"]),
+                expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
+                request_id=str(data.get("request_id", "")),
+            )
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise HandleFormatError(f"malformed handle: {exc}") from exc
+
+
+# ------------------------------------------------------------------ outcomes
+
+
+class Outcome(enum.StrEnum):
+    """What happened to the session's KV on this turn (one per turn, metric label)."""
+
+    REUSED = "reused"  # P was sent the handle (or its aligned prefix)
+    EXPIRED = "expired"  # a handle existed but was past expiry - margin (or another build)
+    MISALIGNED = "misaligned"  # the prompt diverged from the handle's tokens too early
+    NO_HANDLE = "no-handle"  # first turn, evicted, or not kept
+    BELOW_THRESHOLD = "below-threshold"  # usable prefix shorter than the recompute threshold
+    PULL_FAILED = "pull-failed"  # P failed with the handle; retried without it
+    SKIPPED_PREFILL = "skipped-prefill"  # D prefilled the short tail itself
+
+
+class Route(enum.StrEnum):
+    """Where the prompt was prefilled."""
+
+    REMOTE = "remote"  # a prefill engine, then D pulled from it
+    SKIP = "skip"  # D alone, by choice (short uncached tail)
+    FALLBACK = "fallback"  # D alone, because no prefill engine could do it
+
+
+class HandleFate(enum.StrEnum):
+    """Why a handle left the store."""
+
+    TAKEN = "taken"
+    EXPIRED = "expired"
+    EVICTED = "evicted"  # LRU cap
+    SUPERSEDED = "superseded"  # a newer turn's handle replaced it
+    CLEARED = "cleared"  # the local engine restarted
+
+
+class Stage(enum.StrEnum):
+    """TTFT split as the sidecar sees it (labels of one histogram).
+
+    QUEUE: arrival -> the first engine request (routing, tokenize, handle check).
+    PREFILL: the prefill leg on P, pull from D and tail compute together (P's HTTP
+      answer does not separate them; vLLM's nixl metrics do, per engine).
+    P_TO_D: P's answer -> D's response headers (D pulls P's blocks in between).
+    FIRST_TOKEN: arrival -> the first chunk written to a streaming client (a
+      non-streaming answer has no first token to time; its turn logs total_s).
+    """
+
+    QUEUE = "queue"
+    PREFILL = "prefill"
+    P_TO_D = "p_to_d"
+    FIRST_TOKEN = "first_token"
+
+
+class Api(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return PATH_CHAT if self is Api.CHAT else PATH_COMPLETIONS
+
+
+# ------------------------------------------------------------------ turn values
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    """A client request, parsed once."""
+
+    api: Api
+    body: Mapping[str, Any]  # client's body minus fields it may not set (kv params)
+    request_id: RequestId
+    session_key: SessionKey
+    session: SessionTag
+    stream: bool
+    wants_token_ids: bool  # the client itself asked for return_token_ids
+    # False for n > 1, beam search or batched prompts: P/D and handles need one sequence.
+    single_sequence: bool
+    received_at: float
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The decision for this turn, before any engine is asked to compute."""
+
+    route: Route
+    outcome: Outcome
+    handle_params: Mapping[str, Any] | None  # kv_transfer_params for P (None: recompute)
+    prompt_tokens: int | None
+    aligned_tokens: int  # common prefix of the prompt and the handle's tokens
+    reused_tokens: int  # tokens P is told to pull (or D already holds, when skipping)
+    handle_age_s: float | None  # inter-turn gap, when a handle was found
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What the prefill leg produced for the decode leg."""
+
+    route: Route
+    outcome: Outcome
+    decode_params: Mapping[str, Any] | None  # P's kv_transfer_params for D
+    engine: str | None = None
+    attempts: int = 0
+    prefill_s: float | None = None
+
+
+@dataclass
+class TurnTimings:
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    p_to_d_s: float | None = None
+    first_token_s: float | None = None
+    total_s: float | None = None
+
+
+@dataclass
+class TurnReport:
+    """Everything one turn did; metrics.record() turns it into series and a log line."""
+
+    request_id: RequestId
+    session: SessionTag
+    api: Api
+    stream: bool
+    outcome: Outcome
+    route: Route
+    status: int = 200
+    prefill_engine: str | None = None
+    prefill_attempts: int = 0
+    prompt_tokens: int | None = None
+    aligned_tokens: int = 0
+    reused_tokens: int = 0
+    handle_age_s: float | None = None
+    handle_kept: bool = False
+    handle_not_kept_reason: str | None = None
+    timings: TurnTimings = field(default_factory=TurnTimings)
+    error: str | None = None

@@ -1,0 +1,316 @@
+"""HTTP to vLLM's OpenAI server (0.32 and 0.33): the local engine and the prefill pool.
+
+Endpoints used, all present in both versions: ``/health`` (readiness), ``/version``
+(capabilities), ``/metrics`` (``vllm:cache_config_info`` carries the KV block size),
+``/tokenize`` (chat messages or a prompt -> ``tokens``), ``/v1/chat/completions`` and
+``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``.
+
+Timeouts: connecting is bounded (``connect_timeout_seconds``); a prefill is bounded
+as a whole (``prefill_timeout_seconds``); decode streams have no total limit, since a
+long generation is legitimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from .types import (
+    HDR_REQUEST_ID,
+    JSON,
+    PATH_HEALTH,
+    PATH_METRICS,
+    PATH_TOKENIZE,
+    PATH_VERSION,
+)
+
+log = logging.getLogger(__name__)
+
+# vLLM 0.33 added kv_transfer_params to the final streamed chunk.
+STREAMING_HANDLES_SINCE = (0, 33)
+_VERSION_RE = re.compile(r"(\d+)\.(\d+)")
+_BLOCK_SIZE_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+
+class UpstreamError(Exception):
+    """An engine request that produced no usable answer."""
+
+    def __init__(self, url: str, reason: str, status: int | None = None) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.status = status
+
+
+class EngineUnavailable(UpstreamError):
+    """Nothing reached the engine, or it closed the connection before answering."""
+
+
+class EngineUnreachable(EngineUnavailable):
+    """The connection was never made: the request certainly did not reach the engine."""
+
+
+class EngineTimeout(UpstreamError):
+    """The engine took longer than allowed."""
+
+
+def parse_version(text: str | None) -> tuple[int, int] | None:
+    match = _VERSION_RE.search(text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def streams_handles(version: str | None) -> bool:
+    parsed = parse_version(version)
+    return parsed is not None and parsed >= STREAMING_HANDLES_SINCE
+
+
+def parse_block_size(metrics_text: str) -> int | None:
+    match = _BLOCK_SIZE_RE.search(metrics_text)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class EngineInfo:
+    """What the local engine can do, read when it becomes ready."""
+
+    version: str | None = None
+    streaming_handles: bool = False
+    block_size: int | None = None
+
+
+class EngineClient:
+    """One vLLM server."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, connect_timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self._session = session
+        self._connect = connect_timeout
+
+    def _timeout(self, total: float | None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, connect=self._connect, sock_connect=self._connect)
+
+    @staticmethod
+    def _headers(request_id: str | None) -> dict[str, str]:
+        return {HDR_REQUEST_ID: request_id} if request_id else {}
+
+    async def get(self, path: str, *, timeout: float | None = None) -> tuple[int, bytes, str]:
+        try:
+            async with self._session.get(
+                self.url + path, timeout=self._timeout(timeout or self._connect * 2)
+            ) as resp:
+                return resp.status, await resp.read(), resp.content_type
+        except TimeoutError as exc:
+            raise EngineTimeout(self.url, f"GET {path} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(self.url, f"GET {path}: {exc}") from exc
+
+    async def healthy(self) -> bool:
+        try:
+            status, _, _ = await self.get(PATH_HEALTH)
+        except UpstreamError:
+            return False
+        return status == 200
+
+    async def info(self) -> EngineInfo:
+        """Version and block size; missing pieces stay unknown."""
+        info = EngineInfo()
+        with contextlib.suppress(UpstreamError, ValueError):
+            status, body, _ = await self.get(PATH_VERSION)
+            if status == 200:
+                info.version = str(json.loads(body).get("version"))
+                info.streaming_handles = streams_handles(info.version)
+        with contextlib.suppress(UpstreamError):
+            status, body, _ = await self.get(PATH_METRICS)
+            if status == 200:
+                info.block_size = parse_block_size(body.decode("utf-8", "replace"))
+        return info
+
+    async def post_json(
+        self, path: str, body: JSON, *, request_id: str | None, timeout: float | None
+    ) -> tuple[int, Any]:
+        """(status, parsed JSON or text). Raises EngineUnavailable / EngineTimeout."""
+        try:
+            async with self._session.post(
+                self.url + path,
+                json=body,
+                headers=self._headers(request_id),
+                timeout=self._timeout(timeout),
+            ) as resp:
+                raw = await resp.read()
+                try:
+                    return resp.status, json.loads(raw)
+                except ValueError:
+                    return resp.status, raw.decode("utf-8", "replace")
+        except TimeoutError as exc:
+            raise EngineTimeout(self.url, f"POST {path} timed out after {timeout}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineUnreachable(self.url, f"POST {path}: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(self.url, f"POST {path}: {exc}") from exc
+
+    async def tokenize(self, body: JSON, *, request_id: str | None) -> list[int]:
+        status, data = await self.post_json(
+            PATH_TOKENIZE, body, request_id=request_id, timeout=self._connect * 10
+        )
+        if status != 200 or not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
+            raise UpstreamError(self.url, f"tokenize answered {status}", status)
+        return [int(t) for t in data["tokens"]]
+
+    async def open(
+        self, path: str, body: JSON, *, request_id: str | None
+    ) -> aiohttp.ClientResponse:
+        """Start a request whose body the caller reads (streams); caller releases it."""
+        try:
+            return await self._session.post(
+                self.url + path,
+                json=body,
+                headers=self._headers(request_id),
+                timeout=self._timeout(None),
+            )
+        except TimeoutError as exc:
+            raise EngineTimeout(self.url, f"POST {path}: connect timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(self.url, f"POST {path}: {exc}") from exc
+
+
+# ------------------------------------------------------------------ the local engine
+
+
+class LocalEngine:
+    """The engine in this pod: readiness, capabilities, and restarts.
+
+    A ready -> not ready -> ready sequence is a restart (or a hang): D's pinned
+    blocks are gone and ``probe`` reports it so the handle store can be cleared.
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        streaming_override: bool | None = None,
+        block_size_override: int | None = None,
+    ) -> None:
+        self.client = client
+        self.ready = False
+        self.info = EngineInfo()
+        self._was_ready = False
+        self._streaming_override = streaming_override
+        self._block_size_override = block_size_override
+        self.last_error: str | None = "not probed yet"
+
+    @property
+    def streaming_handles(self) -> bool:
+        if self._streaming_override is not None:
+            return self._streaming_override
+        return self.info.streaming_handles
+
+    @property
+    def block_size(self) -> int | None:
+        return self._block_size_override or self.info.block_size
+
+    async def probe(self) -> bool:
+        """Refresh readiness; True when this probe saw the engine come back."""
+        healthy = await self.client.healthy()
+        restarted = False
+        if healthy and not self.ready:
+            self.info = await self.client.info()
+            restarted = self._was_ready
+            self._was_ready = True
+            self.last_error = None
+            log.info(
+                "engine ready url=%s version=%s streaming_handles=%s block_size=%s",
+                self.client.url,
+                self.info.version,
+                self.streaming_handles,
+                self.block_size,
+            )
+            if not self.streaming_handles:
+                log.warning(
+                    "engine does not stream kv_transfer_params (vLLM < 0.33): streaming "
+                    "turns keep no handle and their next turn recomputes url=%s",
+                    self.client.url,
+                )
+        elif not healthy and self.ready:
+            self.last_error = "health check failed"
+            log.warning("engine not ready url=%s", self.client.url)
+        elif not healthy:
+            self.last_error = "health check failed"
+        self.ready = healthy
+        return restarted
+
+
+# ------------------------------------------------------------------ the prefill pool
+
+
+@dataclass
+class PrefillEngine:
+    client: EngineClient
+    ready: bool = True  # optimistic until a probe or a request says otherwise
+    outstanding: int = 0
+    chosen: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+@dataclass
+class PrefillPool:
+    """Ready prefill engines, least outstanding requests first."""
+
+    session: aiohttp.ClientSession
+    connect_timeout: float
+    engines: dict[str, PrefillEngine] = field(default_factory=dict)
+
+    def update(self, urls: Iterable[str]) -> None:
+        wanted = [u.rstrip("/") for u in urls]
+        for url in list(self.engines):
+            if url not in wanted:
+                del self.engines[url]
+        for url in wanted:
+            if url not in self.engines:
+                self.engines[url] = PrefillEngine(
+                    EngineClient(self.session, url, self.connect_timeout)
+                )
+
+    def ready_count(self) -> int:
+        return sum(e.ready for e in self.engines.values())
+
+    def choose(self, exclude: set[str]) -> PrefillEngine | None:
+        candidates = [e for e in self.engines.values() if e.ready and e.url not in exclude]
+        if not candidates:
+            return None
+        # Ties go to the engine chosen least often, so an idle pool round-robins.
+        best = min(candidates, key=lambda e: (e.outstanding, e.chosen))
+        best.chosen += 1
+        return best
+
+    def mark_down(self, url: str) -> None:
+        engine = self.engines.get(url)
+        if engine is not None and engine.ready:
+            engine.ready = False
+            log.warning("prefill engine marked not ready url=%s", url)
+
+    async def probe(self) -> None:
+        engines = list(self.engines.values())
+        results = await asyncio.gather(*(e.client.healthy() for e in engines))
+        for engine, healthy in zip(engines, results, strict=True):
+            if healthy != engine.ready:
+                log.info("prefill engine ready=%s url=%s", healthy, engine.url)
+            engine.ready = healthy
+
+    @contextlib.contextmanager
+    def in_flight(self, engine: PrefillEngine) -> Iterator[None]:
+        engine.outstanding += 1
+        try:
+            yield
+        finally:
+            engine.outstanding -= 1

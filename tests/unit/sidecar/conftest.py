@@ -1,0 +1,81 @@
+"""Fixtures: fake engines on real local ports, and a sidecar app built against them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from kvferry_sidecar.app import SIDECAR, app_factory
+from kvferry_sidecar.config import Settings
+from kvferry_sidecar.state import Sidecar
+
+from .fakes import FakeClock, FakeEngine
+
+
+@dataclass
+class Engines:
+    prefill: list[FakeEngine]
+    decode: FakeEngine
+    clock: FakeClock = field(default_factory=FakeClock)
+
+    @property
+    def p0(self) -> FakeEngine:
+        return self.prefill[0]
+
+    @property
+    def p1(self) -> FakeEngine:
+        return self.prefill[1]
+
+    def prefill_calls(self) -> int:
+        return sum(len(p.completions()) for p in self.prefill)
+
+
+async def start(aiohttp_server: Any, engine: FakeEngine) -> FakeEngine:
+    server = await aiohttp_server(engine.app())
+    engine.url = str(server.make_url("")).rstrip("/")
+    return engine
+
+
+@pytest.fixture
+async def engines(aiohttp_server: Any) -> Engines:
+    p0 = await start(aiohttp_server, FakeEngine("prefill", "prefill-0"))
+    p1 = await start(aiohttp_server, FakeEngine("prefill", "prefill-1"))
+    d = await start(aiohttp_server, FakeEngine("decode", "decode-0"))
+    return Engines([p0, p1], d)
+
+
+def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
+    """Settings for tiny fake prompts: no skipping, a 4-token recompute threshold, and
+    background loops slow enough never to run during a test."""
+    values: dict[str, Any] = {
+        "engine_url": engines.decode.url,
+        "prefill_engines": tuple(p.url for p in engines.prefill),
+        "skip_prefill_below_tokens": 0,
+        "recompute_threshold": 4,
+        "probe_interval_seconds": 3600.0,
+        "topology_reload_seconds": 3600.0,
+        "connect_timeout_seconds": 1.0,
+        "prefill_timeout_seconds": 5.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+MakeSidecar = Callable[..., Awaitable[TestClient]]
+
+
+@pytest.fixture
+def make_sidecar(aiohttp_client: Any, engines: Engines) -> MakeSidecar:
+    async def make(**overrides: Any) -> TestClient:
+        app = app_factory(sidecar_settings(engines, **overrides), clock=engines.clock)
+        return await aiohttp_client(app)
+
+    return make
+
+
+def sidecar_of(client: TestClient) -> Sidecar:
+    return client.app[SIDECAR]  # type: ignore[index]

@@ -1,0 +1,337 @@
+"""In-process fake vLLM engines (prefill and decode) that record what they received.
+
+Shapes follow vLLM 0.32/0.33's OpenAI server: ``/tokenize`` -> ``tokens``; chat and
+completions answers with ``prompt_token_ids`` / ``choices[].token_ids`` when
+``return_token_ids`` is set and ``kv_transfer_params`` as NixlConnector returns them
+(P: ``do_remote_prefill=true`` + its blocks; D: the bidirectional handle with
+``remote_blocks_expiry_time`` on D's ``perf_counter`` clock). 0.32 sends no
+``kv_transfer_params`` in streamed chunks; 0.33 puts them on the final chunk.
+
+Tokenizer: whitespace words, one shared vocabulary, a chat template of
+``<role> words... <eos>`` per message plus ``<assistant>`` as the generation prompt,
+so a follow-up turn's prompt extends the previous prompt + answer exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+EOS = "<eos>"
+VOCAB: dict[str, int] = {"<system>": 1, "<user>": 2, "<assistant>": 3, EOS: 4, "<tool>": 5}
+
+
+def token_id(word: str) -> int:
+    if word not in VOCAB:
+        VOCAB[word] = 100 + len(VOCAB)
+    return VOCAB[word]
+
+
+def ids(words: list[str]) -> list[int]:
+    return [token_id(w) for w in words]
+
+
+def chat_words(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[str]:
+    words: list[str] = []
+    for m in messages:
+        words += [f"<{m['role']}>", *str(m.get("content") or "").split(), EOS]
+    if add_generation_prompt:
+        words.append("<assistant>")
+    return words
+
+
+def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
+    return ids(chat_words(messages))
+
+
+def prompt_words(body: dict[str, Any]) -> list[str]:
+    if "messages" in body:
+        return chat_words(body["messages"], body.get("add_generation_prompt", True))
+    return str(body.get("prompt", "")).split()
+
+
+_ARRIVALS = itertools.count()
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: CIMultiDict[str]
+    body: dict[str, Any]
+    # Arrival order across every fake engine in the process.
+    seq: int = field(default_factory=lambda: next(_ARRIVALS))
+
+
+def has_handle(body: dict[str, Any]) -> bool:
+    params = body.get("kv_transfer_params") or {}
+    return bool(params.get("do_remote_decode") and params.get("remote_block_ids"))
+
+
+@dataclass
+class FakeEngine:
+    role: str  # "prefill" | "decode"
+    name: str
+    version: str = "0.33.0"
+    block_size: int = 4
+    reply: str = "fine thanks"
+    ttl: float = 480.0
+    healthy: bool = True
+    # Statuses the next completion requests answer with, first to last.
+    fail_statuses: list[int] = field(default_factory=list)
+    # Prefill: status answered when a request carries a handle (a failed pull).
+    fail_with_handle: int | None = None
+    # Decode: status answered when a request carries P's params (a failed pull from P).
+    fail_with_prefill_params: int | None = None
+    omit_params: bool = False
+    # Completion requests to answer by closing the connection (an engine dying).
+    drop_connections: int = 0
+    delay: float = 0.0
+    seen: list[Seen] = field(default_factory=list)
+    # Decode: every handle returned, in order (None when the request got none).
+    handles: list[dict[str, Any] | None] = field(default_factory=list)
+    url: str = ""
+    _count: int = 0
+
+    # -------------------------------------------------------------- inspection
+
+    def completions(self) -> list[Seen]:
+        return [s for s in self.seen if s.path.startswith("/v1/") and s.path != "/v1/models"]
+
+    def last(self) -> Seen:
+        return self.completions()[-1]
+
+    # -------------------------------------------------------------- the app
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.version})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
+            'enable_prefix_caching="True"} 1.0\n'
+        )
+        return web.Response(text=text)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
+        tokens = ids(prompt_words(body))
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
+        self._count += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.drop_connections:
+            self.drop_connections -= 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        if self.fail_statuses:
+            return _error(self.fail_statuses.pop(0))
+        if self.fail_with_handle is not None and has_handle(body):
+            return _error(self.fail_with_handle, "remote KV load failed")
+        params = body.get("kv_transfer_params") or {}
+        if self.fail_with_prefill_params is not None and params.get("do_remote_prefill"):
+            return _error(self.fail_with_prefill_params, "remote KV load failed")
+        prompt = ids(prompt_words(body))
+        rid = request.headers.get("X-Request-Id", f"req-{self._count}")
+        if self.role == "prefill":
+            return web.json_response(self._prefill_answer(body, prompt, rid))
+        return await self._decode_answer(request, body, prompt, rid)
+
+    def _prefill_answer(self, body: dict[str, Any], prompt: list[int], rid: str) -> dict:
+        params = None
+        if not self.omit_params:
+            blocks = -(-len(prompt) // self.block_size)
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [list(range(blocks))],
+                "remote_engine_id": self.name,
+                "remote_request_id": f"{self.name}-{rid}",
+                "remote_host": "10.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "remote_num_tokens": len(prompt),
+                "remote_blocks_expiry_time": None,
+            }
+        return _chat_body(body, "x", [token_id("x")], prompt, False, params, "length")
+
+    def _handle(self, body: dict[str, Any], prompt: list[int], output: list[int], rid: str):
+        if self.omit_params or not body.get("kv_transfer_params"):
+            return None
+        remote = len(prompt) + len(output) - 1
+        first = 1000 * self._count
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [list(range(first, first + -(-remote // self.block_size)))],
+            "remote_engine_id": self.name,
+            "remote_request_id": f"{self.name}-{rid}",
+            "remote_host": "10.0.0.2",
+            "remote_port": 5601,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": remote,
+            "remote_blocks_expiry_time": time.perf_counter() + self.ttl,
+            "transfer_mode": "pull",
+        }
+
+    async def _decode_answer(
+        self, request: web.Request, body: dict[str, Any], prompt: list[int], rid: str
+    ) -> web.StreamResponse:
+        words = self.reply.split()
+        output = [*ids(words), token_id(EOS)]
+        params = self._handle(body, prompt, output, rid)
+        self.handles.append(params)
+        with_ids = bool(body.get("return_token_ids"))
+        if not body.get("stream"):
+            text = " ".join(words)
+            return web.json_response(_chat_body(body, text, output, prompt, with_ids, params))
+        return await self._stream(request, body, prompt, words, output, params, with_ids)
+
+    async def _stream(self, request, body, prompt, words, output, params, with_ids):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chat = "messages" in body
+        base = {
+            "id": "cmpl-1",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "model": body.get("model", "fake"),
+        }
+
+        def choice(text: str, tokens: list[int] | None, finish: str | None) -> dict:
+            c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            if chat:
+                c["delta"] = {"content": text}
+            else:
+                c["text"] = text
+            if with_ids and tokens is not None:
+                c["token_ids"] = tokens
+            return c
+
+        chunks: list[dict[str, Any]] = []
+        first = {**base, "choices": [choice("", None, None)]}
+        if chat:
+            first["choices"][0]["delta"]["role"] = "assistant"
+        if with_ids:
+            if chat:
+                first["prompt_token_ids"] = prompt
+            else:
+                first["choices"][0]["prompt_token_ids"] = prompt
+        chunks.append(first)
+        for word, tok in zip(words, output, strict=False):
+            chunks.append({**base, "choices": [choice(word + " ", [tok], None)]})
+        final = {**base, "choices": [choice("", [output[-1]], "stop")]}
+        if params is not None and _version_at_least(self.version, (0, 33)):
+            final["kv_transfer_params"] = params
+        chunks.append(final)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
+            chunks.append({**base, "choices": [], "usage": usage})
+        for obj in chunks:
+            event = f"data: {json.dumps(obj)}\n\n".encode()
+            # Split every event across two writes: the relay must reassemble them.
+            half = len(event) // 2
+            await response.write(event[:half])
+            await response.write(event[half:])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _version_at_least(version: str, wanted: tuple[int, int]) -> bool:
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return (major, minor) >= wanted
+
+
+def _error(status: int, message: str = "injected failure") -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "InternalServerError", "code": status}},
+        status=status,
+    )
+
+
+def _chat_body(
+    body: dict[str, Any],
+    text: str,
+    output: list[int],
+    prompt: list[int],
+    with_ids: bool,
+    params: dict[str, Any] | None,
+    finish: str = "stop",
+) -> dict[str, Any]:
+    if "messages" in body:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "token_ids": output if with_ids else None,
+        }
+        top_prompt = prompt if with_ids else None
+        kind = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "finish_reason": finish,
+            "prompt_token_ids": prompt if with_ids else None,
+            "token_ids": output if with_ids else None,
+        }
+        top_prompt = None
+        kind = "text_completion"
+    out = {
+        "id": "cmpl-1",
+        "object": kind,
+        "model": body.get("model", "fake"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output)},
+        "kv_transfer_params": params,
+    }
+    if kind == "chat.completion":
+        out["prompt_token_ids"] = top_prompt
+    return out
+
+
+class FakeClock:
+    """The handle store's clock, starting at the real perf_counter (the fake D stamps
+    expiry times with it, as vLLM does) and advanced by tests."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds

@@ -1,0 +1,119 @@
+"""Session keys (configured order) and owner hashing (rendezvous over ordinals)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvferry_sidecar.config import DEFAULT_SESSION_KEYS
+from kvferry_sidecar.session import owner, session_key, session_tag
+
+SYSTEM = {"role": "system", "content": "be brief"}
+Q1 = {"role": "user", "content": "hello"}
+A1 = {"role": "assistant", "content": "hi"}
+Q2 = {"role": "user", "content": "more"}
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "expected"),
+    [
+        pytest.param(
+            {"session_id": "s", "conversation_id": "c", "user": "u"},
+            {"X-Session-Id": "h"},
+            "session_id=s",
+            id="session_id-first",
+        ),
+        pytest.param(
+            {"conversation_id": "c", "user": "u"},
+            {"X-Session-Id": "h"},
+            "conversation_id=c",
+            id="conversation_id-second",
+        ),
+        pytest.param({"user": "u"}, {"X-Session-Id": "h"}, "header:X-Session-Id=h", id="header"),
+        pytest.param({"user": "u"}, {}, "user=u", id="user-last"),
+        pytest.param({"session_id": "", "user": "u"}, {}, "user=u", id="empty-is-absent"),
+        pytest.param({"session_id": {"x": 1}, "user": "u"}, {}, "user=u", id="object-is-absent"),
+    ],
+)
+def test_session_key_order(body: dict, headers: dict, expected: str) -> None:
+    """The first present source in the configured order names the session."""
+    assert session_key(body, headers, DEFAULT_SESSION_KEYS) == expected
+
+
+def test_session_key_order_is_configurable() -> None:
+    """A custom order is honoured (user before session_id here)."""
+    body = {"session_id": "s", "user": "u"}
+    assert session_key(body, {}, ["user", "session_id"]) == "user=u"
+
+
+def test_session_key_fallback_stable_as_conversation_grows() -> None:
+    """Without a key, turn 1 and turn 2 of one conversation get the same key."""
+    # Bug prevented: keying on "the first two messages" changes the key at turn 2
+    # (assistant reply joins the head), so the handle is never found.
+    turn1 = {"model": "m", "messages": [SYSTEM, Q1]}
+    turn2 = {"model": "m", "messages": [SYSTEM, Q1, A1, Q2]}
+    assert session_key(turn1, {}, DEFAULT_SESSION_KEYS) == session_key(
+        turn2, {}, DEFAULT_SESSION_KEYS
+    )
+
+
+def test_session_key_fallback_differs_by_model_and_opening() -> None:
+    """The fallback key separates models and different opening questions."""
+    a = session_key({"model": "m", "messages": [Q1]}, {}, ())
+    b = session_key({"model": "n", "messages": [Q1]}, {}, ())
+    c = session_key({"model": "m", "messages": [Q2]}, {}, ())
+    assert len({a, b, c}) == 3
+
+
+def test_session_key_fallback_for_completions_prompt() -> None:
+    """A completions prompt is keyed by its start, so a growing prompt keeps its key."""
+    head = "x " * 400
+    a = session_key({"model": "m", "prompt": head + "one"}, {}, ())
+    b = session_key({"model": "m", "prompt": head + "one two three"}, {}, ())
+    assert a == b
+
+
+def test_session_tag_hides_key() -> None:
+    """The tag used in logs and engine session_id does not contain the raw key."""
+    tag = session_tag("user=alice@example.com")
+    assert "alice" not in tag
+    assert tag == session_tag("user=alice@example.com")
+
+
+# ------------------------------------------------------------------ owner
+
+# Pinned values: a change of hash function or ring rule would move every live
+# session to another pod (all handles lost at once). Change them only on purpose.
+PINNED_OWNERS = {
+    ("session_id=a", 4): 3,
+    ("session_id=b", 4): 0,
+    ("session_id=c", 4): 0,
+    ("user=alice", 3): 0,
+    ("user=bob", 8): 5,
+}
+
+
+@pytest.mark.parametrize(("key", "ring"), list(PINNED_OWNERS))
+def test_owner_hashing_stable(key: str, ring: int) -> None:
+    """Owners are fixed values, independent of process and PYTHONHASHSEED."""
+    assert owner(key, ring) == PINNED_OWNERS[(key, ring)]
+
+
+def test_owner_single_pod_owns_everything() -> None:
+    assert owner("session_id=x", 1) == 0
+
+
+def test_owner_scale_up_moves_only_sessions_to_new_pod() -> None:
+    """Growing the ring from 4 to 5 moves sessions only to ordinal 4, about a fifth."""
+    keys = [f"session_id={i}" for i in range(2000)]
+    moved = [k for k in keys if owner(k, 4) != owner(k, 5)]
+    assert all(owner(k, 5) == 4 for k in moved)
+    assert 300 < len(moved) < 500
+
+
+def test_owner_spreads_sessions_evenly() -> None:
+    """Each of 4 owners gets a fair share of 4000 sessions (within 20%)."""
+    counts = Counter(owner(f"user={i}", 4) for i in range(4000))
+    assert set(counts) == {0, 1, 2, 3}
+    assert all(800 < c < 1200 for c in counts.values())

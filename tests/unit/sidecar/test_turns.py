@@ -1,0 +1,587 @@
+"""The turn protocol end to end: a sidecar app against fake P and D engines.
+
+Each test drives the real aiohttp app in-process and asserts what each engine
+received and what the client got back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient
+
+from kvferry_sidecar.types import LOCAL_PREFILL_PARAMS, PREFILL_REQUEST_PARAMS
+
+from .conftest import Engines, MakeSidecar, sidecar_of
+from .fakes import EOS, chat_ids, ids
+
+CHAT = "/v1/chat/completions"
+LONG_QUESTION = "one two three four five six seven eight nine ten"
+
+
+class Conversation:
+    """A client that keeps its history and resends it each turn, as chat clients do."""
+
+    def __init__(self, client: TestClient, **fields: Any) -> None:
+        self.client = client
+        self.fields = fields
+        self.messages: list[dict[str, Any]] = []
+
+    async def ask(self, text: str, *, headers: dict[str, str] | None = None, **extra: Any):
+        self.messages.append({"role": "user", "content": text})
+        body = {"model": "m", "messages": list(self.messages), **self.fields, **extra}
+        resp = await self.client.post(CHAT, json=body, headers=headers or {})
+        raw = await resp.text()
+        answer = _answer_text(raw, bool(body.get("stream"))) if resp.status == 200 else ""
+        self.messages.append({"role": "assistant", "content": answer.strip()})
+        return resp, raw
+
+
+def _answer_text(raw: str, stream: bool) -> str:
+    if not stream:
+        return json.loads(raw)["choices"][0]["message"]["content"]
+    text = ""
+    for line in raw.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+def kv(seen_body: dict[str, Any]) -> dict[str, Any] | None:
+    return seen_body.get("kv_transfer_params")
+
+
+def outcome(resp: ClientResponse) -> str:
+    return resp.headers["X-Kvferry-Outcome"]
+
+
+def prefill_bodies(engines: Engines) -> list[dict[str, Any]]:
+    """Bodies the prefill engines received, in arrival order."""
+    seen = sorted((s for p in engines.prefill for s in p.completions()), key=lambda s: s.seq)
+    return [s.body for s in seen]
+
+
+# ------------------------------------------------------------------ the two legs
+
+
+async def test_turn_first_turn_prefills_on_p_then_decodes_on_d(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Turn 1: P gets the plain prefill request, D gets P's params and token ids."""
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello there")
+    assert resp.status == 200
+    assert outcome(resp) == "no-handle"
+    (p_body,) = prefill_bodies(engines)
+    assert kv(p_body) == PREFILL_REQUEST_PARAMS
+    assert p_body["stream"] is False and p_body["max_tokens"] == 1
+    d_body = engines.decode.last().body
+    assert kv(d_body)["do_remote_prefill"] is True
+    assert kv(d_body)["remote_engine_id"] in {"prefill-0", "prefill-1"}
+    assert d_body["return_token_ids"] is True
+
+
+async def test_turn_second_turn_reuses_handle_whole(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Turn 2: P gets D's turn-1 handle exactly as D returned it, expiry included."""
+    # Bug prevented: a handle whose remote_blocks_expiry_time was dropped let P read
+    # D's freed blocks without any error (seen with vLLM 0.32).
+    conv = Conversation(await make_sidecar())
+    await conv.ask(LONG_QUESTION)
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    handle = engines.decode.handles[0]
+    assert handle is not None
+    p_body = prefill_bodies(engines)[-1]
+    assert kv(p_body) == handle
+    assert kv(p_body)["remote_blocks_expiry_time"] == handle["remote_blocks_expiry_time"]
+    assert resp.headers["X-Kvferry-Reused-Tokens"] == str(handle["remote_num_tokens"])
+
+
+async def test_turn_handle_token_ids_are_prompt_plus_answer(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The stored handle's ids are turn 1's prompt ids followed by the generated ids."""
+    client = await make_sidecar()
+    await Conversation(client).ask("hello there")
+    (handle,) = sidecar_of(client).store._items.values()
+    prompt = chat_ids([{"role": "user", "content": "hello there"}])
+    assert list(handle.token_ids) == [*prompt, *ids(["fine", "thanks", EOS])]
+    assert handle.num_tokens == len(prompt) + 2
+    assert handle.params == engines.decode.handles[0]
+
+
+async def test_turn_same_request_id_on_both_legs(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The client's X-Request-Id reaches /tokenize, P and D, and comes back."""
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello", headers={"X-Request-Id": "rid-42"})
+    assert resp.headers["X-Request-Id"] == "rid-42"
+    p_seen = [s for p in engines.prefill for s in p.completions()]
+    d_seen = engines.decode.seen
+    assert [s.headers["X-Request-Id"] for s in p_seen] == ["rid-42"]
+    assert {s.headers["X-Request-Id"] for s in d_seen} == {"rid-42"}
+
+
+async def test_x_request_id_generated_and_echoed(make_sidecar: MakeSidecar) -> None:
+    """Without a client id the sidecar makes one and echoes it, streaming or not."""
+    client = await make_sidecar()
+    plain = await client.post(CHAT, json={"model": "m", "messages": [{"role": "user"}]})
+    stream = await client.post(
+        CHAT, json={"model": "m", "stream": True, "messages": [{"role": "user"}]}
+    )
+    health = await client.get("/healthz")
+    ids = [r.headers.get("X-Request-Id") for r in (plain, stream, health)]
+    assert all(ids) and len(set(ids)) == 3
+
+
+async def test_invalid_body_is_400_with_request_id(make_sidecar: MakeSidecar) -> None:
+    """A body that is not a JSON object is refused before any engine is asked."""
+    client = await make_sidecar()
+    resp = await client.post(CHAT, data=b"[1, 2", headers={"X-Request-Id": "bad"})
+    assert resp.status == 400
+    assert resp.headers["X-Request-Id"] == "bad"
+    assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------ client's view
+
+
+async def test_nonstreaming_response_restores_client_view(make_sidecar: MakeSidecar) -> None:
+    """Token ids the client did not ask for and kv params come back as null."""
+    conv = Conversation(await make_sidecar())
+    _, raw = await conv.ask("hello")
+    body = json.loads(raw)
+    assert body["prompt_token_ids"] is None
+    assert body["kv_transfer_params"] is None
+    assert body["choices"][0]["token_ids"] is None
+    assert body["choices"][0]["message"]["content"] == "fine thanks"
+
+
+async def test_nonstreaming_token_ids_kept_when_client_asks(make_sidecar: MakeSidecar) -> None:
+    conv = Conversation(await make_sidecar())
+    _, raw = await conv.ask("hello", return_token_ids=True)
+    body = json.loads(raw)
+    assert body["prompt_token_ids"] == chat_ids([{"role": "user", "content": "hello"}])
+    assert body["kv_transfer_params"] is None
+
+
+async def test_streaming_response_strips_ids_and_params(make_sidecar: MakeSidecar) -> None:
+    """Streamed chunks reach the client without token ids or kv params, [DONE] last."""
+    conv = Conversation(await make_sidecar(), stream=True)
+    resp, raw = await conv.ask("hello")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert "token_ids" not in raw and "kv_transfer_params" not in raw
+    assert raw.rstrip().endswith("data: [DONE]")
+    assert conv.messages[-1]["content"] == "fine thanks"
+
+
+async def test_streaming_033_keeps_handle_from_final_chunk(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """vLLM 0.33 streams the handle on the final chunk: turn 2 reuses it."""
+    conv = Conversation(await make_sidecar(), stream=True)
+    first, _ = await conv.ask(LONG_QUESTION)
+    assert "X-Kvferry-Handle" not in first.headers
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    assert kv(prefill_bodies(engines)[-1]) == engines.decode.handles[0]
+
+
+async def test_streaming_032_states_no_handle_is_kept(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """vLLM 0.32 streams no handle: the response says so and turn 2 recomputes."""
+    engines.decode.version = "0.32.0"
+    conv = Conversation(await make_sidecar(), stream=True)
+    first, _ = await conv.ask(LONG_QUESTION)
+    assert first.headers["X-Kvferry-Handle"].startswith("not-kept; reason=engine-streams-no-handle")
+    assert "0.32.0" in first.headers["X-Kvferry-Handle"]
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "no-handle"
+
+
+async def test_nonstreaming_032_keeps_handle(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """vLLM 0.32 returns the handle in non-streaming responses: turn 2 reuses it."""
+    engines.decode.version = "0.32.0"
+    conv = Conversation(await make_sidecar())
+    await conv.ask(LONG_QUESTION)
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+
+
+async def test_client_kv_transfer_params_never_reach_engines(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A client-supplied kv_transfer_params is dropped before either leg."""
+    conv = Conversation(await make_sidecar())
+    await conv.ask("hello", kv_transfer_params={"remote_host": "evil"})
+    bodies = [*prefill_bodies(engines), engines.decode.last().body]
+    assert all(kv(b).get("remote_host") != "evil" for b in bodies)
+
+
+async def test_completions_api_reuses_handle(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """/v1/completions: a prompt that extends prompt + answer reuses the handle."""
+    client = await make_sidecar()
+    first = await client.post(
+        "/v1/completions", json={"model": "m", "prompt": LONG_QUESTION, "session_id": "c1"}
+    )
+    assert outcome(first) == "no-handle"
+    assert (await first.json())["choices"][0]["token_ids"] is None
+    second = await client.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": f"{LONG_QUESTION} fine thanks <eos> more",
+            "session_id": "c1",
+        },
+    )
+    assert outcome(second) == "reused"
+
+
+# ------------------------------------------------------------------ alignment
+
+
+async def test_alignment_rewritten_history_pulls_aligned_prefix_only(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """An edited answer: P is told 12 tokens (3 blocks) instead of the whole handle."""
+    conv = Conversation(await make_sidecar(), session_id="s")
+    await conv.ask(LONG_QUESTION)  # prompt: 13 tokens; handle: 16 ids, 15 with KV
+    conv.messages[-1]["content"] = "something else entirely"
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    handle = engines.decode.handles[0]
+    sent = kv(prefill_bodies(engines)[-1])
+    assert sent["remote_num_tokens"] == 12
+    assert sent["remote_block_ids"] == [handle["remote_block_ids"][0][:3]]
+    assert sent["remote_blocks_expiry_time"] == handle["remote_blocks_expiry_time"]
+
+
+async def test_alignment_early_divergence_recomputes(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """History rewritten from its first words: the handle is not sent."""
+    conv = Conversation(await make_sidecar(), session_id="s")
+    await conv.ask(LONG_QUESTION)
+    conv.messages[0]["content"] = "completely different words here"
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "misaligned"
+    assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
+
+
+async def test_alignment_below_threshold_recomputes(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A handle shorter than the recompute threshold is not sent."""
+    conv = Conversation(await make_sidecar(recompute_threshold=64))
+    await conv.ask(LONG_QUESTION)
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "below-threshold"
+    assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
+
+
+async def test_expired_handle_is_not_sent(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """Past expiry - margin the handle is dropped and turn 2 recomputes."""
+    conv = Conversation(await make_sidecar(expiry_margin_seconds=15))
+    await conv.ask(LONG_QUESTION)
+    engines.clock.advance(engines.decode.ttl - 15)
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "expired"
+    assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
+
+
+async def test_handle_single_use_across_turns(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """A retried turn (same prompt) after the handle was used does not resend it."""
+    client = await make_sidecar()
+    conv = Conversation(client, session_id="s")
+    await conv.ask(LONG_QUESTION)
+    body = {"model": "m", "session_id": "s", "messages": [*conv.messages, {"role": "user"}]}
+    first = await client.post(CHAT, json=body)
+    assert outcome(first) == "reused"
+    sidecar_of(client).store.clear()  # as if the new handle were lost
+    second = await client.post(CHAT, json=body)
+    assert outcome(second) == "no-handle"
+
+
+# ------------------------------------------------------------------ skip prefill
+
+
+async def test_skip_prefill_short_tail_decodes_locally(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Turn 2's uncached tail (9 tokens) is below skipPrefillBelowTokens: P is skipped."""
+    conv = Conversation(await make_sidecar(skip_prefill_below_tokens=10))
+    await conv.ask(LONG_QUESTION)  # 13 tokens, nothing held: goes to P
+    assert engines.prefill_calls() == 1
+    resp, _ = await conv.ask("and you")  # 21 tokens, D holds 12 (3 blocks)
+    assert outcome(resp) == "skipped-prefill"
+    assert resp.headers["X-Kvferry-Reused-Tokens"] == "12"
+    assert engines.prefill_calls() == 1
+    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+
+
+async def test_skip_prefill_short_first_turn(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """A first prompt shorter than skipPrefillBelowTokens is prefilled on D."""
+    conv = Conversation(await make_sidecar(skip_prefill_below_tokens=256))
+    resp, _ = await conv.ask("hi")
+    assert outcome(resp) == "skipped-prefill"
+    assert engines.prefill_calls() == 0
+
+
+async def test_multiple_sequences_skip_prefill_and_keep_no_handle(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """n > 1 is served by D alone, without kv params, and says no handle is kept."""
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello", n=2)
+    assert outcome(resp) == "skipped-prefill"
+    assert resp.headers["X-Kvferry-Handle"] == "not-kept; reason=multiple-sequences"
+    assert engines.prefill_calls() == 0
+    assert "kv_transfer_params" not in engines.decode.last().body
+
+
+# ------------------------------------------------------------------ prefill choice
+
+
+async def test_prefill_choice_round_robins_idle_engines(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """With nothing outstanding, successive turns go to alternating engines."""
+    client = await make_sidecar()
+    for i in range(4):
+        await Conversation(client, session_id=f"s{i}").ask("hello")
+    assert [len(p.completions()) for p in engines.prefill] == [2, 2]
+
+
+async def test_prefill_retry_other_engine_on_error(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A prefill engine answering 503 is left for the other one; the client sees 200."""
+    engines.p0.fail_statuses = [503]
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello")
+    assert resp.status == 200
+    assert resp.headers["X-Kvferry-Route"] == "remote"
+    assert [len(p.completions()) for p in engines.prefill] == [1, 1]
+    assert kv(engines.decode.last().body)["remote_engine_id"] == "prefill-1"
+
+
+async def test_prefill_engine_refusing_connection_keeps_handle_for_next_engine(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A prefill engine that cannot be connected to never saw the handle: the next gets it."""
+    dead = "http://127.0.0.1:9"
+    client = await make_sidecar(prefill_engines=(dead, engines.p0.url))
+    conv = Conversation(client)
+    await conv.ask(LONG_QUESTION)
+    sidecar_of(client).pool.engines[dead].ready = True  # as if it had just died
+    sidecar_of(client).pool.engines[engines.p0.url].outstanding = 1  # so `dead` is chosen
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    assert kv(engines.p0.last().body) == engines.decode.handles[0]
+    assert not sidecar_of(client).pool.engines[dead].ready
+
+
+async def test_prefill_engine_lost_mid_request_drops_handle(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """P broke off after receiving the handle: the handle is not sent again."""
+    # Bug prevented: P may have completed the read (D then frees the blocks) before
+    # dying; a second P reading the same handle would load freed memory.
+    conv = Conversation(await make_sidecar())
+    await conv.ask(LONG_QUESTION)  # went to prefill-0 (first in order)
+    engines.p1.drop_connections = 1  # turn 2 goes to prefill-1 first
+    resp, _ = await conv.ask("and then")
+    assert resp.status == 200
+    assert outcome(resp) == "pull-failed"
+    assert kv(engines.p0.last().body) == PREFILL_REQUEST_PARAMS
+
+
+async def test_prefill_not_ready_engine_is_skipped(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """An engine failing /health at startup gets no requests."""
+    engines.p0.healthy = False
+    client = await make_sidecar()
+    for i in range(3):
+        await Conversation(client, session_id=f"s{i}").ask("hello")
+    assert [len(p.completions()) for p in engines.prefill] == [0, 3]
+
+
+async def test_pull_failed_retries_at_once_without_handle(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """P answers 500 to the handle (failed pull): retried without it, outcome pull-failed."""
+    # Bug prevented: under kv_load_failure_policy=fail the client would get P's 500.
+    conv = Conversation(await make_sidecar())
+    await conv.ask(LONG_QUESTION)
+    for p in engines.prefill:
+        p.fail_with_handle = 500
+    resp, _ = await conv.ask("and then")
+    assert resp.status == 200
+    assert outcome(resp) == "pull-failed"
+    assert resp.headers["X-Kvferry-Reused-Tokens"] == "0"
+    with_handle, without = prefill_bodies(engines)[-2:]
+    assert kv(with_handle) == engines.decode.handles[0]
+    assert kv(without) == PREFILL_REQUEST_PARAMS
+    assert kv(engines.decode.last().body)["do_remote_prefill"] is True
+
+
+async def test_all_prefill_engines_failing_falls_back_to_decode(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """No prefill engine can serve: D prefills itself and the client sees 200."""
+    for p in engines.prefill:
+        p.fail_statuses = [500, 500]
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello")
+    assert resp.status == 200
+    assert resp.headers["X-Kvferry-Route"] == "fallback"
+    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+
+
+async def test_prefill_client_error_lets_decode_answer(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A 400 from P is not retried on other engines: D answers the request."""
+    engines.p0.fail_statuses = [400]
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello")
+    assert resp.status == 200
+    assert resp.headers["X-Kvferry-Route"] == "fallback"
+    assert engines.prefill_calls() == 1
+
+
+async def test_decode_failed_pull_from_prefill_recomputes_on_decode(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """D answering 500 to P's params (P's blocks gone): retried as a local prefill."""
+    engines.decode.fail_with_prefill_params = 500
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello")
+    assert resp.status == 200
+    assert resp.headers["X-Kvferry-Route"] == "fallback"
+    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+
+
+async def test_decode_client_error_is_passed_through(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """D's own 400 reaches the client unchanged."""
+    engines.decode.fail_statuses = [400]
+    conv = Conversation(await make_sidecar())
+    resp, raw = await conv.ask("hello")
+    assert resp.status == 400
+    assert json.loads(raw)["error"]["code"] == 400
+
+
+# ------------------------------------------------------------------ readiness
+
+
+async def test_upstream_not_ready_is_502_with_message(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The local engine failing /health: 502 naming the engine, request id echoed."""
+    engines.decode.healthy = False
+    client = await make_sidecar()
+    resp = await client.post(
+        CHAT, json={"model": "m", "messages": []}, headers={"X-Request-Id": "r9"}
+    )
+    assert resp.status == 502
+    assert resp.headers["X-Request-Id"] == "r9"
+    error = (await resp.json())["error"]
+    assert error["type"] == "upstream_not_ready"
+    assert engines.decode.url in error["message"] and "not ready" in error["message"]
+    assert (await client.get("/readyz")).status == 503
+
+
+async def test_upstream_unreachable_is_502(make_sidecar: MakeSidecar) -> None:
+    """No engine listening at all: 502, not a crash."""
+    client = await make_sidecar(engine_url="http://127.0.0.1:9")
+    resp = await client.post(CHAT, json={"model": "m", "messages": []})
+    assert resp.status == 502
+
+
+async def test_readyz_reports_engine_capabilities(make_sidecar: MakeSidecar) -> None:
+    body = await (await (await make_sidecar()).get("/readyz")).json()
+    assert body["status"] == "ready"
+    assert body["engine_version"] == "0.33.0"
+    assert body["streaming_handles"] is True
+    assert body["block_size"] == 4
+    assert body["prefill_engines_ready"] == 2
+
+
+async def test_models_proxied_from_engine(make_sidecar: MakeSidecar) -> None:
+    resp = await (await make_sidecar()).get("/v1/models")
+    assert (await resp.json())["data"][0]["id"] == "fake"
+
+
+async def test_engine_restart_clears_handles(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """D seen down then up again: its pinned blocks are gone, so are our handles."""
+    client = await make_sidecar()
+    await Conversation(client).ask(LONG_QUESTION)
+    sc = sidecar_of(client)
+    assert len(sc.store) == 1
+    engines.decode.healthy = False
+    await sc.probe()
+    engines.decode.healthy = True
+    await sc.probe()
+    assert len(sc.store) == 0
+
+
+async def test_prefill_role_serves_no_turns(make_sidecar: MakeSidecar) -> None:
+    """role=prefill: health, readiness and metrics only."""
+    client = await make_sidecar(role="prefill")
+    assert (await client.get("/readyz")).status == 200
+    assert (await client.post(CHAT, json={})).status in (404, 405)
+
+
+# ------------------------------------------------------------------ metrics
+
+
+async def test_metrics_recorded_per_outcome(make_sidecar: MakeSidecar) -> None:
+    """Turn outcomes, TTFT stages, gaps and pinned handles show up on /metrics."""
+    client = await make_sidecar()
+    conv = Conversation(client, stream=True)
+    await conv.ask(LONG_QUESTION)
+    await conv.ask("and then")
+    text = await (await client.get("/metrics")).text()
+    assert 'kvferry_turns_total{outcome="no-handle",route="remote"} 1.0' in text
+    assert 'kvferry_turns_total{outcome="reused",route="remote"} 1.0' in text
+    for stage in ("queue", "prefill", "p_to_d", "first_token"):
+        assert f'kvferry_ttft_stage_seconds_count{{outcome="reused",stage="{stage}"}} 1.0' in text
+    assert "kvferry_turn_gap_seconds_count 1.0" in text
+    assert "kvferry_handles_pinned 1.0" in text
+    assert 'kvferry_handle_drops_total{fate="taken"} 1.0' in text
+    assert "kvferry_reused_tokens_total 15.0" in text
+
+
+async def test_metrics_count_pull_failures_and_not_kept(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    engines.decode.version = "0.32.0"
+    client = await make_sidecar()
+    await Conversation(client, stream=True).ask("hello")
+    text = await (await client.get("/metrics")).text()
+    assert 'kvferry_handles_not_kept_total{reason="engine-streams-no-handle"} 1.0' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_turn_log_line_is_key_value(
+    make_sidecar: MakeSidecar, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """One INFO line per turn, key=value, with the session tag, never the raw key."""
+    conv = Conversation(await make_sidecar(), user="alice@example.com", stream=stream)
+    with caplog.at_level("INFO", logger="kvferry_sidecar.turn"):
+        await conv.ask("hello")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvferry_sidecar.turn"]
+    assert "outcome=no-handle" in line and "route=remote" in line
+    assert "session=kvf-" in line and "alice" not in line
