@@ -1,0 +1,172 @@
+"""The residency report: what a sidecar tells the operator (wire contract).
+
+Sidecars serve it at ``/v1/residency`` and push it to the operator's report
+endpoint; ``kvferry_operator`` decodes it with :func:`decode`. Counters and
+histograms are cumulative since the sidecar started (``startedAt``), so a lost
+push loses nothing and the operator can difference two reports.
+
+REPORT_VERSION history:
+  1 - first version.
+
+A peer that sends another version is refused with a message naming both
+versions, rather than being half understood.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+REPORT_VERSION = 1
+# Reports are small (a few KiB); anything near this is malformed or hostile.
+MAX_REPORT_BYTES = 256 * 1024
+
+# Bucket upper bounds (seconds). Fixed, so histograms from different pods add up.
+GAP_BOUNDS: tuple[float, ...] = (
+    1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300, 420, 600, 900, 1200, 1800,
+    2700, 3600, 7200, 14400, 43200, 86400,
+)  # fmt: skip
+LATENCY_BOUNDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60, 120,
+)  # fmt: skip
+# Turn index buckets for "reuse by turn": 1, 2, ..., 7, and 8 for 8 and later.
+MAX_TURN_BUCKET = 8
+
+TRANSPORTS = ("RDMA", "TCPFallback", "Unknown")
+
+
+class Histogram(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
+    """``counts[i]`` observations in (bounds[i-1], bounds[i]]; last count: above bounds[-1]."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(list(bounds), [0] * (len(bounds) + 1), 0.0)
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += value
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+
+class TurnBucket(msgspec.Struct, rename="camel"):
+    turns: int = 0
+    reused_turns: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+
+
+class Pinned(msgspec.Struct, rename="camel"):
+    """Handles this decode pod keeps pinned for a next turn (vLLM 0.32 also spins
+    a core while any is pinned)."""
+
+    handles: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    oldest_age_seconds: float = 0.0
+
+
+class Transfer(msgspec.Struct, rename="camel"):
+    pulls: int = 0  # turns served with pulled KV
+    bytes: int = 0  # NIXL bytes (engine metric where available)
+    seconds: float = 0.0  # NIXL transfer time (engine metric)
+    pull_latency: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(LATENCY_BOUNDS))
+    # Cost of computing instead: prefill tokens and seconds of recomputed turns.
+    recompute_tokens: int = 0
+    recompute_seconds: float = 0.0
+    bytes_per_token: float | None = None
+
+
+class Engine(msgspec.Struct, rename="camel"):
+    kv_usage: float | None = None  # 0..1
+    preemptions: int = 0
+    nixl_expired: int = 0
+    nixl_failed: int = 0
+    healthy: bool = False
+
+
+class KVEvents(msgspec.Struct, rename="camel"):
+    blocks_held: int = 0
+    sessions_held: int = 0
+    batches: int = 0
+    missed: int = 0  # sequence gaps seen
+    repaired: int = 0  # of those, recovered through the replay socket
+    cleared: int = 0  # AllBlocksCleared or engine restarts
+
+
+class Report(msgspec.Struct, rename="camel", kw_only=True):
+    version: int
+    server: str
+    namespace: str
+    pod: str
+    role: str  # prefill | decode
+    engine_build: str | None = None
+    started_at: float  # unix seconds
+    generated_at: float  # unix seconds
+    transport: str = "Unknown"
+    outcomes: dict[str, int] = msgspec.field(default_factory=dict)
+    # Handle fates: consumed, expired, misaligned, evicted, ...
+    handles: dict[str, int] = msgspec.field(default_factory=dict)
+    # "1".."8": turn index of the session (8 = 8th and later).
+    by_turn: dict[str, TurnBucket] = msgspec.field(default_factory=dict)
+    gaps: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(GAP_BOUNDS))
+    ttft_reused: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(LATENCY_BOUNDS))
+    ttft_recomputed: Histogram = msgspec.field(
+        default_factory=lambda: Histogram.empty(LATENCY_BOUNDS)
+    )
+    pinned: Pinned = msgspec.field(default_factory=Pinned)
+    transfer: Transfer = msgspec.field(default_factory=Transfer)
+    engine: Engine = msgspec.field(default_factory=Engine)
+    kv_events: KVEvents = msgspec.field(default_factory=KVEvents)
+
+
+class ReportError(ValueError):
+    """A report that must be refused; the message says why, for the sender's log."""
+
+
+def _check_histogram(name: str, hist: Histogram, bounds: tuple[float, ...]) -> None:
+    if tuple(hist.bounds) != bounds:
+        raise ReportError(f"{name}.bounds differ from this operator's buckets")
+    if len(hist.counts) != len(bounds) + 1 or any(c < 0 for c in hist.counts):
+        raise ReportError(f"{name}.counts must be {len(bounds) + 1} non-negative counts")
+
+
+def decode(raw: bytes) -> Report:
+    """Parse and check a report; raise :class:`ReportError` naming the problem."""
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ReportError(f"report of {len(raw)} bytes exceeds {MAX_REPORT_BYTES}")
+    try:
+        version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")
+    except msgspec.DecodeError as exc:
+        raise ReportError(f"not JSON: {exc}") from exc
+    if version != REPORT_VERSION:
+        raise ReportError(f"report version {version!r}; this operator reads {REPORT_VERSION}")
+    try:
+        report = msgspec.json.decode(raw, type=Report)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ReportError(f"malformed report: {exc}") from exc
+    if report.role not in ("prefill", "decode"):
+        raise ReportError(f"role {report.role!r} is neither prefill nor decode")
+    if report.transport not in TRANSPORTS:
+        raise ReportError(f"transport {report.transport!r} is not one of {TRANSPORTS}")
+    _check_histogram("gaps", report.gaps, GAP_BOUNDS)
+    _check_histogram("ttftReused", report.ttft_reused, LATENCY_BOUNDS)
+    _check_histogram("ttftRecomputed", report.ttft_recomputed, LATENCY_BOUNDS)
+    _check_histogram("transfer.pullLatency", report.transfer.pull_latency, LATENCY_BOUNDS)
+    return report
+
+
+def encode(report: Report) -> bytes:
+    return msgspec.json.encode(report)
