@@ -253,6 +253,13 @@ class Server:
     generation: int
     spec: ServerSpec
     labels: dict[str, str] = field(default_factory=dict)
+    # cacheTuning Auto's applied decodeRetentionSeconds (status.retention.applied):
+    # it lives in status, never in the user's spec, so GitOps sees no drift.
+    applied_retention: int | None = None
+
+    @property
+    def decode_retention_seconds(self) -> int:
+        return self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
 
 
 def _quantity(value: Any) -> str | None:
@@ -362,4 +369,13 @@ def parse_server(obj: dict[str, Any]) -> Server:
         generation=int(meta.get("generation", 0)),
         spec=parse_spec(obj.get("spec") or {}),
         labels=dict(meta.get("labels") or {}),
+        applied_retention=_applied_retention(obj),
     )
+
+
+def _applied_retention(obj: dict[str, Any]) -> int | None:
+    spec = obj.get("spec") or {}
+    if ((spec.get("cacheTuning") or {}).get("mode")) != "Auto":
+        return None  # leaving Auto returns the pods to the spec's value
+    applied = ((obj.get("status") or {}).get("retention") or {}).get("applied")
+    return int(applied) if isinstance(applied, int) and applied > 0 else None

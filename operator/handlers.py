@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from . import api, render, status
+from . import api, endpoint, render, reporting, status
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
 from .settings import Settings, from_env
 
@@ -62,6 +62,10 @@ NO_REPORTS_STATUS = {
 }
 
 
+def _emit(body: dict[str, Any], type: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type, reason=reason, message=message)
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -88,14 +92,45 @@ async def configure(
     settings.posting.level = logging.INFO
     memo.kube = Kube()
     memo.settings = SETTINGS
-    memo.resync = asyncio.get_running_loop().create_task(
-        _resync_forever(memo.kube, SETTINGS, logger)
+    loop = asyncio.get_running_loop()
+    memo.tasks = [loop.create_task(_resync_forever(memo.kube, SETTINGS, logger))]
+    memo.reports = endpoint.ReportStore()
+    memo.report_runner = None
+    if SETTINGS.tls_cert_file and SETTINGS.tls_key_file:
+        app = endpoint.app_factory(
+            memo.reports,
+            review_token=lambda token: memo.kube.review_token(token, endpoint.AUDIENCE),
+            get_pod=memo.kube.get_pod,
+        )
+        tls = endpoint.tls_context(SETTINGS.tls_cert_file, SETTINGS.tls_key_file)
+        memo.report_runner = await endpoint.serve(
+            app, SETTINGS.report_host, SETTINGS.report_port, tls
+        )
+        logger.info("report endpoint on https://%s:%d", SETTINGS.report_host, SETTINGS.report_port)
+    else:
+        logger.warning(
+            "report endpoint off: set KVFERRY_TLS_CERT_FILE and KVFERRY_TLS_KEY_FILE "
+            "(the chart does); KVCacheStatus will show no reports"
+        )
+    publisher = reporting.Publisher(
+        memo.kube,
+        memo.reports,
+        stale_after=SETTINGS.report_stale_seconds,
+        min_write_seconds=SETTINGS.min_status_write_seconds,
+        emit=_emit,
+        apply_children=lambda body: apply_children(body, memo.kube, SETTINGS, logger),
+    )
+    memo.tasks.append(
+        loop.create_task(reporting.publish_forever(publisher, SETTINGS.publish_seconds, logger))
     )
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
-    memo.resync.cancel()
+    for task in memo.tasks:
+        task.cancel()
+    if memo.report_runner is not None:
+        await memo.report_runner.cleanup()
     memo.kube.close()
 
 
@@ -188,8 +223,11 @@ def refresh_status(
     for role in api.ROLES:
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
-    observed = status.Observed(roles=roles, pods=list(pods.get(key, [])))
     old = body.get("status") or {}
+    # The transport is what the sidecars reported (written by reporting.py).
+    observed = status.Observed(
+        roles=roles, pods=list(pods.get(key, [])), transport=old.get("transport", "Unknown")
+    )
     new, changes = status.compute_status(server, observed, old, _now())
     if not status.status_changed(old, new):
         return

@@ -90,3 +90,19 @@ class Kube:
     def list_servers(self) -> list[Obj]:
         res = self._resource(api.API_VERSION, api.SERVER_KIND)
         return [item.to_dict() for item in res.get().items]
+
+    def review_token(self, token: str, audience: str) -> Obj:
+        """TokenReview: who the API server says the token belongs to."""
+        review = client.AuthenticationV1Api(self.api_client).create_token_review(
+            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
+        )
+        return self.api_client.sanitize_for_serialization(review.status) or {}
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None:
+        try:
+            pod = client.CoreV1Api(self.api_client).read_namespaced_pod(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self.api_client.sanitize_for_serialization(pod)

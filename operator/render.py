@@ -119,9 +119,16 @@ def engine_build_hash(spec: ServerSpec) -> str:
     )
 
 
-def build_kv_transfer_config(spec: ServerSpec, role: str) -> Obj:
-    """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode)."""
-    kv = spec.kv_transfer
+def build_kv_transfer_config(server: Server, role: str) -> Obj:
+    """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode).
+
+    ``decoder_kv_blocks_ttl`` matters only on decode; prefill keeps the spec's
+    value so that Auto tuning restarts decode pods alone.
+    """
+    kv = server.spec.kv_transfer
+    ttl = (
+        server.decode_retention_seconds if role == api.ROLE_DECODE else kv.decode_retention_seconds
+    )
     return {
         "kv_connector": "NixlConnector",
         # vLLM 0.32 deprecates kv_both for NIXL; bidirectional transfer still
@@ -132,7 +139,7 @@ def build_kv_transfer_config(spec: ServerSpec, role: str) -> Obj:
         "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {
             "bidirectional_kv_xfer": kv.bidirectional,
-            "decoder_kv_blocks_ttl": kv.decode_retention_seconds,
+            "decoder_kv_blocks_ttl": ttl,
             "kv_recompute_threshold": kv.recompute_threshold,
             "kv_lease_duration": kv.lease_seconds,
             "backends": list(kv.backends),
@@ -160,7 +167,8 @@ def model_path(spec: ServerSpec) -> str:
     return m.hub.id
 
 
-def build_engine_args(spec: ServerSpec, role: Role) -> list[str]:
+def build_engine_args(server: Server, role: Role) -> list[str]:
+    spec = server.spec
     m = spec.model
     args = [
         model_path(spec),
@@ -175,7 +183,7 @@ def build_engine_args(spec: ServerSpec, role: Role) -> list[str]:
         "--dtype",
         m.dtype,
         "--kv-transfer-config",
-        json.dumps(build_kv_transfer_config(spec, role.name), sort_keys=True),
+        json.dumps(build_kv_transfer_config(server, role.name), sort_keys=True),
         "--kv-events-config",
         json.dumps(build_kv_events_config(), sort_keys=True),
         # Reproducible block hashes let the sidecar match KV events to prompts.
@@ -246,7 +254,8 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
     }
 
 
-def build_engine_container(spec: ServerSpec, role: Role) -> Obj:
+def build_engine_container(server: Server, role: Role) -> Obj:
+    spec = server.spec
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.model.pvc:
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
@@ -261,7 +270,7 @@ def build_engine_container(spec: ServerSpec, role: Role) -> Obj:
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["vllm", "serve"],
-        "args": build_engine_args(spec, role),
+        "args": build_engine_args(server, role),
         "env": build_engine_env(spec, role),
         "ports": [
             {"name": "engine", "containerPort": api.ENGINE_PORT},
@@ -386,7 +395,7 @@ def build_pod_template(server: Server, role: Role, config_hash: str, sidecar_ima
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
         "initContainers": [build_sidecar_container(spec, server, role, sidecar_image)],
-        "containers": [build_engine_container(spec, role)],
+        "containers": [build_engine_container(server, role)],
         "volumes": build_volumes(server),
     }
     if role.node_selector:
@@ -421,13 +430,31 @@ def build_sidecar_settings(server: Server) -> Obj:
         "listenPort": api.SIDECAR_PORT,
         "bidirectional": spec.kv_transfer.bidirectional,
         "recomputeThreshold": spec.kv_transfer.recompute_threshold,
-        "decodeRetentionSeconds": spec.kv_transfer.decode_retention_seconds,
+        "decodeRetentionSeconds": server.decode_retention_seconds,
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
         "transport": spec.network.transport,
         "kvEvents": f"tcp://127.0.0.1:{api.KV_EVENTS_PORT}",
         "kvEventsReplay": f"tcp://127.0.0.1:{api.KV_EVENTS_REPLAY_PORT}",
     }
+
+
+# Settings only the decode sidecar reads: changing them must not restart prefill.
+DECODE_ONLY_SETTINGS = (
+    "decodeRetentionSeconds",
+    "sessionKeys",
+    "skipPrefillBelowTokens",
+    "recomputeThreshold",
+)
+
+
+def sidecar_config_hash(server: Server, role: str) -> str:
+    """What restarts a role's pods when settings change. Topology (replica
+    counts) is not in it: sidecars re-read topology.json live."""
+    settings = build_sidecar_settings(server)
+    if role == api.ROLE_PREFILL:
+        settings = {k: v for k, v in settings.items() if k not in DECODE_ONLY_SETTINGS}
+    return _hash(settings)
 
 
 def build_topology(server: Server) -> Obj:
@@ -455,8 +482,7 @@ def build_config_map(server: Server) -> Obj:
 
 
 def build_statefulset(server: Server, role: Role, sidecar_image: str) -> Obj:
-    # Only settings restart pods; topology (replica counts) is re-read live.
-    config_hash = _hash(build_sidecar_settings(server))
+    config_hash = sidecar_config_hash(server, role.name)
     name = child_name(server, role.name)
     return {
         "apiVersion": "apps/v1",

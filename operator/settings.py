@@ -17,10 +17,32 @@ class Settings:
     # Child events arrive in bursts (a rollout touches pods many times a
     # second); a short idle delay folds a burst into one reconcile.
     child_event_debounce_seconds: float
+    # The report endpoint sidecars push to. TLS from the chart's Secret; without
+    # a certificate the endpoint does not start (reports need HTTPS: they carry
+    # bearer tokens).
+    report_port: int = 8443
+    report_host: str = "0.0.0.0"
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # A pod whose latest report is older than this is shown stale and left out
+    # of the figures (3 missed pushes at the sidecar's default 15 s, and then some).
+    report_stale_seconds: float = 90.0
+    # How often reports are folded into KVCacheStatus, and the least time
+    # between two status writes of one KVCacheStatus.
+    publish_seconds: float = 10.0
+    min_status_write_seconds: float = 10.0
 
 
 def from_env() -> Settings:
+    env = os.environ.get
     return Settings(
+        report_port=int(env("KVFERRY_REPORT_PORT", "8443")),
+        report_host=env("KVFERRY_REPORT_HOST", "0.0.0.0"),
+        tls_cert_file=env("KVFERRY_TLS_CERT_FILE", ""),
+        tls_key_file=env("KVFERRY_TLS_KEY_FILE", ""),
+        report_stale_seconds=float(env("KVFERRY_REPORT_STALE_SECONDS", "90")),
+        publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
+        min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
         child_event_debounce_seconds=float(os.environ.get("KVFERRY_DEBOUNCE_SECONDS", "0.5")),

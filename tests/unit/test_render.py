@@ -344,3 +344,33 @@ class TestPDB:
         objs = rendered(server({"decode": {"maxUnavailable": 0}}))
         assert by_kind(objs, "PodDisruptionBudget", "tiny-decode")["spec"]["maxUnavailable"] == 0
         assert by_kind(objs, "PodDisruptionBudget", "tiny-prefill")["spec"]["maxUnavailable"] == 1
+
+
+class TestAutoRetention:
+    def auto(self, applied: int | None, mode: str = "Auto") -> list[dict]:
+        manifest = server({"cacheTuning": {"mode": mode}})
+        manifest["metadata"]["uid"] = UID
+        if applied is not None:
+            manifest["status"] = {"retention": {"applied": applied}}
+        return render.render(api.parse_server(manifest))
+
+    def ttl(self, objs: list[dict], role: str) -> int:
+        cfg = json.loads(arg_after(engine(objs, role), "--kv-transfer-config"))
+        return cfg["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
+
+    def test_applied_retention_reaches_decode_only(self):
+        # Auto restarts decode pods alone: prefill's template must not change.
+        before, after = self.auto(None), self.auto(120)
+        assert (self.ttl(before, "decode"), self.ttl(after, "decode")) == (480, 120)
+        assert by_kind(before, "StatefulSet", "tiny-prefill") == by_kind(
+            after, "StatefulSet", "tiny-prefill"
+        )
+        assert (
+            json.loads(by_kind(after, "ConfigMap")["data"]["sidecar.json"])[
+                "decodeRetentionSeconds"
+            ]
+            == 120
+        )
+
+    def test_leaving_auto_returns_to_the_spec_value(self):
+        assert self.ttl(self.auto(120, mode="Recommend"), "decode") == 480

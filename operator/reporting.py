@@ -1,0 +1,188 @@
+"""Fold received reports into KVCacheStatus and the server's retention status.
+
+Runs on a timer inside the operator. Per server with reports:
+  1. aggregate the pods' latest reports (pure, ``reports.aggregate``);
+  2. run the tuner (pure, ``tune``) unless the mode is Observe;
+  3. write KVCacheStatus status when a figure changed, at most once per
+     ``min_write_seconds`` (``lastUpdateTime`` alone never triggers a write);
+  4. write the server's ``status.retention`` when the recommendation changed,
+     with an Event in Recommend and Auto modes; Auto also applies it
+     (``tune.plan_apply``), which re-renders the decode pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import api, reports, tune
+from .endpoint import ReportStore
+from .kube import Kube
+
+EVENT_RECOMMENDED = "RetentionRecommended"
+EVENT_APPLIED = "RetentionApplied"
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def applied_retention(server_obj: dict[str, Any], spec_value: int) -> int:
+    return int(
+        ((server_obj.get("status") or {}).get("retention") or {}).get("applied") or spec_value
+    )
+
+
+def retention_status(
+    old: dict[str, Any], applied: int, rec: tune.Recommendation | None, mode: str
+) -> dict[str, Any]:
+    out = {**old, "applied": applied}
+    if rec is not None and mode != "Observe":
+        out["recommended"] = rec.value
+        out["reason"] = rec.reason
+    return out
+
+
+class Publisher:
+    def __init__(
+        self,
+        kube: Kube,
+        store: ReportStore,
+        stale_after: float,
+        min_write_seconds: float,
+        emit: Callable[[dict[str, Any], str, str, str], None],
+        apply_children: Callable[[dict[str, Any]], Any],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kube = kube
+        self.store = store
+        self.stale_after = stale_after
+        self.min_write_seconds = min_write_seconds
+        self.emit = emit
+        self.apply_children = apply_children
+        self.clock = clock
+        self._last_write: dict[tuple[str, str], float] = {}
+
+    def publish_all(self, logger: logging.Logger) -> None:
+        for namespace, name in self.store.servers():
+            try:
+                self.publish(namespace, name)
+            except Exception as exc:  # one server's trouble must not stop the others
+                logger.warning("publishing residency of %s/%s failed: %s", namespace, name, exc)
+
+    def publish(self, namespace: str, name: str) -> None:
+        obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
+        if obj is None:
+            self.store.forget(namespace, name)
+            return
+        server = api.parse_server(obj)
+        now = self.clock()
+        mode = server.spec.cache_tuning.mode
+        applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
+        agg = reports.aggregate(
+            server, self.store.get(namespace, name), now, applied, self.stale_after
+        )
+        rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
+        threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
+        status = reports.with_recommendations(agg.status, mode, rec, threshold)
+
+        current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
+        old = {
+            k: v for k, v in ((current or {}).get("status") or {}).items() if k != "lastUpdateTime"
+        }
+        key = (namespace, name)
+        if (
+            current is not None
+            and old != status
+            and (now - self._last_write.get(key, 0.0) >= self.min_write_seconds)
+        ):
+            self.kube.patch_status(
+                api.API_VERSION,
+                api.STATUS_KIND,
+                namespace,
+                name,
+                {**_nulls_for_removed(old, status), "lastUpdateTime": _iso(now)},
+            )
+            self._last_write[key] = now
+
+        self._publish_retention(obj, server, applied, rec, agg, now)
+
+    def _publish_retention(
+        self,
+        obj: dict[str, Any],
+        server: api.Server,
+        applied: int,
+        rec: tune.Recommendation | None,
+        agg: reports.Aggregate,
+        now: float,
+    ) -> None:
+        mode = server.spec.cache_tuning.mode
+        st = obj.get("status") or {}
+        old = st.get("retention") or {}
+        new = retention_status(old, applied, rec, mode)
+        if mode == "Auto" and rec is not None:
+            ready = any(
+                c.get("type") == api.COND_READY and c.get("status") == "True"
+                for c in st.get("conditions") or []
+            )
+            rolling = next(
+                (
+                    r
+                    for r in api.ROLES
+                    if (st.get(r) or {}).get("updatedReplicas", 0) < server.spec.role(r).replicas
+                ),
+                None,
+            )
+            restarts = [float(t) for t in old.get("restarts") or []]
+            decision = tune.plan_apply(
+                mode,
+                rec.value,
+                applied,
+                ready,
+                restarts,
+                now,
+                server.spec.cache_tuning.max_restarts_per_day,
+                rolling,
+            )
+            new["autoDecision"] = decision.reason
+            if decision.apply:
+                new["applied"] = rec.value
+                new["restarts"] = [t for t in restarts if now - t < tune.DAY_SECONDS] + [now]
+        transport_changed = st.get("transport") != agg.transport
+        if new == old and not transport_changed:
+            return
+        patch: dict[str, Any] = {"retention": new, "transport": agg.transport}
+        self.kube.patch_status(
+            api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, patch
+        )
+        if rec is not None and mode != "Observe" and old.get("recommended") != rec.value:
+            self.emit(
+                obj,
+                "Normal",
+                EVENT_RECOMMENDED,
+                f"decodeRetentionSeconds {rec.value}s recommended: {rec.reason}",
+            )
+        if new.get("applied") != old.get("applied", applied):
+            self.emit(
+                obj,
+                "Normal",
+                EVENT_APPLIED,
+                f"applying decodeRetentionSeconds {new['applied']}s (rolling decode pods)",
+            )
+            obj = {**obj, "status": {**st, "retention": new}}
+            self.apply_children(obj)
+
+
+def _nulls_for_removed(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch keeps keys it does not mention; null out the ones now gone."""
+    return {**{k: None for k in old if k not in new}, **new}
+
+
+async def publish_forever(publisher: Publisher, interval: float, logger: logging.Logger) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await asyncio.to_thread(publisher.publish_all, logger)

@@ -1,0 +1,267 @@
+"""Residency reports -> KVCacheStatus status and tuner inputs. Pure.
+
+Each sidecar's report is cumulative since it started; the latest one per pod
+is kept. Reports older than the staleness bound are shown per pod (marked
+stale) but not added into the server's figures, so a dead pod does not freeze
+the numbers. The status answers four questions:
+
+1. reuse: how much of each prompt is reused, by turn index;
+2. transfer: negotiated transport, GB/s, pull latency, break-even prefix;
+3. retention: how long decode holds KV vs the gaps between turns, and what
+   happened to handles (consumed, expired, misaligned, evicted);
+4. ttft: time to first token p50/p95/p99 with reuse vs without.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry_sidecar.report import GAP_BOUNDS, LATENCY_BOUNDS, Histogram, Report, TurnBucket
+
+from . import tune
+from .api import Server
+
+DEFAULT_STALE_SECONDS = 90.0
+
+
+@dataclass(frozen=True)
+class Received:
+    report: Report
+    received_at: float  # unix seconds, operator clock
+
+
+def _hist(h: Histogram) -> tune.Histogram:
+    return tune.Histogram(tuple(float(b) for b in h.bounds), tuple(h.counts))
+
+
+def merged(hists: list[Histogram], bounds: tuple[float, ...]) -> tune.Histogram:
+    out = tune.merge_histograms([_hist(h) for h in hists])
+    return out or tune.Histogram(bounds, (0,) * (len(bounds) + 1))
+
+
+def _q(h: tune.Histogram, q: float) -> float | None:
+    value, _ = h.quantile(q)
+    return None if math.isnan(value) else round(value, 3)
+
+
+def quantiles(h: tune.Histogram) -> dict[str, Any]:
+    return {"count": h.total, "p50": _q(h, 0.50), "p95": _q(h, 0.95), "p99": _q(h, 0.99)}
+
+
+def _pct(num: float, den: float) -> str:
+    return f"{100 * num / den:.0f}%" if den else "-"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}s" if value >= 10 else f"{value:.2f}s"
+
+
+def is_stale(item: Received, now: float, stale_after: float) -> bool:
+    return now - item.received_at > stale_after
+
+
+def majority_transport(reports: list[Report]) -> str:
+    known = Counter(r.transport for r in reports if r.transport != "Unknown")
+    return known.most_common(1)[0][0] if known else "Unknown"
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    status: dict[str, Any]  # KVCacheStatus .status (without lastUpdateTime)
+    tuning: tune.TuningInputs | None  # None when no fresh report
+    transport: str
+
+
+def aggregate(
+    server: Server,
+    received: list[Received],
+    now: float,
+    applied_retention: int,
+    stale_after: float = DEFAULT_STALE_SECONDS,
+) -> Aggregate:
+    spec = server.spec
+    fresh = [r.report for r in received if not is_stale(r, now, stale_after)]
+    pods = [
+        {
+            "name": r.report.pod,
+            "role": r.report.role,
+            "stale": is_stale(r, now, stale_after),
+            "lastReport": _iso(r.received_at),
+            "ageSeconds": round(now - r.received_at, 1),
+            "sessionsHeld": r.report.kv_events.sessions_held,
+            "pinnedHandles": r.report.pinned.handles,
+            "pinnedBlocks": r.report.pinned.blocks,
+            "pinnedBytes": r.report.pinned.bytes,
+            "oldestPinnedSeconds": round(r.report.pinned.oldest_age_seconds, 1),
+            "kvUsage": r.report.engine.kv_usage,
+            "transport": r.report.transport,
+        }
+        for r in sorted(received, key=lambda r: r.report.pod)
+    ]
+    if not received:
+        phase, message = (
+            "NoReports",
+            "no residency reports yet: figures appear once sidecars report",
+        )
+    elif not fresh:
+        phase = "Stale"
+        message = f"every report is older than {stale_after:.0f}s: sidecars are not reporting"
+    else:
+        phase, message = "Reporting", f"{len(fresh)} of {len(received)} pods reporting"
+
+    # 1. reuse by turn index
+    buckets: dict[str, TurnBucket] = {}
+    for rep in fresh:
+        for key, b in rep.by_turn.items():
+            acc = buckets.setdefault(key, TurnBucket())
+            acc.turns += b.turns
+            acc.reused_turns += b.reused_turns
+            acc.prompt_tokens += b.prompt_tokens
+            acc.reused_tokens += b.reused_tokens
+    by_turn = [
+        {
+            "turn": key if key != "8" else "8+",
+            "turns": b.turns,
+            "reusedTurns": b.reused_turns,
+            "promptTokens": b.prompt_tokens,
+            "reusedTokens": b.reused_tokens,
+            "reusedShare": _pct(b.reused_tokens, b.prompt_tokens),
+        }
+        for key, b in sorted(buckets.items(), key=lambda kv: int(kv[0]))
+    ]
+    later = [b for key, b in buckets.items() if key != "1"]
+    later_turns = sum(b.turns for b in later)
+    later_reused = sum(b.reused_turns for b in later)
+    later_prompt = sum(b.prompt_tokens for b in later)
+    later_reused_tokens = sum(b.reused_tokens for b in later)
+    outcomes: Counter[str] = Counter()
+    handles: Counter[str] = Counter()
+    for rep in fresh:
+        outcomes.update(rep.outcomes)
+        handles.update(rep.handles)
+
+    # 2. transfer
+    pull_bytes = sum(r.transfer.bytes for r in fresh)
+    pull_seconds = sum(r.transfer.seconds for r in fresh)
+    pulls = sum(r.transfer.pulls for r in fresh)
+    pull_latency = merged([r.transfer.pull_latency for r in fresh], LATENCY_BOUNDS)
+    recompute_tokens = sum(r.transfer.recompute_tokens for r in fresh)
+    recompute_seconds = sum(r.transfer.recompute_seconds for r in fresh)
+    bpt = [r.transfer.bytes_per_token for r in fresh if r.transfer.bytes_per_token]
+    bytes_per_token = max(bpt) if bpt else None
+    bandwidth = pull_bytes / pull_seconds if pull_seconds > 0 and pull_bytes > 0 else None
+    transport = majority_transport(fresh)
+
+    # 3. retention vs gaps
+    gaps = merged([r.gaps for r in fresh], GAP_BOUNDS)
+    usage = [
+        r.engine.kv_usage for r in fresh if r.role == "decode" and r.engine.kv_usage is not None
+    ]
+    tuning = None
+    if fresh:
+        pull_p50 = _q(pull_latency, 0.5)
+        tuning = tune.TuningInputs(
+            gaps=gaps,
+            current_retention=applied_retention,
+            coverage=spec.cache_tuning.coverage,
+            min_retention=spec.cache_tuning.min_retention_seconds,
+            max_retention=spec.cache_tuning.max_retention_seconds,
+            decode_kv_usage_max=max(usage) if usage else None,
+            preemptions_delta=0,
+            bytes_per_token=bytes_per_token,
+            transfer_bytes_per_second=bandwidth,
+            pull_fixed_latency_seconds=pull_p50,
+            recompute_seconds_per_token=(
+                recompute_seconds / recompute_tokens if recompute_tokens else None
+            ),
+            current_threshold=spec.kv_transfer.recompute_threshold,
+            max_model_len=spec.model.max_model_len or 131072,
+        )
+
+    # 4. ttft
+    ttft_reused = merged([r.ttft_reused for r in fresh], LATENCY_BOUNDS)
+    ttft_recomputed = merged([r.ttft_recomputed for r in fresh], LATENCY_BOUNDS)
+    r95, c95 = _q(ttft_reused, 0.95), _q(ttft_recomputed, 0.95)
+
+    gap_q = quantiles(gaps)
+    status: dict[str, Any] = {
+        "phase": phase,
+        "message": message,
+        "summary": {
+            "hitRate": _pct(later_reused, later_turns),
+            "reusedTokenShare": _pct(later_reused_tokens, later_prompt),
+            "gapP95": _secs(gap_q["p95"]),
+            "retention": f"{applied_retention}s",
+            "recommendedRetention": "-",
+            "ttftP95": f"{_secs(r95)}/{_secs(c95)}",
+            "transport": transport,
+        },
+        "reuse": {
+            "turnsAfterFirst": later_turns,
+            "reusedTurnsAfterFirst": later_reused,
+            "hitRate": _pct(later_reused, later_turns),
+            "reusedTokenShare": _pct(later_reused_tokens, later_prompt),
+            "byTurn": by_turn,
+            "outcomes": dict(sorted(outcomes.items())),
+        },
+        "transfer": {
+            "transport": transport,
+            "pulls": pulls,
+            "bytes": pull_bytes,
+            "gigabytesPerSecond": round(bandwidth / 1e9, 3) if bandwidth else None,
+            "pullLatencySeconds": quantiles(pull_latency),
+            "bytesPerToken": bytes_per_token,
+        },
+        "retention": {
+            "appliedSeconds": applied_retention,
+            "gapSeconds": gap_q,
+            "handles": dict(sorted(handles.items())),
+            "pinnedHandles": sum(r.pinned.handles for r in fresh),
+            "pinnedBytes": sum(r.pinned.bytes for r in fresh),
+            "decodeKVUsageMax": max(usage) if usage else None,
+        },
+        "ttft": {
+            "withReuseSeconds": quantiles(ttft_reused),
+            "withoutReuseSeconds": quantiles(ttft_recomputed),
+        },
+        "pods": pods,
+    }
+    return Aggregate(status=status, tuning=tuning, transport=transport)
+
+
+def with_recommendations(
+    status: dict[str, Any],
+    mode: str,
+    retention: tune.Recommendation | None,
+    threshold: tune.Recommendation | None,
+) -> dict[str, Any]:
+    """Add the tuner's recommendations; Observe shows figures only."""
+    if mode == "Observe" or retention is None:
+        return status
+    out = {**status, "summary": {**status["summary"]}}
+    out["summary"]["recommendedRetention"] = f"{retention.value}s"
+    out["retention"] = {
+        **status["retention"],
+        "recommendedSeconds": retention.value,
+        "reason": retention.reason,
+        "inputs": retention.inputs,
+    }
+    if threshold is not None:
+        out["transfer"] = {
+            **status["transfer"],
+            "breakEvenTokens": threshold.value,
+            "recommendedRecomputeThreshold": threshold.value,
+            "reason": threshold.reason,
+        }
+    return out
+
+
+def _iso(ts: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
