@@ -205,7 +205,7 @@ up() {
     --client-ca-file "$pki/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc \
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
-    --api-audiences https://kubernetes.default.svc,kvferry \
+    --api-audiences https://kubernetes.default.svc \
     --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
     --endpoint-reconciler-type none --allow-privileged=true
   wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz

@@ -62,10 +62,6 @@ NO_REPORTS_STATUS = {
 }
 
 
-def _emit(body: dict[str, Any], type: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type, reason=reason, message=message)
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -117,7 +113,7 @@ async def configure(
         memo.reports,
         stale_after=SETTINGS.report_stale_seconds,
         min_write_seconds=SETTINGS.min_status_write_seconds,
-        emit=_emit,
+        emit=memo.kube.create_event,
         apply_children=lambda body: apply_children(body, memo.kube, SETTINGS, logger),
     )
     memo.tasks.append(

@@ -7,6 +7,7 @@ ours (children and status) at a glance.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from typing import Any
@@ -106,3 +107,28 @@ class Kube:
                 return None
             raise
         return self.api_client.sanitize_for_serialization(pod)
+
+    def create_event(self, body: Obj, type: str, reason: str, message: str) -> None:
+        """An Event on ``body`` from outside a kopf handler (kopf.event needs one)."""
+        meta = body["metadata"]
+        now = datetime.datetime.now(datetime.UTC)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{meta['name']}.", namespace=meta["namespace"]
+            ),
+            involved_object=client.V1ObjectReference(
+                api_version=body.get("apiVersion", api.API_VERSION),
+                kind=body.get("kind", api.SERVER_KIND),
+                name=meta["name"],
+                namespace=meta["namespace"],
+                uid=meta.get("uid"),
+            ),
+            reason=reason,
+            message=message[:1024],
+            type=type,
+            source=client.V1EventSource(component=api.FIELD_MANAGER),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        client.CoreV1Api(self.api_client).create_namespaced_event(meta["namespace"], event)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,16 +103,63 @@ def kubectl(kubeconfig: Path) -> Kubectl:
     return Kubectl(kubeconfig)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1 (the chart makes one the same way)."""
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=kvferry-operator",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
 class Operator:
-    """The real operator as a separate process, restartable."""
+    """The real operator as a separate process, restartable, with its report endpoint."""
 
     def __init__(self, kubeconfig: Path, log_path: Path) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.cert, self.key = self_signed_cert(log_path.parent)
+        self.report_port = free_port()
+        self.report_url = f"https://127.0.0.1:{self.report_port}/v1/reports"
 
     def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KVFERRY_RESYNC_SECONDS": "5"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "KVFERRY_RESYNC_SECONDS": "5",
+            "KVFERRY_TLS_CERT_FILE": str(self.cert),
+            "KVFERRY_TLS_KEY_FILE": str(self.key),
+            "KVFERRY_REPORT_HOST": "127.0.0.1",
+            "KVFERRY_REPORT_PORT": str(self.report_port),
+            "KVFERRY_PUBLISH_SECONDS": "1",
+            "KVFERRY_MIN_STATUS_WRITE_SECONDS": "1",
+        }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry_operator.cli", "run", "--standalone"],

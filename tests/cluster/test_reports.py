@@ -1,0 +1,149 @@
+"""Residency reports on a real API server: TokenReview-authenticated pushes from
+pods' bound tokens, refusals, and `kubectl get kv-cache-status` showing the figures."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+import urllib.error
+import urllib.request
+
+from kvferry_sidecar import report as wire
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.cluster.test_operator import make, wait_ready
+
+GAPS = [30.0] * 40 + [50.0] * 10  # p95 interpolates inside (45, 60]
+
+
+def bound_token(kubectl: Kubectl, ns: str, pod: str) -> str:
+    """What the kubelet projects into the pod: a token bound to it, audience kvferry."""
+    uid = kubectl.get("pod", pod, ns)["metadata"]["uid"]
+    return kubectl.run(
+        "create",
+        "token",
+        "default",
+        "-n",
+        ns,
+        "--audience",
+        "kvferry",
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        pod,
+        "--bound-object-uid",
+        uid,
+    ).stdout.strip()
+
+
+def decode_report(ns: str, server: str, pod: str) -> bytes:
+    rep = wire.Report(
+        version=1,
+        server=server,
+        namespace=ns,
+        pod=pod,
+        role="decode",
+        started_at=time.time() - 60,
+        generated_at=time.time(),
+        transport="TCPFallback",
+    )
+    rep.by_turn = {"1": wire.TurnBucket(10, 0, 5000, 0), "2": wire.TurnBucket(10, 9, 6000, 5100)}
+    rep.outcomes = {"no-handle": 10, "reused": 9, "expired": 1}
+    for g in GAPS:
+        rep.gaps.observe(g)
+    for _ in range(9):
+        rep.ttft_reused.observe(0.3)
+    for _ in range(11):
+        rep.ttft_recomputed.observe(2.0)
+    return wire.encode(rep)
+
+
+def push(operator: Operator, body: bytes, token: str) -> tuple[int, dict]:
+    ctx = ssl.create_default_context(cafile=str(operator.cert))
+    req = urllib.request.Request(
+        operator.report_url,
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    token = bound_token(kubectl, ns, "tiny-decode-0")
+    assert push(operator, decode_report(ns, "tiny", "tiny-decode-0"), token) == (
+        202,
+        {"accepted": True},
+    )
+
+    def shown() -> list[str] | None:
+        out = kubectl.run("get", "kv-cache-status", "tiny", "-n", ns).stdout.splitlines()
+        row = out[1].split()
+        return row if row[1] != "-" else None
+
+    row = wait_until(shown, 30, "figures in kubectl get kv-cache-status")
+    header = kubectl.run("get", "kvcs", "-n", ns).stdout.splitlines()[0].split()
+    figures = dict(zip(header, row, strict=False))
+    assert figures["HIT-RATE"] == "90%"
+    assert figures["REUSED"] == "85%"
+    gap = float(figures["GAP-P95"].rstrip("s"))
+    assert 45 <= gap <= 60  # the script's gaps: 40 x 30 s, 10 x 50 s
+    assert figures["RETENTION"] == "480s"
+    recommended = float(figures["RECOMMENDED"].rstrip("s"))
+    assert recommended >= gap  # covers the configured coverage
+    assert figures["TRANSPORT"] == "TCPFallback"
+    kvcs = kubectl.get("kvcachestatus", "tiny", ns)["status"]
+    assert kvcs["phase"] == "Reporting"
+    assert kvcs["retention"]["reason"].startswith("p95 of 50 inter-turn gaps")
+    assert [p["name"] for p in kvcs["pods"]] == ["tiny-decode-0"]
+    server = kubectl.get("dserver", "tiny", ns)["status"]
+    assert server["retention"]["recommended"] == int(recommended)
+    assert server["transport"] == "TCPFallback"
+    events = kubectl.json(
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        "involvedObject.name=tiny,reason=RetentionRecommended",
+    )
+    assert events["items"]
+
+
+def test_forged_and_foreign_reports_are_refused(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    kubectl.apply(make(ns, name="other"), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_ready(kubectl, ns, "other")
+    body = decode_report(ns, "tiny", "tiny-decode-0")
+    status, out = push(operator, body, "forged." + "x" * 40)
+    assert status == 401, out
+    # A real token, but of a pod of another server.
+    other = bound_token(kubectl, ns, "other-decode-0")
+    status, out = push(operator, decode_report(ns, "tiny", "other-decode-0"), other)
+    assert status == 403 and "belongs to server 'other'" in out["error"]
+    # A token of the wrong audience (the default API audience).
+    uid = kubectl.get("pod", "tiny-decode-0", ns)["metadata"]["uid"]
+    wrong = kubectl.run(
+        "create",
+        "token",
+        "default",
+        "-n",
+        ns,
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        "tiny-decode-0",
+        "--bound-object-uid",
+        uid,
+    ).stdout.strip()
+    status, out = push(operator, body, wrong)
+    assert status == 401, out
+    time.sleep(2)  # longer than the publish period: nothing may have landed
+    assert kubectl.get("kvcachestatus", "tiny", ns)["status"]["phase"] == "NoReports"
