@@ -181,15 +181,19 @@ def test_not_enough_gpus_is_reported_naming_the_resource(
     assert "nvidia.com/gpu" in ready["message"]
     assert "spec.decode.resources" in ready["message"]
     assert condition(kubectl, ns, "tiny", "Degraded")["status"] == "True"
-    events = kubectl.json(
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--field-selector",
-        "involvedObject.name=tiny,reason=Unschedulable",
+    # Events are posted after the status write; give them a moment.
+    wait_until(
+        lambda: kubectl.json(
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            "involvedObject.name=tiny,reason=Unschedulable",
+        )["items"],
+        15,
+        "an Unschedulable event on the server",
     )
-    assert events["items"], "no Unschedulable event on the server"
 
 
 def test_deleting_the_server_garbage_collects_children(

@@ -105,15 +105,18 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     server = kubectl.get("dserver", "tiny", ns)["status"]
     assert server["retention"]["recommended"] == int(recommended)
     assert server["transport"] == "TCPFallback"
-    events = kubectl.json(
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--field-selector",
-        "involvedObject.name=tiny,reason=RetentionRecommended",
+    wait_until(
+        lambda: kubectl.json(
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            "involvedObject.name=tiny,reason=RetentionRecommended",
+        )["items"],
+        15,
+        "a RetentionRecommended event",
     )
-    assert events["items"]
 
 
 def test_forged_and_foreign_reports_are_refused(kubectl: Kubectl, operator: Operator, ns: str):

