@@ -70,6 +70,8 @@ build() {
 
 # ------------------------------------------------------------------ up/down
 
+# Keep all ports below the kernel's ephemeral range (32768+ by default): a port
+# there can be taken by any outgoing connection between our check and our bind.
 etcd_port=$((port + 1)); etcd_peer=$((port + 2)); sched_port=$((port + 3))
 kwok_port=$((port + 4)); kcm_port=$((port + 5))
 
@@ -232,6 +234,10 @@ up() {
   wait_for 60 "fake nodes" "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Ready \
     node --all --timeout 2s
   wait_for 60 "default ServiceAccount" "$kubectl" --kubeconfig "$state/kubeconfig" get serviceaccount default
+  wait_for 30 kube-scheduler curl -sfk "https://127.0.0.1:$sched_port/healthz"
+  wait_for 30 kube-controller-manager curl -sfk "https://127.0.0.1:$kcm_port/healthz"
+  # A component that died at start (a port taken, say) must fail `up`, not the tests later.
+  is_up || fail_with_logs "a component exited during start-up"
   log "up in $((SECONDS - started)) s"
   echo "$state/kubeconfig"
 }
