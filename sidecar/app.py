@@ -1,7 +1,8 @@
 """The aiohttp application: routes, middleware and lifecycle. No protocol logic here.
 
 Routes (both roles): ``/healthz`` (the process is up), ``/readyz`` (the local engine
-answers /health), ``/metrics``, ``/v1/models`` (the local engine's). Decode role:
+answers /health), ``/metrics``, ``/v1/models`` (the local engine's),
+``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
 (``pipeline.serve_turn``).
 """
@@ -21,7 +22,14 @@ from . import pipeline
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .state import Sidecar
-from .types import HDR_REQUEST_ID, PATH_CHAT, PATH_COMPLETIONS, PATH_MODELS, Api
+from .types import (
+    HDR_REQUEST_ID,
+    PATH_CHAT,
+    PATH_COMPLETIONS,
+    PATH_MODELS,
+    PATH_RESIDENCY,
+    Api,
+)
 from .upstream import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -62,11 +70,16 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     await sc.start()
-    task = asyncio.create_task(sc.run(), name="kvferry-sidecar-background")
+    tasks = [
+        asyncio.create_task(loop, name=f"kvferry-sidecar-{loop.__name__}")
+        for loop in sc.background()
+    ]
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await sc.close()
 
 
@@ -99,6 +112,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=sc.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+async def residency(request: web.Request) -> web.Response:
+    sc = request.app[SIDECAR]
+    return web.Response(body=sc.report_body(), content_type="application/json")
+
+
 async def models(request: web.Request) -> web.Response:
     sc = request.app[SIDECAR]
     try:
@@ -124,6 +142,7 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(PATH_MODELS, models)
+    app.router.add_get(PATH_RESIDENCY, residency)
     if settings.role == ROLE_DECODE:
         app.router.add_post(PATH_CHAT, _turn(Api.CHAT))
         app.router.add_post(PATH_COMPLETIONS, _turn(Api.COMPLETIONS))

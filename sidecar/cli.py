@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--expiry-margin-seconds", type=float)
     p.add_argument("--handle-store-cap", type=int)
     p.add_argument("--block-size", type=int)
+    p.add_argument("--operator-url", help="POST residency reports here ('' = off)")
+    p.add_argument("--operator-ca-file", help="CA bundle for the operator's TLS")
+    p.add_argument("--report-interval-seconds", type=float)
+    p.add_argument("--kv-events", help="engine KV-event PUB endpoint ('' = off)")
+    p.add_argument("--kv-events-replay", help="engine KV-event replay endpoint")
     p.add_argument("--log-level")
     return p
 

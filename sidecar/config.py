@@ -73,6 +73,20 @@ class Settings:
     # A prefill that takes longer is treated as failed (a pull can hang under
     # kv_load_failure_policy=recompute); long prompts on a busy P need minutes.
     prefill_timeout_seconds: float = 300.0
+    # Residency reporting (both roles). Identity for the report: the operator sets
+    # KVFERRY_SERVER; POD_NAME / POD_NAMESPACE come from the downward API.
+    server: str | None = None
+    pod_name: str | None = None
+    namespace: str | None = None
+    # POST the report here every report_interval_seconds; "" = do not push.
+    operator_url: str = ""
+    operator_ca_file: str | None = None  # None = the system trust store
+    # The projected ServiceAccount token (audience kvferry), re-read on every push.
+    token_file: str | None = None
+    report_interval_seconds: float = 15.0
+    # The local engine's KV-event PUB and replay ROUTER sockets; "" = off.
+    kv_events: str = "tcp://127.0.0.1:5557"
+    kv_events_replay: str = "tcp://127.0.0.1:5558"
     settings_path: str | None = None
     topology_path: str | None = None
     topology_reload_seconds: float = 5.0
@@ -110,9 +124,16 @@ _FILE_KEYS: dict[str, str] = {
     "prefillTimeoutSeconds": "prefill_timeout_seconds",
     "topologyReloadSeconds": "topology_reload_seconds",
     "logLevel": "log_level",
+    "server": "server",
+    "operatorUrl": "operator_url",
+    "operatorCaFile": "operator_ca_file",
+    "tokenFile": "token_file",
+    "reportIntervalSeconds": "report_interval_seconds",
+    "kvEvents": "kv_events",
+    "kvEventsReplay": "kv_events_replay",
 }
 # Keys the operator writes that the proxy path does not use (yet).
-_KNOWN_UNUSED = {"version", "server", "transport", "kvEvents", "kvEventsReplay", "enginePort"}
+_KNOWN_UNUSED = {"version", "transport", "enginePort"}
 _FIELD_TYPES = {f.name: f.type for f in fields(Settings)}
 
 
@@ -237,6 +258,10 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("retention_seconds must be > 0")
     if settings.expiry_margin_seconds < 0:
         raise ConfigError("expiry_margin_seconds must be >= 0")
+    if settings.report_interval_seconds <= 0:
+        raise ConfigError("report_interval_seconds must be > 0")
+    if settings.operator_url and not settings.operator_url.startswith(("https://", "http://")):
+        raise ConfigError(f"operator_url must be an http(s) URL, got {settings.operator_url!r}")
     ring = len(settings.decode_sidecars)
     if settings.ordinal is not None and ring and not 0 <= settings.ordinal < ring:
         log.warning(
@@ -272,6 +297,10 @@ def build(
     values["topology_path"] = topology_path
     if values.get("ordinal") is None:
         values["ordinal"] = ordinal_from_pod_name(env.get("POD_NAME"))
+    if values.get("pod_name") is None:
+        values["pod_name"] = env.get("POD_NAME") or None
+    if values.get("namespace") is None:
+        values["namespace"] = env.get("POD_NAMESPACE") or None
     values = {k: _coerce(k, v, "settings") if k in _FIELD_TYPES else v for k, v in values.items()}
     return validate(Settings(**values))
 

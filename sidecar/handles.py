@@ -152,6 +152,10 @@ class HandleStore:
             self._drop(HandleFate.CLEARED, handle)
         return count
 
+    def values(self) -> list[KVHandle]:
+        """The handles held now, oldest stored first."""
+        return list(self._items.values())
+
     def ages(self) -> list[float]:
         now = self._clock()
         return [now - h.created_at for h in self._items.values()]

@@ -10,10 +10,14 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
+from . import report as rpt
 from .types import HandleFate, Outcome, Route, Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
+_log = logging.getLogger(__name__)
 
 # TTFT spans ms (a short tail on D) to minutes (a cold 100k-token prefill).
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -97,6 +101,14 @@ class Metrics:
         self.prefill_ready = Gauge(
             "kvferry_prefill_engines_ready", "Prefill engines answering /health.", registry=r
         )
+        self.report_pushes = Counter(
+            "kvferry_report_pushes",
+            "Residency report pushes to the operator, by result (ok, error).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "error"):
+            self.report_pushes.labels(result)
         for outcome in Outcome:
             for route in Route:
                 self.turns.labels(outcome.value, route.value)
@@ -106,6 +118,13 @@ class Metrics:
     def bind_store(self, size: Callable[[], int], ages: Callable[[], list[float]]) -> None:
         self.pinned.set_function(lambda: float(size()))
         self.oldest.set_function(lambda: max(ages(), default=0.0))
+
+    def bind_report(self, snapshot: Callable[[], rpt.Report]) -> None:
+        """Serve the residency report's figures as series, read at scrape time."""
+        self.registry.register(ReportCollector(snapshot))
+
+    def on_push(self, ok: bool) -> None:
+        self.report_pushes.labels("ok" if ok else "error").inc()
 
     def on_drop(self, fate: HandleFate) -> None:
         self.handle_drops.labels(fate.value).inc()
@@ -170,3 +189,168 @@ def log_turn(report: TurnReport) -> None:
         _fmt(t.total_s),
         report.error or "-",
     )
+
+
+# ------------------------------------------------------------------ residency series
+
+
+def _histogram(
+    name: str, doc: str, hists: list[tuple[list[str], rpt.Histogram]], labels: list[str]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    for values, hist in hists:
+        cumulative, buckets = 0, []
+        for bound, count in zip(hist.bounds, hist.counts, strict=False):
+            cumulative += count
+            buckets.append((repr(float(bound)), cumulative))
+        buckets.append(("+Inf", hist.total))
+        family.add_metric(values, buckets, hist.sum)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily | None:
+    return None if value is None else GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled_counter(name: str, doc: str, label: str, values: dict[str, float]):
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+def report_families(r: rpt.Report) -> list:
+    """The residency report as Prometheus families. Names are stable (dashboards and
+    alerts use them); each carries its unit: _seconds, _bytes, _tokens, _ratio."""
+    turns = {k: b.turns for k, b in r.by_turn.items()}
+    out = [
+        _histogram(
+            "kvferry_inter_turn_gap_seconds",
+            "Time from a session's last finished turn to its next turn's arrival, "
+            "whether or not its handle was still held.",
+            [([], r.gaps)],
+            [],
+        ),
+        _histogram(
+            "kvferry_ttft_seconds",
+            "Time to first token by reuse: reused (KV pulled or held by D) or recomputed.",
+            [(["reused"], r.ttft_reused), (["recomputed"], r.ttft_recomputed)],
+            ["reuse"],
+        ),
+        _histogram(
+            "kvferry_pull_latency_seconds",
+            "Prefill leg of turns served with pulled KV (pull + tail compute).",
+            [([], r.transfer.pull_latency)],
+            [],
+        ),
+        _labelled_counter(
+            "kvferry_handle_fates", "Handles by what became of them.", "fate", r.handles
+        ),
+        _labelled_counter("kvferry_turns_by_index", "Turns by turn index.", "turn", turns),
+        _labelled_counter(
+            "kvferry_reused_turns_by_index",
+            "Turns that reused KV, by turn index.",
+            "turn",
+            {k: b.reused_turns for k, b in r.by_turn.items()},
+        ),
+        _labelled_counter(
+            "kvferry_prompt_tokens_by_index",
+            "Prompt tokens by turn index.",
+            "turn",
+            {k: b.prompt_tokens for k, b in r.by_turn.items()},
+        ),
+        _labelled_counter(
+            "kvferry_reused_tokens_by_index",
+            "Reused prompt tokens by turn index.",
+            "turn",
+            {k: b.reused_tokens for k, b in r.by_turn.items()},
+        ),
+        _gauge("kvferry_pinned_handles", "Handles pinning KV on this D.", r.pinned.handles),
+        _gauge("kvferry_pinned_blocks", "KV blocks pinned by held handles.", r.pinned.blocks),
+        _gauge(
+            "kvferry_pinned_bytes",
+            "Bytes pinned by held handles (0 while bytes per token is unknown).",
+            r.pinned.bytes,
+        ),
+        _gauge(
+            "kvferry_pinned_oldest_age_seconds",
+            "Age of the oldest held handle.",
+            r.pinned.oldest_age_seconds,
+        ),
+        _counter("kvferry_pulls", "Turns served with KV pulled from a handle.", r.transfer.pulls),
+        _counter(
+            "kvferry_transferred_bytes", "NIXL bytes read by the local engine.", r.transfer.bytes
+        ),
+        _counter(
+            "kvferry_transfer_seconds",
+            "NIXL transfer time of the local engine.",
+            r.transfer.seconds,
+        ),
+        _counter(
+            "kvferry_recompute_tokens",
+            "Prompt tokens P computed from scratch (turns without reuse).",
+            r.transfer.recompute_tokens,
+        ),
+        _counter(
+            "kvferry_recompute_seconds",
+            "Prefill time of turns P computed from scratch.",
+            r.transfer.recompute_seconds,
+        ),
+        _gauge(
+            "kvferry_kv_bytes_per_token",
+            "KV bytes per token (NIXL bytes / p2p tokens of the local engine).",
+            r.transfer.bytes_per_token,
+        ),
+        _gauge("kvferry_engine_kv_usage_ratio", "Local engine KV cache usage.", r.engine.kv_usage),
+        _counter("kvferry_engine_preemptions", "Local engine preemptions.", r.engine.preemptions),
+        _counter(
+            "kvferry_engine_nixl_expired",
+            "Requests whose remote KV had expired (local engine).",
+            r.engine.nixl_expired,
+        ),
+        _counter(
+            "kvferry_engine_nixl_failed",
+            "Failed NIXL transfers (local engine).",
+            r.engine.nixl_failed,
+        ),
+        _gauge(
+            "kvferry_kv_blocks_held",
+            "Blocks the engine holds (KV events).",
+            r.kv_events.blocks_held,
+        ),
+        _gauge(
+            "kvferry_kv_sessions_held",
+            "Sessions with blocks in the engine (KV events).",
+            r.kv_events.sessions_held,
+        ),
+        _counter("kvferry_kv_events_batches", "KV-event batches applied.", r.kv_events.batches),
+        _counter("kvferry_kv_events_missed", "KV-event sequence gaps seen.", r.kv_events.missed),
+        _counter(
+            "kvferry_kv_events_repaired",
+            "KV-event gaps filled through the replay socket.",
+            r.kv_events.repaired,
+        ),
+        _counter(
+            "kvferry_kv_events_cleared",
+            "KV state dropped (AllBlocksCleared or engine restart).",
+            r.kv_events.cleared,
+        ),
+    ]
+    return [f for f in out if f is not None]
+
+
+class ReportCollector(Collector):
+    def __init__(self, snapshot: Callable[[], rpt.Report]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):  # type: ignore[override]
+        try:
+            report = self._snapshot()
+        except Exception:  # a scrape must not fail because of the report
+            _log.exception("residency snapshot failed")
+            return
+        yield from report_families(report)

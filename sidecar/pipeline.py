@@ -9,7 +9,7 @@
       5. run_prefill      least-loaded ready P; retries; pull failure -> recompute
       6. run_decode       local D with P's params; stream or not, as the client asked;
                           restore the client's view; capture the new handle
-      7. metrics.record   TurnReport -> series + one log line
+      7. record_turn      TurnReport -> series, one log line, the residency model
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
@@ -524,5 +524,5 @@ async def serve_turn(
         report.reused_tokens = 0  # the handle was not used after all
     response = await run_decode(sc, request, turn, prefill, report)
     report.timings.total_s = time.monotonic() - received_at
-    sc.metrics.record(report)
+    sc.record_turn(report)
     return response

@@ -42,6 +42,7 @@ PATH_TOKENIZE: Final = "/tokenize"
 PATH_VERSION: Final = "/version"
 PATH_HEALTH: Final = "/health"
 PATH_METRICS: Final = "/metrics"
+PATH_RESIDENCY: Final = "/v1/residency"
 
 # ------------------------------------------------------------------ body fields
 

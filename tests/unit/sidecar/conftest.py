@@ -49,8 +49,8 @@ async def engines(aiohttp_server: Any) -> Engines:
 
 
 def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
-    """Settings for tiny fake prompts: no skipping, a 4-token recompute threshold, and
-    background loops slow enough never to run during a test."""
+    """Settings for tiny fake prompts: no skipping, a 4-token recompute threshold,
+    background loops slow enough never to run during a test, no KV-event socket."""
     values: dict[str, Any] = {
         "engine_url": engines.decode.url,
         "prefill_engines": tuple(p.url for p in engines.prefill),
@@ -60,6 +60,10 @@ def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
         "topology_reload_seconds": 3600.0,
         "connect_timeout_seconds": 1.0,
         "prefill_timeout_seconds": 5.0,
+        "kv_events": "",
+        "pod_name": "x-decode-0",
+        "namespace": "serving",
+        "server": "x",
     }
     values.update(overrides)
     return Settings(**values)

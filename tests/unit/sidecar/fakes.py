@@ -93,6 +93,8 @@ class FakeEngine:
     # Completion requests to answer by closing the connection (an engine dying).
     drop_connections: int = 0
     delay: float = 0.0
+    # More /metrics text (vLLM series), appended after cache_config_info.
+    metrics_text: str = ""
     seen: list[Seen] = field(default_factory=list)
     # Decode: every handle returned, in order (None when the request got none).
     handles: list[dict[str, Any] | None] = field(default_factory=list)
@@ -133,7 +135,7 @@ class FakeEngine:
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
             'enable_prefix_caching="True"} 1.0\n'
         )
-        return web.Response(text=text)
+        return web.Response(text=text + self.metrics_text)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})

@@ -139,3 +139,33 @@ def test_cli_flags(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) ->
 def test_cli_bad_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--role", "decode", "--handle-store-cap", "0"]) == 2
     assert "handle_store_cap" in capsys.readouterr().err
+
+
+def test_config_reads_residency_settings(files: tuple[Path, Path]) -> None:
+    """Reporting settings from the operator's file and the pod's environment."""
+    settings_path, _ = files
+    data = {
+        **OPERATOR_SETTINGS,
+        "operatorUrl": "https://kvferry-operator.kvferry-system.svc:8443/v1/reports",
+        "operatorCaFile": "/etc/kvferry/ca.crt",
+        "reportIntervalSeconds": 30,
+    }
+    settings_path.write_text(json.dumps(data))
+    env = {
+        "POD_NAME": "llama-decode-1",
+        "POD_NAMESPACE": "serving",
+        "KVFERRY_TOKEN_FILE": "/var/run/secrets/kvferry/token",
+    }
+    s = config.build({"settings_path": str(settings_path)}, env=env)
+    assert s.server == "llama"
+    assert (s.pod_name, s.namespace) == ("llama-decode-1", "serving")
+    assert s.operator_url.endswith(":8443/v1/reports")
+    assert s.operator_ca_file == "/etc/kvferry/ca.crt"
+    assert s.report_interval_seconds == 30.0
+    assert s.token_file == "/var/run/secrets/kvferry/token"
+    assert (s.kv_events, s.kv_events_replay) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+
+
+def test_config_rejects_a_non_http_operator_url() -> None:
+    with pytest.raises(ConfigError, match="operator_url"):
+        config.build({"operator_url": "kvferry-operator:8443"}, env={})
