@@ -181,7 +181,7 @@ def apply_children(
         kopf.warn(body, reason=EVENT_INVALID, message=str(exc))
         return False
     ok = True
-    for child in render.render(server, settings.sidecar_image):
+    for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
         if only and (child["kind"], meta["name"]) != only:
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from . import api
@@ -29,6 +30,7 @@ DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvferry/kvferry-sidecar:0.1.0"
 
 CONFIG_KEY_SETTINGS = "sidecar.json"
 CONFIG_KEY_TOPOLOGY = "topology.json"
+CONFIG_KEY_OPERATOR_CA = "operator-ca.crt"
 CONFIG_MOUNT = "/etc/kvferry"
 TOKEN_MOUNT = "/var/run/secrets/kvferry"
 TOKEN_AUDIENCE = "kvferry"
@@ -46,6 +48,16 @@ UCX_TLS = {
 }
 
 Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the operator adds to every server's objects."""
+
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    # Where sidecars push residency reports, and the CA (PEM) to trust for it.
+    report_url: str = ""
+    report_ca_pem: str = ""
 
 
 # ------------------------------------------------------------ names & labels
@@ -287,15 +299,13 @@ def build_engine_container(server: Server, role: Role) -> Obj:
     }
 
 
-def build_sidecar_container(
-    spec: ServerSpec, server: Server, role: Role, sidecar_image: str
-) -> Obj:
+def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: Context) -> Obj:
     def field_env(name: str, path: str) -> Obj:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     return {
         "name": "kvferry-sidecar",
-        "image": spec.engine.sidecar_image or sidecar_image,
+        "image": spec.engine.sidecar_image or ctx.sidecar_image,
         "imagePullPolicy": "IfNotPresent",
         # A native sidecar: starts before the engine and lives as long as the pod.
         "restartPolicy": "Always",
@@ -374,7 +384,7 @@ def build_volumes(server: Server) -> list[Obj]:
     return volumes
 
 
-def build_pod_template(server: Server, role: Role, config_hash: str, sidecar_image: str) -> Obj:
+def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Context) -> Obj:
     spec = server.spec
     annotations = {
         **role.pod_annotations,
@@ -394,7 +404,7 @@ def build_pod_template(server: Server, role: Role, config_hash: str, sidecar_ima
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
-        "initContainers": [build_sidecar_container(spec, server, role, sidecar_image)],
+        "initContainers": [build_sidecar_container(spec, server, role, ctx)],
         "containers": [build_engine_container(server, role)],
         "volumes": build_volumes(server),
     }
@@ -419,9 +429,16 @@ def peer_urls(server: Server, role: str, port: int) -> list[str]:
     return [f"http://{svc}-{i}.{svc}.{server.namespace}.svc:{port}" for i in range(replicas)]
 
 
-def build_sidecar_settings(server: Server) -> Obj:
+def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
     spec = server.spec
+    ctx = ctx or Context()
+    report: Obj = {}
+    if ctx.report_url:
+        report["operatorUrl"] = ctx.report_url
+        if ctx.report_ca_pem:
+            report["operatorCaFile"] = f"{CONFIG_MOUNT}/{CONFIG_KEY_OPERATOR_CA}"
     return {
+        **report,
         "version": 1,
         "server": server.name,
         "model": spec.model.name,
@@ -448,10 +465,10 @@ DECODE_ONLY_SETTINGS = (
 )
 
 
-def sidecar_config_hash(server: Server, role: str) -> str:
+def sidecar_config_hash(server: Server, role: str, ctx: Context) -> str:
     """What restarts a role's pods when settings change. Topology (replica
     counts) is not in it: sidecars re-read topology.json live."""
-    settings = build_sidecar_settings(server)
+    settings = build_sidecar_settings(server, ctx)
     if role == api.ROLE_PREFILL:
         settings = {k: v for k, v in settings.items() if k not in DECODE_ONLY_SETTINGS}
     return _hash(settings)
@@ -469,20 +486,23 @@ def _json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True) + "\n"
 
 
-def build_config_map(server: Server) -> Obj:
+def build_config_map(server: Server, ctx: Context) -> Obj:
+    data = {
+        CONFIG_KEY_SETTINGS: _json(build_sidecar_settings(server, ctx)),
+        CONFIG_KEY_TOPOLOGY: _json(build_topology(server)),
+    }
+    if ctx.report_ca_pem:
+        data[CONFIG_KEY_OPERATOR_CA] = ctx.report_ca_pem
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(server, config_map_name(server), common_labels(server, "sidecar")),
-        "data": {
-            CONFIG_KEY_SETTINGS: _json(build_sidecar_settings(server)),
-            CONFIG_KEY_TOPOLOGY: _json(build_topology(server)),
-        },
+        "data": data,
     }
 
 
-def build_statefulset(server: Server, role: Role, sidecar_image: str) -> Obj:
-    config_hash = sidecar_config_hash(server, role.name)
+def build_statefulset(server: Server, role: Role, ctx: Context) -> Obj:
+    config_hash = sidecar_config_hash(server, role.name, ctx)
     name = child_name(server, role.name)
     return {
         "apiVersion": "apps/v1",
@@ -495,7 +515,7 @@ def build_statefulset(server: Server, role: Role, sidecar_image: str) -> Obj:
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(server, role.name)},
-            "template": build_pod_template(server, role, config_hash, sidecar_image),
+            "template": build_pod_template(server, role, config_hash, ctx),
         },
     }
 
@@ -559,18 +579,18 @@ def endpoint(server: Server) -> str:
     return f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}"
 
 
-def render(server: Server, sidecar_image: str = "") -> list[Obj]:
+def render(server: Server, ctx: Context | None = None) -> list[Obj]:
     """All children of ``server``, in the order they should be applied.
 
-    ``sidecar_image`` is the operator's default, used when the spec names none.
+    ``ctx`` carries what the operator adds (its sidecar image, its report endpoint).
     """
-    sidecar_image = sidecar_image or DEFAULT_SIDECAR_IMAGE
+    ctx = ctx or Context()
     roles = [server.spec.prefill, server.spec.decode]
     return [
-        build_config_map(server),
+        build_config_map(server, ctx),
         *(build_headless_service(server, r) for r in roles),
         build_entry_service(server),
-        *(build_statefulset(server, r, sidecar_image) for r in roles),
+        *(build_statefulset(server, r, ctx) for r in roles),
         *(build_pdb(server, r) for r in roles),
         build_kv_cache_status(server),
     ]

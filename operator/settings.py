@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .render import DEFAULT_SIDECAR_IMAGE, Context
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -24,6 +26,10 @@ class Settings:
     report_host: str = "0.0.0.0"
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    # What sidecars are told: the endpoint's in-cluster URL (the chart's Service)
+    # and the CA that signed its certificate (rendered into each server's ConfigMap).
+    tls_ca_file: str = ""
+    report_url: str = ""
     # A pod whose latest report is older than this is shown stale and left out
     # of the figures (3 missed pushes at the sidecar's default 15 s, and then some).
     report_stale_seconds: float = 90.0
@@ -31,6 +37,9 @@ class Settings:
     # between two status writes of one KVCacheStatus.
     publish_seconds: float = 10.0
     min_status_write_seconds: float = 10.0
+
+    def render_context(self) -> Context:
+        return render_context_of(self)
 
 
 def from_env() -> Settings:
@@ -40,10 +49,27 @@ def from_env() -> Settings:
         report_host=env("KVFERRY_REPORT_HOST", "0.0.0.0"),
         tls_cert_file=env("KVFERRY_TLS_CERT_FILE", ""),
         tls_key_file=env("KVFERRY_TLS_KEY_FILE", ""),
+        tls_ca_file=env("KVFERRY_TLS_CA_FILE", ""),
+        report_url=env("KVFERRY_REPORT_URL", ""),
         report_stale_seconds=float(env("KVFERRY_REPORT_STALE_SECONDS", "90")),
         publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
         min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
         child_event_debounce_seconds=float(os.environ.get("KVFERRY_DEBOUNCE_SECONDS", "0.5")),
+    )
+
+
+def _read(path: str) -> str:
+    if not path:
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def render_context_of(settings: Settings) -> Context:
+    return Context(
+        sidecar_image=settings.sidecar_image or DEFAULT_SIDECAR_IMAGE,
+        report_url=settings.report_url,
+        report_ca_pem=_read(settings.tls_ca_file),
     )

@@ -159,6 +159,9 @@ class Operator:
             "KVFERRY_REPORT_PORT": str(self.report_port),
             "KVFERRY_PUBLISH_SECONDS": "1",
             "KVFERRY_MIN_STATUS_WRITE_SECONDS": "1",
+            # What the rendered ConfigMaps tell sidecars (the chart sets the Service URL).
+            "KVFERRY_REPORT_URL": self.report_url,
+            "KVFERRY_TLS_CA_FILE": str(self.cert),
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(

@@ -374,3 +374,25 @@ class TestAutoRetention:
 
     def test_leaving_auto_returns_to_the_spec_value(self):
         assert self.ttl(self.auto(120, mode="Recommend"), "decode") == 480
+
+
+class TestReportWiring:
+    CTX = render.Context(
+        sidecar_image="example.com/kvferry-sidecar:test",
+        report_url="https://kvferry.kvferry-system.svc:8443/v1/reports",
+        report_ca_pem="-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+    )
+
+    def test_sidecars_learn_the_endpoint_and_its_ca(self):
+        manifest = {**server(), "metadata": {**server()["metadata"], "uid": UID}}
+        objs = render.render(api.parse_server(manifest), self.CTX)
+        cm = by_kind(objs, "ConfigMap")
+        settings = json.loads(cm["data"]["sidecar.json"])
+        assert settings["operatorUrl"] == self.CTX.report_url
+        assert settings["operatorCaFile"] == "/etc/kvferry/operator-ca.crt"
+        assert cm["data"]["operator-ca.crt"] == self.CTX.report_ca_pem
+        assert sidecar(objs, "decode")["image"] == "example.com/kvferry-sidecar:test"
+
+    def test_no_endpoint_means_no_push_settings(self):
+        settings = json.loads(by_kind(rendered(server()), "ConfigMap")["data"]["sidecar.json"])
+        assert "operatorUrl" not in settings and "operatorCaFile" not in settings

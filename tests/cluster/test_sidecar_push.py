@@ -1,0 +1,108 @@
+"""Real sidecar processes push residency reports to the real operator, authenticated
+by tokens bound to the kwok pods they stand in for, configured from the ConfigMap
+the operator rendered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.cluster.conftest import Kubectl, Operator, free_port, wait_until
+from tests.cluster.test_operator import make, wait_ready
+from tests.cluster.test_reports import bound_token
+
+
+@contextmanager
+def sidecar_process(
+    kubectl: Kubectl, ns: str, pod: str, token: str, folder: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvferry-sidecar --role decode` as the pod `pod` would run it, minus the engine."""
+    cm = kubectl.get("configmap", "tiny-sidecar", ns)["data"]
+    settings = json.loads(cm["sidecar.json"])
+    assert settings["operatorUrl"].startswith("https://127.0.0.1:")
+    (folder / "operator-ca.crt").write_text(cm["operator-ca.crt"])
+    settings.update(
+        operatorCaFile=str(folder / "operator-ca.crt"), reportIntervalSeconds=1, kvEvents=""
+    )
+    (folder / "sidecar.json").write_text(json.dumps(settings))
+    (folder / "token").write_text(token)
+    env = {
+        **os.environ,
+        "POD_NAME": pod,
+        "POD_NAMESPACE": ns,
+        "KVFERRY_SERVER": "tiny",
+        "KVFERRY_TOKEN_FILE": str(folder / "token"),
+    }
+    log = open(folder / "sidecar.log", "wb")  # noqa: SIM115 - the process owns it
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvferry_sidecar.cli",
+            "--role",
+            "decode",
+            "--config",
+            str(folder / "sidecar.json"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--engine-url",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd="/",
+    )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+        log.close()
+
+
+def pod_rows(kubectl: Kubectl, ns: str) -> dict[str, dict]:
+    status = kubectl.get("kvcachestatus", "tiny", ns).get("status") or {}
+    return {p["name"]: p for p in status.get("pods") or []}
+
+
+def test_real_sidecars_report_and_forged_ones_do_not(
+    kubectl: Kubectl, operator: Operator, ns: str, tmp_path: Path
+):
+    kubectl.apply(make(ns, spec={"decode": {"replicas": 2}}), "--server-side")
+    wait_ready(kubectl, ns)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    token = bound_token(kubectl, ns, "tiny-decode-0")
+    with (
+        sidecar_process(kubectl, ns, "tiny-decode-0", token, good),
+        sidecar_process(kubectl, ns, "tiny-decode-1", "forged." + "x" * 40, bad),
+    ):
+        wait_until(
+            lambda: "tiny-decode-0" in pod_rows(kubectl, ns),
+            40,
+            "the real sidecar's report in KVCacheStatus",
+        )
+        # The forged sidecar has pushed several times by now; none may have landed.
+        wait_until(
+            lambda: (
+                b"401" in (bad / "sidecar.log").read_bytes()
+                or b"rejected" in (bad / "sidecar.log").read_bytes()
+            ),
+            20,
+            "the forged sidecar's push refused",
+        )
+    rows = pod_rows(kubectl, ns)
+    assert set(rows) == {"tiny-decode-0"}
+    assert rows["tiny-decode-0"]["role"] == "decode"
+    assert kubectl.get("kvcachestatus", "tiny", ns)["status"]["phase"] == "Reporting"
