@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv controlplane-up controlplane-down
+.PHONY: demo test lint venv controlplane-up controlplane-down helm deploy-manifest
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,3 +32,11 @@ controlplane-up:
 
 controlplane-down:
 	hack/controlplane.sh down
+
+# helm v3.22.0 built from hack/helm (cached under ~/.cache/kvferry/helm); prints its path.
+helm:
+	hack/helm.sh build
+
+# Regenerate deploy/kvferry.yaml (plain manifests) from charts/kvferry.
+deploy-manifest:
+	deploy/render.sh

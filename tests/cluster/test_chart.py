@@ -1,0 +1,233 @@
+"""The Helm chart on the real control plane: server-side dry runs, install, a no-op
+upgrade, and the operator running as the chart's ServiceAccount (its RBAC suffices
+for a server to become Ready and for reports to land, and it is not cluster-admin)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import ssl
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.cluster.test_operator import CHILDREN, make, wait_ready
+from tests.cluster.test_reports import bound_token, decode_report
+from tests.unit.test_chart import CHART, RELEASE, helm, set_args
+
+TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
+
+
+def helm_on(kubeconfig: Path, *args: str, check: bool = True):
+    return helm(*args, "--kubeconfig", str(kubeconfig), check=check)
+
+
+def chart_objects(kubeconfig: Path, namespace: str) -> list[dict[str, Any]]:
+    manifest = helm_on(kubeconfig, "get", "manifest", RELEASE, "-n", namespace).stdout
+    return [d for d in yaml.safe_load_all(manifest) if d]
+
+
+def resource_versions(kubectl: Kubectl, objs: list[dict[str, Any]]) -> dict[str, str]:
+    out = {}
+    for o in objs:
+        meta = o["metadata"]
+        group = o["apiVersion"].rpartition("/")[0]  # "" for the core group ("v1")
+        resource = f"{o['kind'].lower()}.{group}" if group else o["kind"].lower()
+        ns = ["-n", meta["namespace"]] if "namespace" in meta else []
+        got = kubectl.json("get", resource, meta["name"], *ns)
+        out[f"{resource}/{meta.get('namespace', '')}/{meta['name']}"] = got["metadata"][
+            "resourceVersion"
+        ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def release(kubectl: Kubectl, kubeconfig: Path) -> Iterator[str]:
+    """The chart installed with default values into a namespace of its own."""
+    namespace = f"kvferry-{uuid.uuid4().hex[:6]}"
+    helm_on(
+        kubeconfig,
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        namespace,
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "90s",
+    )
+    yield namespace
+    helm_on(kubeconfig, "uninstall", RELEASE, "-n", namespace, "--wait", check=False)
+    kubectl.run("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def sa_kubeconfig(
+    kubectl: Kubectl, kubeconfig: Path, release: str, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a minted token)."""
+    token = kubectl.run(
+        "create", "token", RELEASE, "-n", release, "--duration", "1h"
+    ).stdout.strip()
+    admin = yaml.safe_load(kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "operator"}}],
+        "current-context": "sa",
+    }
+    path = tmp_path_factory.mktemp("sa") / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [[], ["networkPolicy.enabled=true", "tls.existingSecret=mine"], "namespaced"],
+    ids=["defaults", "netpol-existing-secret", "namespaced-all-options"],
+)
+def test_rendered_chart_passes_server_side_dry_run(kubectl: Kubectl, ns: str, sets: Any):
+    if sets == "namespaced":
+        sets = [
+            f"watchNamespaces={{{ns}}}",
+            "networkPolicy.enabled=true",
+            f"networkPolicy.serverNamespaces={{{ns}}}",
+            "networkPolicy.clients[0].podSelector.matchLabels.app=client",
+        ]
+    # The operator pod must meet the restricted Pod Security Standard: the API server
+    # warns about workloads that would violate it in a namespace labelled so.
+    kubectl.run("label", "namespace", ns, "pod-security.kubernetes.io/warn=restricted")
+    # A release name of its own: nothing here may touch the installed release.
+    text = helm(
+        "template", "dryrun", str(CHART), "-n", ns, "--include-crds", *set_args(sets)
+    ).stdout
+    proc = kubectl.run("apply", "--dry-run=server", "-f", "-", input=text, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "PodSecurity" not in proc.stderr, proc.stderr
+    kinds = {line.split("/")[0] for line in proc.stdout.splitlines()}
+    assert "deployment.apps" in kinds and "customresourcedefinition.apiextensions.k8s.io" in kinds
+
+
+def test_helm_install_then_unchanged_upgrade_changes_no_object(
+    kubectl: Kubectl, kubeconfig: Path, release: str
+):
+    objs = chart_objects(kubeconfig, release)
+    assert {o["kind"] for o in objs} >= {"Deployment", "Secret", "Service", "ClusterRole"}
+    before = resource_versions(kubectl, objs)
+    secret_before = kubectl.get("secret", f"{RELEASE}-tls", release)["data"]
+    out = helm_on(
+        kubeconfig, "upgrade", RELEASE, str(CHART), "-n", release, "--wait", "--timeout", "60s"
+    ).stdout
+    assert "has been upgraded" in out
+    assert "helm upgrade` does not update CRDs" in out  # NOTES.txt warns on upgrade
+    history = json.loads(
+        helm_on(kubeconfig, "history", RELEASE, "-n", release, "-o", "json").stdout
+    )
+    assert [h["revision"] for h in history] == [1, 2]
+    # Nothing was written: not even the generated certificate (kept through `lookup`).
+    assert resource_versions(kubectl, objs) == before
+    assert kubectl.get("secret", f"{RELEASE}-tls", release)["data"] == secret_before
+
+
+def test_chart_service_account_is_not_cluster_admin(sa_kubeconfig: Path, release: str):
+    sa = Kubectl(sa_kubeconfig)
+    who = f"system:serviceaccount:{release}:{RELEASE}"
+
+    def can(*args: str) -> str:
+        return sa.run("auth", "can-i", *args, check=False).stdout.strip()
+
+    assert can("create", "statefulsets", "-n", "default") == "yes"  # it is who we think
+    assert can("delete", "nodes") == "no"
+    assert can("*", "*") == "no"
+    assert can("get", "secrets", "-n", release) == "no"
+    assert can("delete", "statefulsets", "-n", "default") == "no"
+    assert can("create", "pods", "-n", "default") == "no"
+    # Real requests, refused by the API server.
+    for args in (
+        ("get", "secrets", "-n", release),
+        ("delete", "node", "gpu-node-0", "--dry-run=server"),
+        ("create", "namespace", "not-allowed", "--dry-run=server"),
+    ):
+        proc = sa.run(*args, check=False)
+        assert proc.returncode != 0, args
+        assert "forbidden" in proc.stderr and who in proc.stderr, proc.stderr
+
+
+def _push(port: int, host: str, ca: Path, body: bytes, token: str) -> int:
+    """POST a report to 127.0.0.1:port, verifying the certificate for ``host``."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+
+    class Conn(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            self.sock = ctx.wrap_socket(sock, server_hostname=host)
+
+    conn = Conn(host, port, context=ctx, timeout=10)
+    try:
+        conn.request(
+            "POST",
+            "/v1/reports",
+            body=body,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_operator_as_chart_service_account_makes_a_server_ready(
+    kubectl: Kubectl,
+    operator: Operator,
+    sa_kubeconfig: Path,
+    release: str,
+    ns: str,
+    tmp_path: Path,
+):
+    # The session's operator runs as cluster-admin: stop it so it cannot do the work.
+    operator.stop()
+    try:
+        # The chart's certificate (Operator() makes its own in tmp_path: another folder).
+        tls = tmp_path / "chart-tls"
+        tls.mkdir()
+        secret = kubectl.get("secret", f"{RELEASE}-tls", release)["data"]
+        for key in TLS_FILES:
+            (tls / key).write_bytes(base64.b64decode(secret[key]))
+        sa_op = Operator(sa_kubeconfig, tmp_path / "sa-operator.log")
+        sa_op.cert, sa_op.key = tls / "tls.crt", tls / "tls.key"
+        sa_op.start()
+        try:
+            kubectl.apply(make(ns), "--server-side")
+            try:
+                wait_ready(kubectl, ns)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\noperator log:\n{sa_op.log()[-4000:]}") from exc
+            for kind, pattern in CHILDREN:
+                assert kubectl.get(kind, pattern.format(n="tiny"), ns), kind
+            # The report endpoint with the chart's certificate, for the Service's name:
+            # TokenReview and the pod lookup run as the ServiceAccount too.
+            host = f"{RELEASE}.{release}.svc"
+            token = bound_token(kubectl, ns, "tiny-decode-0")
+            body = decode_report(ns, "tiny", "tiny-decode-0")
+            assert _push(sa_op.report_port, host, tls / "ca.crt", body, token) == 202
+            wait_until(
+                lambda: kubectl.get("kvcachestatus", "tiny", ns)["status"]["phase"] == "Reporting",
+                30,
+                "KVCacheStatus Reporting (status patch as the ServiceAccount)",
+            )
+            log = sa_op.log()
+            assert "forbidden" not in log.lower(), log[-4000:]
+            assert "Traceback" not in log, log[-4000:]
+        finally:
+            sa_op.stop()
+    finally:
+        operator.start()

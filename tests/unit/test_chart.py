@@ -1,0 +1,582 @@
+"""The Helm chart (charts/kvferry), rendered by a real helm built from hack/helm.
+
+RBAC is checked against a table of the operator's API call sites; the table is
+itself checked against the code (kopf registrations, rendered child kinds, the
+methods of ``Kube``), so a new API call without a rule fails here, and so does a
+rule nothing needs. Also: CRD copies, values schema and docs, the Deployment's
+security, TLS, optional objects, strict 1.37 schemas, the plain-manifest file,
+and the security of the server pods the operator renders.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import inspect
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvferry_operator import api, handlers, kube, render
+from tests.manifests import EXAMPLES, ROOT, load_example
+
+CHART = ROOT / "charts" / "kvferry"
+HELM_SH = ROOT / "hack" / "helm.sh"
+K8S_VERSION = "1.37.0"
+RELEASE = "kvferry"
+NAMESPACE = "kvferry-system"
+# Every optional part on (ServiceMonitor is a CRD kind: not in the built-in schemas).
+ALL_OPTIONS = [
+    "watchNamespaces={team-a,team-b}",
+    "serviceMonitor.enabled=true",
+    "networkPolicy.enabled=true",
+    "networkPolicy.serverNamespaces={team-a}",
+    "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
+]
+
+
+# ------------------------------------------------------------------ helm
+
+
+@functools.cache
+def helm_binary() -> str:
+    """Build (once, cached under ~/.cache/kvferry) and return the helm binary."""
+    proc = subprocess.run(
+        ["bash", str(HELM_SH), "build"], capture_output=True, text=True, timeout=1800
+    )
+    assert proc.returncode == 0, f"hack/helm.sh build failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def helm_env() -> dict[str, str]:
+    """helm's own config/cache/data folders out of $HOME."""
+    base = Path(tempfile.gettempdir()) / f"kvferry-helm-home-{os.getuid()}"
+    return {
+        **os.environ,
+        "HELM_CONFIG_HOME": str(base / "config"),
+        "HELM_CACHE_HOME": str(base / "cache"),
+        "HELM_DATA_HOME": str(base / "data"),
+    }
+
+
+def helm(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [helm_binary(), *args], capture_output=True, text=True, env=helm_env(), timeout=120, **kw
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}{proc.stdout}")
+    return proc
+
+
+def set_args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def template_text(*sets: str, namespace: str = NAMESPACE, crds: bool = False) -> str:
+    args = ["template", RELEASE, str(CHART), "--namespace", namespace, *set_args(list(sets))]
+    return helm(*args, *(["--include-crds"] if crds else [])).stdout
+
+
+def template(*sets: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(template_text(*sets, namespace=namespace)) if d]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
+    return found[0]
+
+
+def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+# ------------------------------------------------------------------ RBAC table
+
+
+@dataclass(frozen=True)
+class Call:
+    site: str  # where the code makes the call
+    group: str
+    resource: str  # plural, or plural/subresource
+    verbs: tuple[str, ...]
+    restricted_only: bool = False  # only when the operator watches a namespace list
+
+
+# Kind -> (API group, plural) for the objects the operator applies.
+KINDS = {
+    "StatefulSet": ("apps", "statefulsets"),
+    "Service": ("", "services"),
+    "ConfigMap": ("", "configmaps"),
+    "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+    api.STATUS_KIND: (api.GROUP, api.STATUS_PLURAL),
+    api.SERVER_KIND: (api.GROUP, api.SERVER_PLURAL),
+}
+
+# Every API call the operator makes, by call site. Server-side apply is a PATCH that
+# creates the object when it does not exist yet, which the API server authorizes as
+# `create` too. Keep in step with the code: the tests below check it from both sides.
+CALLS = [
+    # kopf indexes and event handlers (handlers.py): list + watch per resource.
+    Call("kopf watch: handlers.servers/server_changed", "kvferry.io", "disaggregatedservers",
+         ("list", "watch")),
+    Call("kopf watch: handlers.statefulsets/child-statefulsets", "apps", "statefulsets",
+         ("list", "watch")),
+    Call("kopf watch: child-services", "", "services", ("list", "watch")),
+    Call("kopf watch: child-configmaps", "", "configmaps", ("list", "watch")),
+    Call("kopf watch: child-poddisruptionbudgets", "policy", "poddisruptionbudgets",
+         ("list", "watch")),
+    Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
+         ("list", "watch")),
+    Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
+    # Kube.apply (handlers.apply_children): every rendered child.
+    Call("Kube.apply StatefulSet", "apps", "statefulsets", ("create", "patch")),
+    Call("Kube.apply Service", "", "services", ("create", "patch")),
+    Call("Kube.apply ConfigMap", "", "configmaps", ("create", "patch")),
+    Call("Kube.apply PodDisruptionBudget", "policy", "poddisruptionbudgets",
+         ("create", "patch")),
+    Call("Kube.apply KVCacheStatus", "kvferry.io", "kvcachestatuses", ("create", "patch")),
+    # Kube.patch_status (handlers.refresh_status, apply_children, reporting.Publisher).
+    Call("Kube.patch_status DisaggregatedServer", "kvferry.io", "disaggregatedservers/status",
+         ("patch",)),
+    Call("Kube.patch_status KVCacheStatus", "kvferry.io", "kvcachestatuses/status",
+         ("patch",)),
+    # Kube.get (reporting.Publisher).
+    Call("Kube.get DisaggregatedServer", "kvferry.io", "disaggregatedservers", ("get",)),
+    Call("Kube.get KVCacheStatus", "kvferry.io", "kvcachestatuses", ("get",)),
+    # Kube.list_servers (handlers._resync_forever).
+    Call("Kube.list_servers", "kvferry.io", "disaggregatedservers", ("list",)),
+    # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
+    Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
+    Call("Kube.get_pod", "", "pods", ("get",)),
+    # Kube.create_event (reporting.Publisher) and kopf's event poster (kopf.info/warn).
+    Call("Kube.create_event", "", "events", ("create",)),
+    Call("kopf posting: kopf.info/kopf.warn", "", "events", ("create",)),
+    # kopf's observation (kopf/_core/reactor/observation.py): CRD changes always,
+    # namespace changes only when restricted to namespaces. Peering: none (--standalone).
+    Call("kopf resource_observer", "apiextensions.k8s.io", "customresourcedefinitions",
+         ("list", "watch")),
+    Call("kopf namespace_observer", "", "namespaces", ("list", "watch"), restricted_only=True),
+]  # fmt: skip
+
+Grant = tuple[str, str, str]  # (group, resource, verb)
+
+
+def needed(restricted: bool) -> set[Grant]:
+    return {
+        (c.group, c.resource, v)
+        for c in CALLS
+        if restricted or not c.restricted_only
+        for v in c.verbs
+    }
+
+
+def grants(rules: list[dict[str, Any]]) -> set[Grant]:
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule.get("apiGroups", [])
+        for r in rule.get("resources", [])
+        for v in rule.get("verbs", [])
+    }
+
+
+def granted(objs: list[dict[str, Any]]) -> set[Grant]:
+    """What the chart's ServiceAccount may do (the union over its bindings)."""
+    roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ClusterRole"}
+    out: set[Grant] = set()
+    for b in objs:
+        if b["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
+            continue
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}
+        ]
+        out |= grants(roles[b["roleRef"]["name"]]["rules"])
+    return out
+
+
+def kopf_resources() -> dict[tuple[str, str], set[str]]:
+    """(group, plural) of every kopf registration -> what kind of handler."""
+    registry = kopf.get_default_registry()
+    out: dict[tuple[str, str], set[str]] = {}
+    for kind in ("_indexing", "_watching", "_changing", "_spawning", "_webhooks"):
+        for h in getattr(registry, kind).get_all_handlers():
+            sel = h.selector
+            out.setdefault((sel.group, sel.plural or sel.any_name), set()).add(kind)
+    return out
+
+
+class TestRbacMatchesTheCode:
+    def test_kopf_registrations_are_in_the_table(self):
+        assert handlers.SERVER  # the registrations happen on import
+        table = needed(restricted=False)
+        for (group, plural), kinds in kopf_resources().items():
+            assert {(group, plural, "list"), (group, plural, "watch")} <= table, plural
+            # Change handlers, timers and daemons make kopf write finalizers and
+            # progress annotations: those would need patch on the resource itself.
+            if kinds & {"_changing", "_spawning"}:
+                assert (group, plural, "patch") in table, plural
+
+    @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+    def test_every_rendered_child_kind_can_be_applied(self, path: Path):
+        table = needed(restricted=False)
+        for child in render.render(api.parse_server(load_example(path))):
+            assert child["kind"] in KINDS, f"add {child['kind']} to KINDS and CALLS"
+            group, plural = KINDS[child["kind"]]
+            assert {(group, plural, "create"), (group, plural, "patch")} <= table
+
+    def test_every_kube_method_has_a_call_site_row(self):
+        # A new API call in kube.py must come with its row (and rule).
+        methods = {
+            n
+            for n, f in inspect.getmembers(kube.Kube, inspect.isfunction)
+            if not n.startswith("_") and n != "close"
+        }
+        sites = {
+            c.site.split()[0].removeprefix("Kube.") for c in CALLS if c.site.startswith("Kube.")
+        }
+        assert methods == sites
+
+    @pytest.mark.parametrize("restricted", [False, True], ids=["clusterwide", "namespaces"])
+    def test_chart_grants_exactly_what_the_code_calls(self, restricted: bool):
+        objs = template(*(["watchNamespaces={team-a,team-b}"] if restricted else []))
+        have, want = granted(objs), needed(restricted)
+        assert want - have == set(), "missing: the operator would be forbidden"
+        assert have - want == set(), "granted but never used: remove it"
+
+    def test_no_wildcards_anywhere(self):
+        for objs in (template(), template(*ALL_OPTIONS)):
+            for role in (o for o in objs if o["kind"] in ("ClusterRole", "Role")):
+                for rule in role["rules"]:
+                    for key in ("apiGroups", "resources", "verbs"):
+                        assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
+                    assert "nonResourceURLs" not in rule
+
+    def test_namespaced_mode_binds_only_the_listed_namespaces(self):
+        objs = template("watchNamespaces={team-a,team-b}")
+        workload = [o for o in objs if o["kind"] == "RoleBinding"]
+        assert sorted(o["metadata"]["namespace"] for o in workload) == ["team-a", "team-b"]
+        crbs = [o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"]
+        assert crbs == [f"{RELEASE}-cluster"]
+        cluster = grants(one(objs, "ClusterRole", f"{RELEASE}-cluster")["rules"])
+        assert {r for _, r, _ in cluster} == {
+            "tokenreviews",
+            "customresourcedefinitions",
+            "namespaces",
+        }
+
+    def test_the_check_catches_a_removed_verb(self):
+        # The exactness test is only as good as `granted`: prove it sees a removal.
+        objs = template()
+        role = one(objs, "ClusterRole", RELEASE)
+        role["rules"] = [r for r in role["rules"] if r["resources"] != ["pods"]]
+        assert ("", "pods", "get") in needed(False) - granted(objs)
+
+
+# ------------------------------------------------------------------ chart files
+
+
+def test_chart_crds_are_byte_identical_copies_of_crds_dir():
+    top = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == top
+    for name in top:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+            f"cp crds/{name} charts/kvferry/crds/"
+        )
+
+
+@pytest.mark.parametrize("sets", [[], ALL_OPTIONS], ids=["defaults", "all-options"])
+def test_helm_lint_strict_passes(sets: list[str]):
+    out = helm("lint", "--strict", str(CHART), *set_args(sets)).stdout
+    assert "0 chart(s) failed" in out
+
+
+def _leaves(values: Any, prefix: str = "") -> list[str]:
+    if isinstance(values, dict) and values:
+        return [p for k, v in values.items() for p in _leaves(v, f"{prefix}.{k}" if prefix else k)]
+    return [prefix]
+
+
+def test_every_value_is_commented():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+            continue
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml:{i + 1} has no comment: {line}"
+
+
+def test_every_value_is_used_by_a_template():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    text = "".join(p.read_text() for p in (CHART / "templates").iterdir())
+    for leaf in _leaves(values):
+        parts = leaf.split(".")
+        # A value is used when the template names it or a map above it (toYaml).
+        used = any(f".Values.{'.'.join(parts[:n])}" in text for n in range(len(parts), 0, -1))
+        assert used, f"values.yaml {leaf} is not used by any template"
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["replicas=2"], "/replicas"),
+        (["nope=1"], "additional properties 'nope' not allowed"),
+        (["image.tagg=x"], "additional properties 'tagg' not allowed"),
+        (["watchNamespaces={Bad_NS}"], "/watchNamespaces/0"),
+        (["image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+    ],
+    ids=["replicas-not-1", "unknown-top-key", "typo-nested", "bad-namespace", "bad-enum"],
+)
+def test_values_schema_rejects(sets: list[str], message: str):
+    proc = helm("template", RELEASE, str(CHART), *set_args(sets), check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("sets", [[], ALL_OPTIONS], ids=["defaults", "all-options"])
+def test_builtin_objects_pass_strict_kubernetes_schema(sets: list[str]):
+    for obj in template(*sets):
+        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+            continue  # a CRD kind, checked by shape below
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_optional_objects_are_off_by_default():
+    kinds = sorted(o["kind"] for o in template())
+    assert kinds == sorted(
+        [
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Secret",
+            "Service",
+            "ServiceAccount",
+        ]
+    )
+
+
+def test_deploy_manifest_is_current():
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "render.sh"), "-"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (ROOT / "deploy" / "kvferry.yaml").read_text(), "run deploy/render.sh"
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert "Secret" not in {d["kind"] for d in docs}  # no shared private key in git
+    assert [d["kind"] for d in docs[:3]] == [
+        "Namespace",
+        "CustomResourceDefinition",
+        "CustomResourceDefinition",
+    ]
+
+
+# ------------------------------------------------------------------ the Deployment
+
+
+class TestOperatorDeployment:
+    def test_runs_standalone_and_clusterwide_by_default(self):
+        c = operator_container(template())
+        assert c["command"] == ["kvferry-operator"]
+        assert c["args"] == ["run", "--standalone"]
+
+    def test_watch_namespaces_become_namespace_flags(self):
+        c = operator_container(template("watchNamespaces={team-a,team-b}"))
+        assert c["args"] == ["run", "--standalone", "--namespace=team-a", "--namespace=team-b"]
+
+    def test_never_two_replicas_at_once(self):
+        dep = one(template(), "Deployment")
+        assert dep["spec"]["replicas"] == 1
+        assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+    def test_non_root_read_only_no_privileges(self):
+        pod = one(template(), "Deployment")["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        sec = pod["containers"][0]["securityContext"]
+        assert sec == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        # Read-only root: the kubernetes client's discovery cache needs a writable /tmp.
+        assert {"name": "tmp", "mountPath": "/tmp"} in pod["containers"][0]["volumeMounts"]
+
+    def test_operator_settings_come_from_values(self):
+        c = operator_container(
+            template(
+                "sidecarImage.tag=9.9",
+                "reportEndpoint.containerPort=9443",
+                "settings.resyncSeconds=30",
+                "settings.reportStaleSeconds=45",
+                "settings.publishSeconds=5",
+            )
+        )
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env == {
+            "KVFERRY_SIDECAR_IMAGE": "ghcr.io/kvferry/kvferry-sidecar:9.9",
+            "KVFERRY_REPORT_PORT": "9443",
+            "KVFERRY_TLS_CERT_FILE": "/etc/kvferry/tls/tls.crt",
+            "KVFERRY_TLS_KEY_FILE": "/etc/kvferry/tls/tls.key",
+            "KVFERRY_REPORT_URL": f"https://{RELEASE}.{NAMESPACE}.svc:8443/v1/reports",
+            "KVFERRY_TLS_CA_FILE": "/etc/kvferry/tls/ca.crt",
+            "KVFERRY_RESYNC_SECONDS": "30",
+            "KVFERRY_REPORT_STALE_SECONDS": "45",
+            "KVFERRY_PUBLISH_SECONDS": "5",
+        }
+        assert c["ports"] == [{"name": "reports", "containerPort": 9443, "protocol": "TCP"}]
+
+    def test_probes_hit_the_report_endpoint_health_over_https(self):
+        c = operator_container(template())
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/healthz", "port": "reports", "scheme": "HTTPS"}
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+    def test_report_service_forwards_8443_to_the_container(self):
+        objs = template("reportEndpoint.containerPort=9443")
+        svc = one(objs, "Service")
+        assert svc["spec"]["ports"] == [
+            {"name": "reports", "port": 8443, "targetPort": "reports", "protocol": "TCP"}
+        ]
+        labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items()
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def _openssl(*args: str, input: bytes | None = None) -> str:
+    proc = subprocess.run(["openssl", *args], input=input, capture_output=True, check=True)
+    return proc.stdout.decode()
+
+
+class TestTls:
+    def test_generated_certificate_is_signed_by_the_ca_for_the_service_names(self, tmp_path: Path):
+        secret = one(template(), "Secret")
+        assert secret["type"] == "kubernetes.io/tls"
+        for key in ("ca.crt", "tls.crt", "tls.key"):
+            (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+        verified = _openssl(
+            "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")
+        )
+        assert verified.strip().endswith("OK")
+        text = _openssl(
+            "x509", "-noout", "-ext", "subjectAltName", "-in", str(tmp_path / "tls.crt")
+        )
+        for name in (
+            f"{RELEASE}.{NAMESPACE}.svc",
+            f"{RELEASE}.{NAMESPACE}.svc.cluster.local",
+        ):
+            assert f"DNS:{name}" in text
+        # The key belongs to the certificate.
+        pub_cert = _openssl("x509", "-noout", "-pubkey", "-in", str(tmp_path / "tls.crt"))
+        pub_key = _openssl("pkey", "-pubout", "-in", str(tmp_path / "tls.key"))
+        assert pub_cert == pub_key
+
+    def test_existing_secret_is_mounted_and_none_is_generated(self):
+        objs = template("tls.existingSecret=my-cert")
+        assert not [o for o in objs if o["kind"] == "Secret"]
+        volumes = one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        assert volumes[0]["secret"]["secretName"] == "my-cert"
+
+
+# ------------------------------------------------------------------ optional objects
+
+
+class TestOptionalObjects:
+    def test_service_monitor_scrapes_the_role_services_metrics(self):
+        sm = one(template("serviceMonitor.enabled=true"), "ServiceMonitor")
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert sm["spec"]["namespaceSelector"] == {"any": True}
+        # It selects the headless per-role Services the operator renders, not the client one.
+        objs = render.render(api.parse_server(load_example(EXAMPLES[0])))
+        services = [o for o in objs if o["kind"] == "Service"]
+        sel = sm["spec"]["selector"]
+        picked = [
+            s["metadata"]["name"]
+            for s in services
+            if sel["matchLabels"].items() <= s["metadata"]["labels"].items()
+            and api.LABEL_ROLE in s["metadata"]["labels"]
+        ]
+        assert sorted(picked) == sorted(
+            s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") == "None"
+        )
+        assert all(
+            "http" in [p["name"] for p in s["spec"]["ports"]]
+            for s in services
+            if s["metadata"]["name"] in picked
+        )
+        assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+    def test_network_policy_report_endpoint_only_from_kvferry_pods(self):
+        objs = template("networkPolicy.enabled=true")
+        pol = one(objs, "NetworkPolicy")
+        assert pol["metadata"]["namespace"] == NAMESPACE
+        (rule,) = pol["spec"]["ingress"]
+        assert rule["from"] == [
+            {"namespaceSelector": {}, "podSelector": {"matchLabels": {api.LABEL_NAME: "kvferry"}}}
+        ]
+        assert rule["ports"] == [{"port": "reports", "protocol": "TCP"}]
+        # The operator pod itself is not app.kubernetes.io/name=kvferry (not a server pod).
+        pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        assert pod_labels[api.LABEL_NAME] != "kvferry"
+
+    def test_network_policy_server_pods_kv_ports_only_from_kvferry_pods(self):
+        objs = template(
+            "networkPolicy.enabled=true",
+            "networkPolicy.serverNamespaces={team-a}",
+            "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
+        )
+        pol = one(objs, "NetworkPolicy", f"{RELEASE}-servers")
+        assert pol["metadata"]["namespace"] == "team-a"
+        server_pods = {api.LABEL_NAME: "kvferry", api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
+        assert pol["spec"]["podSelector"] == {"matchLabels": server_pods}
+        peers, clients = pol["spec"]["ingress"]
+        assert peers == {"from": [{"podSelector": {"matchLabels": server_pods}}]}
+        assert clients == {
+            "ports": [{"port": api.SIDECAR_PORT, "protocol": "TCP"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+        }
+        # The selector matches what the operator renders on prefill/decode pods.
+        objs = render.render(api.parse_server(load_example(EXAMPLES[0])))
+        for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+            assert server_pods.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+# ------------------------------------------------------------------ server pods
+
+
+def _pod_specs(path: Path) -> list[dict[str, Any]]:
+    objs = render.render(api.parse_server(load_example(path)))
+    return [o["spec"]["template"]["spec"] for o in objs if o["kind"] == "StatefulSet"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_rendered_server_pods_have_no_host_access_or_privilege(path: Path):
+    rdma = bool(load_example(path)["spec"].get("network", {}).get("rdma", {}).get("enabled"))
+    for pod in _pod_specs(path):
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not pod.get(key), key
+        assert pod["automountServiceAccountToken"] is False
+        assert not [v for v in pod["volumes"] if "hostPath" in v]
+        for c in pod["initContainers"] + pod["containers"]:
+            sec = c["securityContext"]
+            assert not sec.get("privileged"), c["name"]
+            assert sec["allowPrivilegeEscalation"] is False, c["name"]
+            adds = set(sec.get("capabilities", {}).get("add", []))
+            # IPC_LOCK (pinning RDMA memory) is the only capability ever added.
+            assert adds == ({"IPC_LOCK"} if rdma and c["name"] == "engine" else set()), c["name"]
+        (sidecar,) = pod["initContainers"]
+        assert sidecar["securityContext"]["runAsNonRoot"] is True
+        assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+        assert sidecar["securityContext"]["capabilities"]["drop"] == ["ALL"]
