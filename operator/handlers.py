@@ -29,6 +29,8 @@ from .kube import ApiException, Kube, api_error_message, is_namespace_terminatin
 from .settings import Settings, from_env
 
 SETTINGS = from_env()
+# Set by main.run from `--namespace`; empty means cluster-wide.
+WATCH_NAMESPACES: list[str] = []
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
 OURS = {api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
 
@@ -278,7 +280,7 @@ async def _resync_forever(kube: Kube, settings: Settings, logger: logging.Logger
     while True:
         await asyncio.sleep(settings.resync_seconds)
         try:
-            listed = await asyncio.to_thread(kube.list_servers)
+            listed = await asyncio.to_thread(kube.list_servers, WATCH_NAMESPACES)
         except Exception as exc:
             logger.warning("resync: listing servers failed: %s", exc)
             continue

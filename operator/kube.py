@@ -88,9 +88,13 @@ class Kube:
             if exc.status != 404:
                 raise
 
-    def list_servers(self) -> list[Obj]:
+    def list_servers(self, namespaces: list[str] | None = None) -> list[Obj]:
+        """All servers, or those in ``namespaces`` (a namespace-restricted install may
+        not list cluster-wide)."""
         res = self._resource(api.API_VERSION, api.SERVER_KIND)
-        return [item.to_dict() for item in res.get().items]
+        if not namespaces:
+            return [item.to_dict() for item in res.get().items]
+        return [item.to_dict() for ns in namespaces for item in res.get(namespace=ns).items]
 
     def review_token(self, token: str, audience: str) -> Obj:
         """TokenReview: who the API server says the token belongs to."""

@@ -9,7 +9,9 @@ import kopf
 
 
 def run(namespaces: list[str], standalone: bool) -> int:
-    from . import handlers  # noqa: F401 - registers the kopf handlers
+    from . import handlers  # registers the kopf handlers
+
+    handlers.WATCH_NAMESPACES[:] = namespaces
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import api
 from .api import Server
+from .render import selector_labels
 
 # Condition reasons (also Event reasons).
 REASON_READY = "AllReplicasReady"
@@ -152,6 +153,7 @@ def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]
         "readyReplicas": obs.ready_replicas,
         "updatedReplicas": obs.updated_replicas,
         "display": f"{obs.ready_replicas}/{desired}",
+        "selector": ",".join(f"{k}={v}" for k, v in selector_labels(server, role).items()),
     }
 
 

@@ -290,3 +290,24 @@ def test_operator_restart_mid_reconcile_converges(kubectl: Kubectl, operator: Op
             == {"statefulsets": 2, "services": 3, "configmaps": 1, "poddisruptionbudgets": 2}[kind]
         ), kind
     assert "Traceback" not in operator.log()
+
+
+def test_scale_subresource_scales_decode(kubectl: Kubectl, operator: Operator, ns: str):
+    # What an HPA or KEDA ScaledObject targeting the DisaggregatedServer does.
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    path = f"/apis/kvferry.io/v1alpha1/namespaces/{ns}/disaggregatedservers/tiny/scale"
+    scale = json.loads(kubectl.run("get", "--raw", path).stdout)
+    assert scale["spec"]["replicas"] == 1
+    assert scale["status"]["selector"] == (
+        "app.kubernetes.io/name=kvferry,app.kubernetes.io/instance=tiny,kvferry.io/role=decode"
+    )
+    kubectl.run("scale", "dserver", "tiny", "-n", ns, "--replicas=3")
+    wait_until(
+        lambda: kubectl.get("dserver", "tiny", ns)["status"]["decode"]["display"] == "3/3",
+        READY_TIMEOUT,
+        "decode 3/3",
+    )
+    assert kubectl.get("statefulset", "tiny-decode", ns)["spec"]["replicas"] == 3
+    assert kubectl.get("statefulset", "tiny-prefill", ns)["spec"]["replicas"] == 1
+    wait_ready(kubectl, ns)

@@ -160,6 +160,9 @@ def test_role_counts_and_display():
         "readyReplicas": 1,
         "updatedReplicas": 2,
         "display": "1/1",
+        # For the CRD's scale subresource (HPA, KEDA, kubectl scale).
+        "selector": "app.kubernetes.io/name=kvferry,app.kubernetes.io/instance=tiny,"
+        "kvferry.io/role=decode",
     }
     assert st["observedGeneration"] == 3
     assert st["endpoint"] == "http://tiny.ns.svc:8000"
