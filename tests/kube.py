@@ -1,0 +1,227 @@
+"""Cluster fixtures and helpers (registered in tests/conftest.py for every tier).
+
+The cluster tier: a real kube-apiserver (+ etcd, controller-manager, scheduler,
+kwok fake GPU nodes) from hack/controlplane.sh, the real operator process and
+real kubectl. Nothing here is skipped: if the control plane cannot start, the
+tier fails with the log tail."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.manifests import ROOT
+
+SCRIPT = ROOT / "hack" / "controlplane.sh"
+STATE = Path(os.environ.get("KVFERRY_TEST_CP_DIR", f"/tmp/kvferry-cp-test-{os.getpid()}"))
+PORT = os.environ.get("KVFERRY_TEST_CP_PORT", "26443")
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: Path) -> None:
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+
+    def run(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            ["kubectl", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr}{proc.stdout}")
+        return proc
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.run(*args, "-o", "json").stdout)
+
+    def get(self, kind: str, name: str, ns: str) -> dict[str, Any] | None:
+        proc = self.run("get", kind, name, "-n", ns, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    def apply(
+        self, obj: dict[str, Any] | list[dict[str, Any]], *args: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        if isinstance(obj, list):
+            body = json.dumps({"apiVersion": "v1", "kind": "List", "items": obj})
+        else:
+            body = json.dumps(obj)
+        return self.run("apply", "-f", "-", *args, input=body, check=check)
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll ``check`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except AssertionError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="session")
+def kubeconfig() -> Iterator[Path]:
+    env = {**os.environ, "KVFERRY_CP_DIR": str(STATE), "KVFERRY_CP_PORT": PORT}
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "up"], capture_output=True, text=True, env=env, timeout=3600
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"local control plane did not start:\n{proc.stderr[-6000:]}", pytrace=False)
+    print(f"\ncontrol plane up in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    yield STATE / "kubeconfig"
+    subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def kubectl(kubeconfig: Path) -> Kubectl:
+    return Kubectl(kubeconfig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1 (the chart makes one the same way)."""
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=kvferry-operator",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+class Operator:
+    """The real operator as a separate process, restartable, with its report endpoint."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cert, self.key = self_signed_cert(log_path.parent)
+        self.report_port = free_port()
+        self.report_url = f"https://127.0.0.1:{self.report_port}/v1/reports"
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "KVFERRY_RESYNC_SECONDS": "5",
+            "KVFERRY_TLS_CERT_FILE": str(self.cert),
+            "KVFERRY_TLS_KEY_FILE": str(self.key),
+            "KVFERRY_REPORT_HOST": "127.0.0.1",
+            "KVFERRY_REPORT_PORT": str(self.report_port),
+            "KVFERRY_PUBLISH_SECONDS": "1",
+            "KVFERRY_MIN_STATUS_WRITE_SECONDS": "1",
+            # What the rendered ConfigMaps tell sidecars (the chart sets the Service URL).
+            "KVFERRY_REPORT_URL": self.report_url,
+            "KVFERRY_TLS_CA_FILE": str(self.cert),
+        }
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvferry_operator.cli", "run", "--standalone"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print(f"\noperator log: {op.log_path}", file=sys.stderr)
+
+
+@pytest.fixture
+def ns(kubectl: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace with a bound `models` PVC (kwok has no volume provisioner)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl.run("create", "namespace", name)
+    kubectl.apply(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"models-{name}"},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "hostPath": {"path": "/tmp/kvferry-models"},
+                    "claimRef": {"namespace": name, "name": "models"},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "models", "namespace": name},
+                "spec": {
+                    "accessModes": ["ReadOnlyMany"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                    "volumeName": f"models-{name}",
+                    "storageClassName": "",
+                },
+            },
+        ]
+    )
+    yield name
+    kubectl.run("delete", "namespace", name, "--wait=false", check=False)
+    kubectl.run("delete", "pv", f"models-{name}", "--wait=false", check=False)
