@@ -6,9 +6,9 @@ The algorithm, per DisaggregatedServer:
    finished turn's KV until the next turn reads it or the retention ends. It
    pays only if the next turn comes within the retention, so the retention
    should cover the ``coverage`` quantile of observed inter-turn gaps, plus
-   the safety margins the handle is dropped early by (vLLM declines reads in
-   the last 5 s; the sidecar stops offering a handle a few seconds before
-   that). The result is clamped to ``[minRetentionSeconds,
+   the margin by which the handle is dropped early (the sidecar stops offering
+   it 15 s before decode frees it, which also covers vLLM declining reads in
+   the last 5 s). The result is clamped to ``[minRetentionSeconds,
    maxRetentionSeconds]``.
 2. **Pressure.** Pinned KV is taken from the decode cache. When the decode
    pods' KV usage passes the high-water mark or preemptions rose since the
@@ -39,9 +39,10 @@ from typing import Any
 
 # Fewer gaps than this and a quantile says little about the traffic.
 MIN_GAP_SAMPLES = 20
-# vLLM declines reads of a handle in its last 5 s; the sidecar stops offering
-# it 5 s before that (kvferry_sidecar's expiry margin). Cover both.
-EXPIRY_MARGINS_SECONDS = 10
+# The sidecar stops offering a handle 15 s before decode frees it
+# (kvferry_sidecar's expiryMarginSeconds, which covers vLLM declining reads in a
+# handle's last 5 s): a gap is served only if retention >= gap + 15 s.
+EXPIRY_MARGINS_SECONDS = 15
 # Decode KV usage above this share means pinned handles crowd out live requests.
 KV_USAGE_HIGH_WATER = 0.90
 PRESSURE_FACTOR = 0.5
