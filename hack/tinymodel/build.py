@@ -10,14 +10,23 @@ Writes into OUT_DIR:
   tokenizer_config.json    PreTrainedTokenizerFast + bos/eos/pad + a ChatML chat template
   special_tokens_map.json
   generation_config.json
-  kvferry-tinymodel.json   provenance: corpus hash, python and tokenizers versions
+  model.safetensors        seeded random weights (134 MB float32), see below
+  kvferry-tinymodel.json   provenance: corpus hash, python, tokenizers and torch versions
 
-There are no weights: vLLM serves it with `--load-format dummy` (random weights), which
-is all the engine tests need (KV transfer, prefix caching, greedy determinism).
+Why weights at all: vLLM's `--load-format dummy` draws every weight, norms included, from
+U(-1e-3, 1e-3). With those the residual stream is the token embedding and attention adds
+almost nothing, so the next token depends on the last token alone (seen here: every
+answer was " up/ up/ up/ ..." whatever the prompt). Then a wrong KV cache gives the same
+answer as the right one and "the answer equals the reference" proves nothing. The
+weights written here are drawn N(0, 1) for the embeddings and N(0, 0.1) for every
+projection, with RMSNorm weights 1: attention is sharp and the greedy answer changes
+when 10 tokens 400 positions back change (checked with transformers, 800-token prompts).
+Still random, still no download.
 
-Needs the `tokenizers` package (the engine venv from hack/engine-env.sh has it).
-Deterministic: the same Python version and tokenizers version give the same bytes (the
-corpus is a fixed, sorted list of the running interpreter's stdlib modules).
+Needs `tokenizers`, `torch` and `safetensors` (the engine venv from hack/engine-env.sh
+has them). Deterministic: the same Python, tokenizers and torch versions give the same
+bytes (the corpus is a fixed, sorted list of the running interpreter's stdlib modules;
+the weights come from a fixed seed on the CPU generator).
 """
 
 from __future__ import annotations
@@ -131,6 +140,53 @@ def corpus(files: list[Path]) -> tuple[list[str], str]:
     return texts, h.hexdigest()
 
 
+# Weight scales (see the module docstring) and the seed they are drawn with.
+EMBED_STD = 1.0
+PROJ_STD = 0.1
+WEIGHTS_SEED = 0
+
+
+def weight_shapes(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every LlamaForCausalLM weight, HF names, fixed order."""
+    h, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    shapes = [("model.embed_tokens.weight", (v, h), "embed")]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (h,), "norm"),
+            (p + "self_attn.q_proj.weight", (heads * head_dim, h), "proj"),
+            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, h), "proj"),
+            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, h), "proj"),
+            (p + "self_attn.o_proj.weight", (h, heads * head_dim), "proj"),
+            (p + "post_attention_layernorm.weight", (h,), "norm"),
+            (p + "mlp.gate_proj.weight", (inter, h), "proj"),
+            (p + "mlp.up_proj.weight", (inter, h), "proj"),
+            (p + "mlp.down_proj.weight", (h, inter), "proj"),
+        ]
+    shapes += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "proj")]
+    return shapes
+
+
+def write_weights(config: dict, path: Path) -> str:
+    """Seeded random weights as safetensors; returns the torch version used."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(WEIGHTS_SEED)
+    tensors = {}
+    for name, shape, kind in weight_shapes(config):
+        if kind == "norm":
+            t = torch.ones(shape, dtype=torch.float32)
+        else:
+            std = EMBED_STD if kind == "embed" else PROJ_STD
+            t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        tensors[name] = t
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return torch.__version__
+
+
 def build(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from tokenizers import __version__ as tokenizers_version
@@ -213,11 +269,14 @@ def build(out: Path) -> None:
             "pad_token_id": config["pad_token_id"],
         },
     )
+    torch_version = write_weights(config, out / "model.safetensors")
     dump(
         "kvferry-tinymodel.json",
         {
             "python": sys.version.split()[0],
             "tokenizers": tokenizers_version,
+            "torch": torch_version,
+            "weights": {"seed": WEIGHTS_SEED, "embed_std": EMBED_STD, "proj_std": PROJ_STD},
             "corpus_sha256": corpus_sha,
             "corpus_files": len(texts),
             "vocab_size": vocab_size,

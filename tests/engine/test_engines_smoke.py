@@ -13,19 +13,24 @@ Prompts are token ids (/v1/completions) so both turns tokenize exactly alike.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.engine.engines import (
+from kvferry_operator.api import parse_server
+from kvferry_operator.render import build_kv_transfer_config
+from kvferry_sidecar.local import (
     BLOCK_SIZE,
-    DECODER_KV_BLOCKS_TTL,
     SERVED_MODEL_NAME,
     Engine,
     kv_transfer_config,
+    metric,
+    repo_root,
     validate_kv_transfer_configs,
 )
 
@@ -113,37 +118,46 @@ def answer_ids(resp: dict[str, Any]) -> list[int]:
     return ids
 
 
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples called `name` (counters: also name_total) with these labels."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for key, v in m.items():
-        base, _, rest = key.partition("{")
-        if base not in (name, name + "_total"):
-            continue
-        if all(w in rest for w in want):
-            total += v
-    return total
-
-
 def rid(tag: str) -> str:
     return f"kvferry-{tag}-{uuid.uuid4().hex[:12]}"
 
 
-def test_kv_transfer_config_accepted_by_vllm(engine_python) -> None:
-    """Runs first, before the engines start: importing vLLM is slow on busy cores."""
-    good = [kv_transfer_config("prefill"), kv_transfer_config("decode")]
+def test_kv_transfer_config_accepted_by_vllm(engine_python, server) -> None:
+    """The operator's rendered --kv-transfer-config is what vLLM's KVTransferConfig takes.
+
+    Runs first, before the engines start: importing vLLM is slow on busy cores.
+    """
+    # What the engines here run with: the operator's config plus kv_buffer_device=cpu.
+    local = [kv_transfer_config(role, server) for role in ("prefill", "decode")]
+    for role, cfg in zip(("prefill", "decode"), local, strict=True):
+        assert cfg == {**build_kv_transfer_config(server, role), "kv_buffer_device": "cpu"}
+    # What a cluster gets, unmodified, for the shipped minimal example.
+    example = parse_server(yaml.safe_load((repo_root() / "examples/minimal.yaml").read_text()))
+    rendered = [build_kv_transfer_config(example, role) for role in ("prefill", "decode")]
+    good = local + rendered
     # 0.32 rejects top-level keys older vLLM accepted: the operator must not render them.
-    bad = [
-        {**kv_transfer_config("prefill"), key: val}
-        for key, val in (("kv_ip", "127.0.0.1"), ("kv_buffer_size", 1e9))
-    ]
+    bad = [{**local[0], key: val} for key, val in (("kv_ip", "127.0.0.1"), ("kv_buffer_size", 1e9))]
     results = validate_kv_transfer_configs(engine_python, good + bad)
     for cfg, (ok, msg) in zip(good, results[: len(good)], strict=True):
         assert ok, f"vLLM rejected {cfg}: {msg}"
         assert "NixlConnector" in msg and cfg["kv_role"] in msg, msg
+        extra = cfg["kv_connector_extra_config"]
+        assert f"'decoder_kv_blocks_ttl': {extra['decoder_kv_blocks_ttl']}" in msg, msg
+        assert "'bidirectional_kv_xfer': True" in msg, msg
+    assert [c["kv_role"] for c in good] == ["kv_producer", "kv_consumer"] * 2
     for cfg, (ok, msg) in zip(bad, results[len(good) :], strict=True):
         assert not ok, f"vLLM accepted {cfg}: {msg}"
+
+
+def test_engines_run_the_rendered_config(prefill: Engine, decode: Engine, server) -> None:
+    """The running engines were started with exactly that config."""
+    for e in (prefill, decode):
+        argv = e.argv()
+        started = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert started == kv_transfer_config(e.role, server)
+        assert started["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == (
+            server.decode_retention_seconds
+        )
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +251,13 @@ def test_decode_returns_bidirectional_handle(turn1: dict[str, Any], decode: Engi
 
 
 def test_turn2_pulls_handle_from_decode(
-    turn1: dict[str, Any], prefill: Engine, decode: Engine
+    turn1: dict[str, Any], prefill: Engine, decode: Engine, server
 ) -> None:
     handle = turn1["handle"]
     assert handle, "turn 1 produced no handle"
     age = time.monotonic() - turn1["handle_received_at"]
     # vLLM declines reads within 5 s of expiry; fail clearly instead of flaking.
-    assert age < DECODER_KV_BLOCKS_TTL - 10, f"turn 1's handle is {age:.0f} s old"
+    assert age < server.decode_retention_seconds - 10, f"turn 1's handle is {age:.0f} s old"
 
     ids2 = (
         turn1["ids"]

@@ -95,6 +95,28 @@ def test_handle_purge_expired() -> None:
     assert drops == [(HandleFate.EXPIRED, "old")]
 
 
+def test_handle_purged_as_expired_is_reported_expired() -> None:
+    """A turn after the background purge dropped its handle is EXPIRED, with the age."""
+    # Bug prevented (seen with real engines): the purge runs every probe interval, so
+    # the next turn found nothing and reported no-handle; `expired` was never seen.
+    clock = Clock()
+    store = make_store(clock)
+    store.put(make_handle())
+    clock.now = NOW + TTL - MARGIN + 1
+    assert store.purge_expired() == 1
+    lookup = store.take("s1")
+    assert lookup.handle is None and lookup.outcome is Outcome.EXPIRED
+    assert lookup.age_s == pytest.approx(TTL - MARGIN + 1)
+    assert store.take("s1").outcome is Outcome.NO_HANDLE  # reported once
+    # A newer handle of the session, or an engine restart, forgets the expiry.
+    store.put(make_handle(created=clock.now))
+    assert store.take("s1").outcome is Outcome.REUSED
+    store.put(make_handle(created=NOW))
+    store.purge_expired()
+    store.clear()
+    assert store.take("s1").outcome is Outcome.NO_HANDLE
+
+
 def test_handle_lru_cap_evicts_oldest() -> None:
     """Past the cap the least recently stored handle is evicted."""
     drops: list = []
