@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -61,8 +62,15 @@ def from_env() -> Settings:
 
 
 def _read(path: str) -> str:
+    """The file's text, re-read only when it changes (a rotated CA is picked up;
+    every child apply does not cost a read)."""
     if not path:
         return ""
+    return _read_cached(path, os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_cached(path: str, mtime_ns: int) -> str:
     with open(path) as f:
         return f.read()
 
