@@ -225,3 +225,19 @@ def ns(kubectl: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     yield name
     kubectl.run("delete", "namespace", name, "--wait=false", check=False)
     kubectl.run("delete", "pv", f"models-{name}", "--wait=false", check=False)
+
+
+def wait_for_event(kubectl: Kubectl, ns: str, name: str, reason: str, timeout: float = 15) -> Any:
+    """Events are posted after the status write they explain; give them a moment."""
+    return wait_until(
+        lambda: kubectl.json(
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            f"involvedObject.name={name},reason={reason}",
+        )["items"],
+        timeout,
+        f"a {reason} event on {name}",
+    )

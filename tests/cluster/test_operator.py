@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.kube import wait_for_event
 from tests.manifests import INVALID, Invalid, load_example, merge, server
 
 CHILDREN = [
@@ -181,19 +182,7 @@ def test_not_enough_gpus_is_reported_naming_the_resource(
     assert "nvidia.com/gpu" in ready["message"]
     assert "spec.decode.resources" in ready["message"]
     assert condition(kubectl, ns, "tiny", "Degraded")["status"] == "True"
-    # Events are posted after the status write; give them a moment.
-    wait_until(
-        lambda: kubectl.json(
-            "get",
-            "events",
-            "-n",
-            ns,
-            "--field-selector",
-            "involvedObject.name=tiny,reason=Unschedulable",
-        )["items"],
-        15,
-        "an Unschedulable event on the server",
-    )
+    wait_for_event(kubectl, ns, "tiny", "Unschedulable")
 
 
 def test_deleting_the_server_garbage_collects_children(

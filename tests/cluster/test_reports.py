@@ -12,6 +12,7 @@ import urllib.request
 from kvferry_sidecar import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
+from tests.kube import wait_for_event
 
 GAPS = [30.0] * 40 + [50.0] * 10  # p95 interpolates inside (45, 60]
 
@@ -105,18 +106,7 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     server = kubectl.get("dserver", "tiny", ns)["status"]
     assert server["retention"]["recommended"] == int(recommended)
     assert server["transport"] == "TCPFallback"
-    wait_until(
-        lambda: kubectl.json(
-            "get",
-            "events",
-            "-n",
-            ns,
-            "--field-selector",
-            "involvedObject.name=tiny,reason=RetentionRecommended",
-        )["items"],
-        15,
-        "a RetentionRecommended event",
-    )
+    wait_for_event(kubectl, ns, "tiny", "RetentionRecommended")
 
 
 def test_forged_and_foreign_reports_are_refused(kubectl: Kubectl, operator: Operator, ns: str):

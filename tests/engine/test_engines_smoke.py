@@ -27,6 +27,7 @@ from kvferry_operator.render import build_kv_transfer_config
 from kvferry_sidecar.local import (
     BLOCK_SIZE,
     SERVED_MODEL_NAME,
+    WORDS,
     Engine,
     kv_transfer_config,
     metric,
@@ -64,18 +65,6 @@ HANDLE_KEYS = {
     "remote_num_tokens",
     "remote_blocks_expiry_time",
 }
-
-_WORDS_TEXT = """
-the of and to in is that for it with as was on be by this are from or an at which but
-not have all were when there can more one if their will would so no what out about up
-into time only other some could them these two may then first any like new over such our
-than been most made after also did many before must through years where much your way
-well down should because each just those people how too little state good very make
-world still own see men work long get here between both life being under never day same
-another know while last might us great old year off come since against go came right
-used take three
-"""
-WORDS = _WORDS_TEXT.split()
 
 
 def prompt_ids(engine: Engine, n: int, seed: int) -> list[int]:
