@@ -18,7 +18,7 @@ venv: $(BIN)/.installed
 # with NIXL on loopback behind the decode sidecar; a 5-turn conversation with reuse on
 # and off, per-turn TTFT table. First run builds the engine venv (~6 GB, cached).
 demo: venv
-	$(BIN)/python -m kvferry_sidecar.demo
+	$(BIN)/python -m kvferry_dev.demo
 
 # The Kubernetes objects the operator would apply for the minimal sample, offline.
 render: venv
@@ -26,7 +26,7 @@ render: venv
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check operator sidecar tests
+	$(BIN)/ruff format --check operator sidecar wire kvferry_dev tests
 
 # Every tier: unit, cluster (local control plane, built on first use) and engine.
 test: venv lint

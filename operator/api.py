@@ -10,6 +10,7 @@ that every schema property has a field here and vice versa.
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,19 +63,23 @@ COND_PROGRESSING = "Progressing"
 COND_DEGRADED = "Degraded"
 COND_KV_TRANSPORT = "KVTransport"
 
-# Ports. The engine listens on localhost-reachable ENGINE_PORT; clients and
-# peers only ever talk to the sidecar.
-SIDECAR_PORT = 8000
-ENGINE_PORT = 8200
-NIXL_SIDE_CHANNEL_PORT = 5600
-KV_EVENTS_PORT = 5557
-KV_EVENTS_REPLAY_PORT = 5558
+# Ports are part of the wire contract with the sidecar: kvferry_wire.protocol.
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 CRD_FILES = {
     SERVER_KIND: "kvferry.io_disaggregatedservers.yaml",
     STATUS_KIND: "kvferry.io_kvcachestatuses.yaml",
 }
+
+
+def iso_time(unix_seconds: float | None = None) -> str:
+    """A time as Kubernetes writes ``metav1.Time`` (RFC 3339, UTC, seconds); now by default."""
+    when = (
+        datetime.datetime.now(datetime.UTC)
+        if unix_seconds is None
+        else datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC)
+    )
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class SpecError(ValueError):

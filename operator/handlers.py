@@ -18,19 +18,15 @@ server is ``status``, so a GitOps tool owning the spec never sees drift.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 from typing import Any
 
 import kopf
 
-from . import api, endpoint, render, reporting, status
+from . import api, publisher, render, report_endpoint, status
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
-from .settings import Settings, from_env
+from .settings import Settings
 
-SETTINGS = from_env()
-# Set by main.run from `--namespace`; empty means cluster-wide.
-WATCH_NAMESPACES: list[str] = []
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
 OURS = {api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
 
@@ -64,10 +60,6 @@ NO_REPORTS_STATUS = {
 }
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 # ------------------------------------------------------------------ lifecycle
 
 
@@ -75,6 +67,8 @@ def _now() -> str:
 async def configure(
     settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
+    """Operator-wide settings and shared objects, kept in ``memo`` (main.run puts the
+    operator's Settings and watched namespaces there before kopf starts)."""
     # Our own names for whatever kopf persists, should a future handler need it.
     settings.persistence.finalizer = f"{api.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
@@ -88,38 +82,40 @@ async def configure(
     settings.watching.connect_timeout = 30
     # Events at INFO and above become Kubernetes Events on the server.
     settings.posting.level = logging.INFO
+    ours: Settings = memo.settings
     memo.kube = Kube()
-    memo.settings = SETTINGS
     loop = asyncio.get_running_loop()
-    memo.tasks = [loop.create_task(_resync_forever(memo.kube, SETTINGS, logger))]
-    memo.reports = endpoint.ReportStore()
+    memo.tasks = [loop.create_task(_resync_forever(memo.kube, ours, memo.namespaces, logger))]
+    memo.reports = report_endpoint.ReportStore()
     memo.report_runner = None
-    if SETTINGS.tls_cert_file and SETTINGS.tls_key_file:
-        app = endpoint.app_factory(
+    if ours.tls_cert_file and ours.tls_key_file:
+        app = report_endpoint.app_factory(
             memo.reports,
-            review_token=lambda token: memo.kube.review_token(token, endpoint.AUDIENCE),
+            review_token=lambda token: memo.kube.review_token(
+                token, report_endpoint.REPORT_TOKEN_AUDIENCE
+            ),
             get_pod=memo.kube.get_pod,
         )
-        tls = endpoint.tls_context(SETTINGS.tls_cert_file, SETTINGS.tls_key_file)
-        memo.report_runner = await endpoint.serve(
-            app, SETTINGS.report_host, SETTINGS.report_port, tls
+        tls = report_endpoint.tls_context(ours.tls_cert_file, ours.tls_key_file)
+        memo.report_runner = await report_endpoint.serve(
+            app, ours.report_host, ours.report_port, tls
         )
-        logger.info("report endpoint on https://%s:%d", SETTINGS.report_host, SETTINGS.report_port)
+        logger.info("report endpoint on https://%s:%d", ours.report_host, ours.report_port)
     else:
         logger.warning(
             "report endpoint off: set KVFERRY_TLS_CERT_FILE and KVFERRY_TLS_KEY_FILE "
             "(the chart does); KVCacheStatus will show no reports"
         )
-    publisher = reporting.Publisher(
+    residency = publisher.Publisher(
         memo.kube,
         memo.reports,
-        stale_after=SETTINGS.report_stale_seconds,
-        min_write_seconds=SETTINGS.min_status_write_seconds,
+        stale_after=ours.report_stale_seconds,
+        min_write_seconds=ours.min_status_write_seconds,
         emit=memo.kube.create_event,
-        apply_children=lambda body: apply_children(body, memo.kube, SETTINGS, logger),
+        apply_children=lambda body: apply_children(body, memo.kube, ours, logger),
     )
     memo.tasks.append(
-        loop.create_task(reporting.publish_forever(publisher, SETTINGS.publish_seconds, logger))
+        loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))
     )
 
 
@@ -203,7 +199,7 @@ def apply_children(
                 api.STATUS_KIND,
                 meta["namespace"],
                 meta["name"],
-                {**NO_REPORTS_STATUS, "lastUpdateTime": _now()},
+                {**NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
             )
     return ok
 
@@ -226,7 +222,7 @@ def refresh_status(
     observed = status.Observed(
         roles=roles, pods=list(pods.get(key, [])), transport=old.get("transport", "Unknown")
     )
-    new, changes = status.compute_status(server, observed, old, _now())
+    new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
         return
     kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
@@ -270,7 +266,9 @@ def server_changed(
     refresh_status(plain, memo.kube, statefulsets, pods)
 
 
-async def _resync_forever(kube: Kube, settings: Settings, logger: logging.Logger) -> None:
+async def _resync_forever(
+    kube: Kube, settings: Settings, namespaces: list[str], logger: logging.Logger
+) -> None:
     """Safety net for missed watch events: re-apply every server's children.
 
     A kopf timer would do this too, but kopf guards timers with a finalizer on
@@ -280,7 +278,7 @@ async def _resync_forever(kube: Kube, settings: Settings, logger: logging.Logger
     while True:
         await asyncio.sleep(settings.resync_seconds)
         try:
-            listed = await asyncio.to_thread(kube.list_servers, WATCH_NAMESPACES)
+            listed = await asyncio.to_thread(kube.list_servers, namespaces)
         except Exception as exc:
             logger.warning("resync: listing servers failed: %s", exc)
             continue

@@ -7,18 +7,21 @@ import logging
 
 import kopf
 
+from .settings import from_env
+
 
 def run(namespaces: list[str], standalone: bool) -> int:
-    from . import handlers  # registers the kopf handlers
-
-    handlers.WATCH_NAMESPACES[:] = namespaces
+    from . import handlers  # noqa: F401 - registers the kopf handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The handlers find the operator's settings and scope in kopf's memo, not in globals.
+    memo = kopf.Memo(settings=from_env(), namespaces=list(namespaces))
     asyncio.run(
         kopf.operator(
             standalone=standalone,
             namespaces=namespaces,
             clusterwide=not namespaces,
+            memo=memo,
         )
     )
     return 0

@@ -8,23 +8,32 @@ For a server ``x`` in namespace ``ns``:
 - StatefulSets ``x-prefill`` and ``x-decode`` (stable pod names give stable
   NIXL side-channel identities and the decode session ring) and their headless
   Services;
-- Service ``x``: port 8000 to the decode pods' sidecars, the client entry point;
+- Service ``x``: the sidecar port (8000) of the decode pods, the client entry point;
 - PodDisruptionBudgets ``x-prefill`` / ``x-decode``;
 - KVCacheStatus ``x`` (its status is written by the operator, not rendered).
 
 Every object carries the ``app.kubernetes.io/*`` labels and an owner
-reference to the server, so deleting the server garbage-collects them.
+reference to the server, so deleting the server garbage-collects them. The
+engine's own command line (args, KV configs, environment) is ``engine_config``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry_wire import protocol
+
 from . import api
 from .api import Role, Server, ServerSpec
+from .engine_config import (
+    MODELS_MOUNT,
+    build_engine_args,
+    build_engine_env,
+    engine_build_hash,
+    stable_hash,
+)
 
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvferry/kvferry-sidecar:0.1.0"
 
@@ -33,19 +42,9 @@ CONFIG_KEY_TOPOLOGY = "topology.json"
 CONFIG_KEY_OPERATOR_CA = "operator-ca.crt"
 CONFIG_MOUNT = "/etc/kvferry"
 TOKEN_MOUNT = "/var/run/secrets/kvferry"
-TOKEN_AUDIENCE = "kvferry"
-MODELS_MOUNT = "/models"
 
 # The sidecar runs as this non-root user (distroless "nonroot").
 SIDECAR_UID = 65532
-
-# UCX transport lists per network.transport. "auto" leaves UCX_TLS unset so UCX
-# picks the best it finds and the sidecar reports what it negotiated. cuda_copy
-# and cuda_ipc stay in both lists: without them UCX cannot move GPU memory.
-UCX_TLS = {
-    "tcp": "tcp,cuda_copy,cuda_ipc,sm,self",
-    "rdma": "ib,cuda_copy,cuda_ipc,gdr_copy,sm,self",
-}
 
 Obj = dict[str, Any]
 
@@ -105,141 +104,6 @@ def _metadata(server: Server, name: str, labels: dict[str, str]) -> Obj:
     return meta
 
 
-def _hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ------------------------------------------------------------ engine config
-
-
-def engine_build_hash(spec: ServerSpec) -> str:
-    """What NIXL's compatibility check compares: a change here rolls both roles."""
-    m = spec.model
-    return _hash(
-        repr(
-            (
-                spec.engine.image,
-                m.name,
-                m.pvc,
-                m.hub,
-                m.image,
-                m.dtype,
-                m.max_model_len,
-                m.extra_args,
-            )
-        )
-    )
-
-
-def build_kv_transfer_config(server: Server, role: str) -> Obj:
-    """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode).
-
-    ``decoder_kv_blocks_ttl`` matters only on decode; prefill keeps the spec's
-    value so that Auto tuning restarts decode pods alone.
-    """
-    kv = server.spec.kv_transfer
-    ttl = (
-        server.decode_retention_seconds if role == api.ROLE_DECODE else kv.decode_retention_seconds
-    )
-    return {
-        "kv_connector": "NixlConnector",
-        # vLLM 0.32 deprecates kv_both for NIXL; bidirectional transfer still
-        # works with producer on prefill and consumer on decode.
-        "kv_role": "kv_producer" if role == api.ROLE_PREFILL else "kv_consumer",
-        # Under "recompute", vLLM 0.32 hangs a request whose pull failed; under
-        # "fail" it answers 500 at once and the sidecar retries without the handle.
-        "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {
-            "bidirectional_kv_xfer": kv.bidirectional,
-            "decoder_kv_blocks_ttl": ttl,
-            "kv_recompute_threshold": kv.recompute_threshold,
-            "kv_lease_duration": kv.lease_seconds,
-            "backends": list(kv.backends),
-        },
-    }
-
-
-def build_kv_events_config() -> Obj:
-    return {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{api.KV_EVENTS_PORT}",
-        "replay_endpoint": f"tcp://*:{api.KV_EVENTS_REPLAY_PORT}",
-        "topic": "kv-events",
-    }
-
-
-def model_path(spec: ServerSpec) -> str:
-    m = spec.model
-    if m.pvc:
-        return f"{MODELS_MOUNT}/{m.pvc.path}".rstrip("/")
-    if m.image:
-        return m.image.path
-    assert m.hub
-    return m.hub.id
-
-
-def build_engine_args(server: Server, role: Role) -> list[str]:
-    spec = server.spec
-    m = spec.model
-    args = [
-        model_path(spec),
-        "--served-model-name",
-        m.name,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(api.ENGINE_PORT),
-        "--tensor-parallel-size",
-        str(role.tensor_parallel_size),
-        "--dtype",
-        m.dtype,
-        "--kv-transfer-config",
-        json.dumps(build_kv_transfer_config(server, role.name), sort_keys=True),
-        "--kv-events-config",
-        json.dumps(build_kv_events_config(), sort_keys=True),
-        # Reproducible block hashes let the sidecar match KV events to prompts.
-        "--prefix-caching-hash-algo",
-        "sha256_cbor",
-    ]
-    if m.max_model_len:
-        args += ["--max-model-len", str(m.max_model_len)]
-    if m.hub and m.hub.revision:
-        args += ["--revision", m.hub.revision]
-    return args + list(m.extra_args) + list(role.extra_args)
-
-
-def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
-    net = spec.network
-    env: list[Obj] = [
-        # NIXL's side channel defaults to localhost, unreachable from peers.
-        {
-            "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
-            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
-        },
-        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(api.NIXL_SIDE_CHANNEL_PORT)},
-    ]
-    if net.transport in UCX_TLS:
-        env.append({"name": "UCX_TLS", "value": UCX_TLS[net.transport]})
-    if net.rdma.enabled and net.rdma.devices:
-        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(net.rdma.devices)})
-    if net.rdma.enabled and net.rdma.gid_index is not None:
-        env.append({"name": "UCX_IB_GID_INDEX", "value": str(net.rdma.gid_index)})
-    hub = spec.model.hub
-    if hub and hub.token_secret_name:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {
-                    "secretKeyRef": {"name": hub.token_secret_name, "key": hub.token_secret_key}
-                },
-            }
-        )
-    # The user's entries win over ours, name by name.
-    user = {e["name"] for e in role.env}
-    return [e for e in env if e["name"] not in user] + [dict(e) for e in role.env]
-
-
 def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
     limits: Obj = {}
     requests: Obj = {}
@@ -285,8 +149,8 @@ def build_engine_container(server: Server, role: Role) -> Obj:
         "args": build_engine_args(server, role),
         "env": build_engine_env(spec, role),
         "ports": [
-            {"name": "engine", "containerPort": api.ENGINE_PORT},
-            {"name": "nixl", "containerPort": api.NIXL_SIDE_CHANNEL_PORT},
+            {"name": "engine", "containerPort": protocol.ENGINE_PORT},
+            {"name": "nixl", "containerPort": protocol.NIXL_SIDE_CHANNEL_PORT},
         ],
         "resources": build_engine_resources(spec, role),
         "securityContext": security,
@@ -324,7 +188,7 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             {"name": "KVFERRY_SERVER", "value": server.name},
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
         ],
-        "ports": [{"name": "http", "containerPort": api.SIDECAR_PORT}],
+        "ports": [{"name": "http", "containerPort": protocol.SIDECAR_PORT}],
         "resources": {
             "requests": {"cpu": "100m", "memory": "128Mi"},
             "limits": {"memory": "512Mi"},
@@ -363,7 +227,7 @@ def build_volumes(server: Server) -> list[Obj]:
                 "sources": [
                     {
                         "serviceAccountToken": {
-                            "audience": TOKEN_AUDIENCE,
+                            "audience": protocol.REPORT_TOKEN_AUDIENCE,
                             "expirationSeconds": 3600,
                             "path": "token",
                         }
@@ -443,16 +307,16 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
         "server": server.name,
         "model": spec.model.name,
         "engineBuild": engine_build_hash(spec),
-        "enginePort": api.ENGINE_PORT,
-        "listenPort": api.SIDECAR_PORT,
+        "enginePort": protocol.ENGINE_PORT,
+        "listenPort": protocol.SIDECAR_PORT,
         "bidirectional": spec.kv_transfer.bidirectional,
         "recomputeThreshold": spec.kv_transfer.recompute_threshold,
         "decodeRetentionSeconds": server.decode_retention_seconds,
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
         "transport": spec.network.transport,
-        "kvEvents": f"tcp://127.0.0.1:{api.KV_EVENTS_PORT}",
-        "kvEventsReplay": f"tcp://127.0.0.1:{api.KV_EVENTS_REPLAY_PORT}",
+        "kvEvents": f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
+        "kvEventsReplay": f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",
     }
 
 
@@ -471,14 +335,14 @@ def sidecar_config_hash(server: Server, role: str, ctx: Context) -> str:
     settings = build_sidecar_settings(server, ctx)
     if role == api.ROLE_PREFILL:
         settings = {k: v for k, v in settings.items() if k not in DECODE_ONLY_SETTINGS}
-    return _hash(settings)
+    return stable_hash(settings)
 
 
 def build_topology(server: Server) -> Obj:
     return {
         "version": 1,
-        "prefillEngines": peer_urls(server, api.ROLE_PREFILL, api.ENGINE_PORT),
-        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, api.SIDECAR_PORT),
+        "prefillEngines": peer_urls(server, api.ROLE_PREFILL, protocol.ENGINE_PORT),
+        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, protocol.SIDECAR_PORT),
     }
 
 
@@ -532,9 +396,9 @@ def build_headless_service(server: Server, role: Role) -> Obj:
             "publishNotReadyAddresses": True,
             "selector": selector_labels(server, role.name),
             "ports": [
-                {"name": "http", "port": api.SIDECAR_PORT, "targetPort": "http"},
-                {"name": "engine", "port": api.ENGINE_PORT, "targetPort": "engine"},
-                {"name": "nixl", "port": api.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
+                {"name": "http", "port": protocol.SIDECAR_PORT, "targetPort": "http"},
+                {"name": "engine", "port": protocol.ENGINE_PORT, "targetPort": "engine"},
+                {"name": "nixl", "port": protocol.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
             ],
         },
     }
@@ -548,7 +412,7 @@ def build_entry_service(server: Server) -> Obj:
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(server, api.ROLE_DECODE),
-            "ports": [{"name": "http", "port": api.SIDECAR_PORT, "targetPort": "http"}],
+            "ports": [{"name": "http", "port": protocol.SIDECAR_PORT, "targetPort": "http"}],
         },
     }
 
@@ -575,8 +439,9 @@ def build_kv_cache_status(server: Server) -> Obj:
     }
 
 
-def endpoint(server: Server) -> str:
-    return f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}"
+def entry_url(server: Server) -> str:
+    """The in-cluster URL clients call: Service ``x`` on the sidecar port."""
+    return f"http://{child_name(server)}.{server.namespace}.svc:{protocol.SIDECAR_PORT}"
 
 
 def render(server: Server, ctx: Context | None = None) -> list[Obj]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import api
 from .api import Server
-from .render import selector_labels
+from .render import entry_url, selector_labels
 
 # Condition reasons (also Event reasons).
 REASON_READY = "AllReplicasReady"
@@ -107,12 +107,7 @@ def pod_state_from(pod: dict[str, Any]) -> PodState:
     waiting = None
     for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
         reason = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
-        if reason in (
-            "CrashLoopBackOff",
-            "ImagePullBackOff",
-            "ErrImagePull",
-            "CreateContainerError",
-        ):
+        if reason in STUCK_WAITING_REASONS:
             waiting = f"{cs.get('name')}: {reason}"
     return PodState(
         name=meta.get("name", ""),
@@ -269,7 +264,7 @@ def compute_status(
     status = {
         **{k: v for k, v in old_status.items() if k == "retention"},
         "observedGeneration": server.generation,
-        "endpoint": f"http://{server.name}.{server.namespace}.svc:{api.SIDECAR_PORT}",
+        "endpoint": entry_url(server),
         "transport": observed.transport,
         "prefill": _role_status(
             server, api.ROLE_PREFILL, observed.roles.get(api.ROLE_PREFILL, RoleObserved())

@@ -7,9 +7,9 @@ The algorithm, per DisaggregatedServer:
    pays only if the next turn comes within the retention, so the retention
    should cover the ``coverage`` quantile of observed inter-turn gaps, plus
    the margin by which the handle is dropped early (the sidecar stops offering
-   it 15 s before decode frees it, which also covers vLLM declining reads in
-   the last 5 s). The result is clamped to ``[minRetentionSeconds,
-   maxRetentionSeconds]``.
+   it ``HANDLE_EXPIRY_MARGIN_SECONDS`` before decode frees it, which also covers
+   vLLM declining reads in the last 5 s). The result is clamped to
+   ``[minRetentionSeconds, maxRetentionSeconds]``.
 2. **Pressure.** Pinned KV is taken from the decode cache. When the decode
    pods' KV usage passes the high-water mark or preemptions rose since the
    last report, retention is lowered (halved, never above what runs now, never
@@ -37,61 +37,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry_wire.protocol import HANDLE_EXPIRY_MARGIN_SECONDS
+from kvferry_wire.report import Histogram
+
 # Fewer gaps than this and a quantile says little about the traffic.
 MIN_GAP_SAMPLES = 20
-# The sidecar stops offering a handle 15 s before decode frees it
-# (kvferry_sidecar's expiryMarginSeconds, which covers vLLM declining reads in a
-# handle's last 5 s): a gap is served only if retention >= gap + 15 s.
-EXPIRY_MARGINS_SECONDS = 15
+# The sidecar stops offering a handle this long before decode frees it (which also
+# covers vLLM declining reads in a handle's last 5 s): a gap is served only if
+# retention >= gap + margin. One number, shared with the sidecar through the wire.
+EXPIRY_MARGINS_SECONDS = HANDLE_EXPIRY_MARGIN_SECONDS
 # Decode KV usage above this share means pinned handles crowd out live requests.
 KV_USAGE_HIGH_WATER = 0.90
 PRESSURE_FACTOR = 0.5
 # Only a change of at least this share is worth a rolling restart.
 MIN_APPLY_CHANGE = 0.2
 DAY_SECONDS = 86400
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """Bucket counts: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``,
-    and a last overflow count for observations above ``bounds[-1]``."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.counts) != len(self.bounds) + 1:
-            raise ValueError("a histogram needs one count per bound plus an overflow count")
-        if list(self.bounds) != sorted(self.bounds) or any(c < 0 for c in self.counts):
-            raise ValueError("bounds must ascend and counts must not be negative")
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts)
-
-    def quantile(self, q: float) -> tuple[float, bool]:
-        """The q-quantile by linear interpolation inside its bucket, and whether it
-        fell in the overflow bucket (then the value is only a lower bound)."""
-        if self.total == 0:
-            return math.nan, False
-        rank = q * self.total
-        seen = 0
-        for i, count in enumerate(self.counts[:-1]):
-            if count and seen + count >= rank:
-                lo = self.bounds[i - 1] if i > 0 else 0.0
-                return lo + (self.bounds[i] - lo) * max(0.0, rank - seen) / count, False
-            seen += count
-        return self.bounds[-1], True
-
-
-def merge_histograms(hists: list[Histogram]) -> Histogram | None:
-    """Sum histograms with identical bounds; mismatched bounds are a caller bug."""
-    if not hists:
-        return None
-    bounds = hists[0].bounds
-    if any(h.bounds != bounds for h in hists):
-        raise ValueError("histograms with different bucket bounds cannot be merged")
-    return Histogram(bounds, tuple(sum(c) for c in zip(*(h.counts for h in hists), strict=True)))
 
 
 @dataclass(frozen=True)

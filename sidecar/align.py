@@ -27,7 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .types import K_REMOTE_BLOCK_IDS, K_REMOTE_NUM_TOKENS, KVHandle, Outcome, token_array
+from kvferry_wire.protocol import Outcome
+
+from .types import K_REMOTE_BLOCK_IDS, K_REMOTE_NUM_TOKENS, KVHandle, token_array
 
 # Compare this many tokens at a time (C-speed slice equality) before going one by one.
 _CHUNK = 256

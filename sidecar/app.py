@@ -4,7 +4,7 @@ Routes (both roles): ``/healthz`` (the process is up), ``/readyz`` (the local en
 answers /health), ``/metrics``, ``/v1/models`` (the local engine's),
 ``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
-(``pipeline.serve_turn``).
+(``relay.serve_turn``).
 """
 
 from __future__ import annotations
@@ -18,18 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from . import pipeline
+from kvferry_wire.protocol import HDR_REQUEST_ID
+
+from . import relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
-from .state import Sidecar
-from .types import (
-    HDR_REQUEST_ID,
-    PATH_CHAT,
-    PATH_COMPLETIONS,
-    PATH_MODELS,
-    PATH_RESIDENCY,
-    Api,
-)
+from .runtime import Sidecar
+from .types import PATH_CHAT, PATH_COMPLETIONS, PATH_MODELS, PATH_RESIDENCY, Api
 from .upstream import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -122,13 +117,13 @@ async def models(request: web.Request) -> web.Response:
     try:
         status, body, content_type = await sc.local.client.get(PATH_MODELS)
     except UpstreamError as exc:
-        return pipeline.not_ready(sc, request[REQUEST_ID], exc.reason)
+        return relay.not_ready(sc, request[REQUEST_ID], exc.reason)
     return web.Response(status=status, body=body, content_type=content_type or "application/json")
 
 
 def _turn(api: Api) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await pipeline.serve_turn(request.app[SIDECAR], request, api, request[REQUEST_ID])
+        return await relay.serve_turn(request.app[SIDECAR], request, api, request[REQUEST_ID])
 
     return handler
 

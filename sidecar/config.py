@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .types import HDR_SESSION_ID
+from kvferry_wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,12 @@ ROLE_DECODE = "decode"
 ROLE_PREFILL = "prefill"
 ROLES = (ROLE_DECODE, ROLE_PREFILL)
 
-DEFAULT_SESSION_KEYS = ("session_id", "conversation_id", f"header:{HDR_SESSION_ID}", "user")
+DEFAULT_SESSION_KEYS = (
+    "session_id",
+    "conversation_id",
+    f"header:{protocol.HDR_SESSION_ID}",
+    "user",
+)
 # The newest settings-file "version" this sidecar understands.
 SETTINGS_VERSION = 1
 
@@ -41,9 +46,9 @@ class ConfigError(ValueError):
 class Settings:
     role: str = ROLE_DECODE
     listen_host: str = "0.0.0.0"
-    listen_port: int = 8000
+    listen_port: int = protocol.SIDECAR_PORT
     # The engine in this pod. The operator sets enginePort; engineUrl overrides.
-    engine_url: str = "http://127.0.0.1:8200"
+    engine_url: str = f"http://127.0.0.1:{protocol.ENGINE_PORT}"
     # Prefill engines (vLLM, not sidecars), any order.
     prefill_engines: tuple[str, ...] = ()
     # Decode sidecars indexed by StatefulSet ordinal (the session ring).
@@ -56,9 +61,8 @@ class Settings:
     skip_prefill_below_tokens: int = 256
     recompute_threshold: int = 64  # same as vLLM's kv_recompute_threshold
     retention_seconds: float = 480.0  # D's decoder_kv_blocks_ttl
-    # Drop a handle this long before D frees it. vLLM's P declines reads within 5 s of
-    # the deadline (its own margin); ours covers that plus the prefill queue.
-    expiry_margin_seconds: float = 15.0
+    # Drop a handle this long before D frees it (the tuner assumes the same margin).
+    expiry_margin_seconds: float = float(protocol.HANDLE_EXPIRY_MARGIN_SECONDS)
     handle_store_cap: int = 1024
     # KV block size in tokens; None = read vllm:cache_config_info from the engine.
     # Without it only handles the prompt fully extends are used (no partial prefix).
@@ -85,8 +89,8 @@ class Settings:
     token_file: str | None = None
     report_interval_seconds: float = 15.0
     # The local engine's KV-event PUB and replay ROUTER sockets; "" = off.
-    kv_events: str = "tcp://127.0.0.1:5557"
-    kv_events_replay: str = "tcp://127.0.0.1:5558"
+    kv_events: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}"
+    kv_events_replay: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
     settings_path: str | None = None
     topology_path: str | None = None
     topology_reload_seconds: float = 5.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
+from .promtext import is_sample_of, samples
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ class EngineFigures:
     block_size: int | None = None
 
 
-def _counter(name: str, sample: str) -> bool:
-    return sample in (name, name + "_total")
-
-
 def parse(text: str) -> EngineFigures:
     """The figures in a ``/metrics`` text; raises ValueError when it is not one."""
     kv: float | None = None
@@ -64,32 +60,31 @@ def parse(text: str) -> EngineFigures:
         ("pre", "bytes", "bytes_plain", "secs", "xfers", "expired", "failed", "p2p"), 0.0
     )
     block_size: int | None = None
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name, value = s.name, float(s.value)
-            if value != value:  # NaN: an engine with nothing observed yet
-                continue
-            if name == KV_USAGE:
-                kv = value if kv is None else max(kv, value)
-            elif _counter(PREEMPTIONS, name):
-                sums["pre"] += value
-            elif name == NIXL_BYTES + "_sum":
-                sums["bytes"] += value
-            elif _counter(NIXL_BYTES, name):
-                sums["bytes_plain"] += value
-            elif name == NIXL_TIME + "_sum":
-                sums["secs"] += value
-            elif name == NIXL_TIME + "_count":
-                sums["xfers"] += value
-            elif _counter(NIXL_EXPIRED, name):
-                sums["expired"] += value
-            elif _counter(NIXL_FAILED, name):
-                sums["failed"] += value
-            elif _counter(CACHED_BY_SOURCE, name) and s.labels.get("source") == P2P_SOURCE:
-                sums["p2p"] += value
-            elif name == CACHE_CONFIG and block_size is None:
-                raw = s.labels.get("block_size", "")
-                block_size = int(raw) if raw.isdigit() else None
+    for s in samples(text):
+        name, value = s.name, s.value
+        if value != value:  # NaN: an engine with nothing observed yet
+            continue
+        if name == KV_USAGE:
+            kv = value if kv is None else max(kv, value)
+        elif is_sample_of(PREEMPTIONS, name):
+            sums["pre"] += value
+        elif name == NIXL_BYTES + "_sum":
+            sums["bytes"] += value
+        elif is_sample_of(NIXL_BYTES, name):
+            sums["bytes_plain"] += value
+        elif name == NIXL_TIME + "_sum":
+            sums["secs"] += value
+        elif name == NIXL_TIME + "_count":
+            sums["xfers"] += value
+        elif is_sample_of(NIXL_EXPIRED, name):
+            sums["expired"] += value
+        elif is_sample_of(NIXL_FAILED, name):
+            sums["failed"] += value
+        elif is_sample_of(CACHED_BY_SOURCE, name) and s.labels.get("source") == P2P_SOURCE:
+            sums["p2p"] += value
+        elif name == CACHE_CONFIG and block_size is None:
+            raw = s.labels.get("block_size", "")
+            block_size = int(raw) if raw.isdigit() else None
     return EngineFigures(
         kv_usage=kv,
         preemptions=sums["pre"],

@@ -17,9 +17,11 @@ from collections.abc import Mapping
 import aiohttp
 from aiohttp import web
 
+from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID
+
 from . import session
-from .state import Sidecar
-from .types import HDR_FORWARDED_BY, HDR_REQUEST_ID, Ordinal, TurnInput
+from .runtime import Sidecar
+from .types import Ordinal, TurnInput
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, Outcome, SessionTag
+from kvferry_wire.protocol import Outcome
+
+from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 
 log = logging.getLogger(__name__)
 

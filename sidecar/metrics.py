@@ -13,8 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from . import report as rpt
-from .types import HandleFate, Outcome, Route, Stage, TurnReport
+from kvferry_wire import report as rpt
+from kvferry_wire.protocol import Outcome, Route
+
+from .types import HandleFate, Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
 _log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ def log_turn(report: TurnReport) -> None:
     log.info(
         "turn request_id=%s session=%s api=%s stream=%s status=%s outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
-        "handle_kept=%s not_kept=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
+        "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
         "total_s=%s error=%s",
         report.request_id,
         report.session,
@@ -182,6 +184,7 @@ def log_turn(report: TurnReport) -> None:
         _fmt(report.handle_age_s),
         report.handle_kept,
         report.handle_not_kept_reason or "-",
+        report.finish_reason or "-",
         _fmt(t.queue_s),
         _fmt(t.prefill_s),
         _fmt(t.p_to_d_s),

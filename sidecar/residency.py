@@ -1,6 +1,6 @@
 """The residency model: what this pod's KV did, as the report the operator reads.
 
-Pure (no aiohttp, no zmq). Fed by the owner (``state.Sidecar``):
+Pure (no aiohttp, no zmq). Fed by the owner (``runtime.Sidecar``):
 
 1. turns (``observe_turn``, one ``TurnReport`` each): outcome counts; the session's
    turn index (``byTurn`` "1".."8", 8 = eighth and later); TTFT into ``ttftReused``
@@ -39,9 +39,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import report as rpt
+from kvferry_wire import report as rpt
+from kvferry_wire.protocol import Outcome, Route
+
 from .enginemetrics import Cumulative, EngineFigures
-from .types import K_REMOTE_BLOCK_IDS, HandleFate, Outcome, Route, SessionTag, TurnReport
+from .types import K_REMOTE_BLOCK_IDS, HandleFate, SessionTag, TurnReport
 
 Clock = Callable[[], float]
 
@@ -240,7 +242,7 @@ class Residency:
             pulls=self.transfer.pulls,
             bytes=int(acc.get("nixl_bytes")),
             seconds=acc.get("nixl_seconds"),
-            pull_latency=_copy(self.transfer.pull_latency),
+            pull_latency=self.transfer.pull_latency.copy(),
             recompute_tokens=self.transfer.recompute_tokens,
             recompute_seconds=self.transfer.recompute_seconds,
             bytes_per_token=per_token,
@@ -261,9 +263,9 @@ class Residency:
                 k: rpt.TurnBucket(b.turns, b.reused_turns, b.prompt_tokens, b.reused_tokens)
                 for k, b in sorted(self.by_turn.items())
             },
-            gaps=_copy(self.gaps),
-            ttft_reused=_copy(self.ttft_reused),
-            ttft_recomputed=_copy(self.ttft_recomputed),
+            gaps=self.gaps.copy(),
+            ttft_reused=self.ttft_reused.copy(),
+            ttft_recomputed=self.ttft_recomputed.copy(),
             pinned=rpt.Pinned(
                 handles=pinned.handles,
                 blocks=pinned.blocks,
@@ -284,7 +286,3 @@ class Residency:
     @staticmethod
     def _count(counts: dict[str, int], key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
-
-
-def _copy(hist: rpt.Histogram) -> rpt.Histogram:
-    return rpt.Histogram(list(hist.bounds), list(hist.counts), hist.sum)

@@ -143,7 +143,6 @@ class Capture:
     output_ids: list[int] = field(default_factory=list)
     params: JSON | None = None
     finish_reason: str | None = None
-    choices_seen: set[int] = field(default_factory=set)
 
     def add(self, obj: Mapping[str, Any]) -> None:
         params = obj.get(F_KV_PARAMS)
@@ -155,9 +154,7 @@ class Capture:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            index = choice.get("index", 0)
-            self.choices_seen.add(index)
-            if index != 0:
+            if choice.get("index", 0) != 0:
                 continue
             if self.prompt_ids is None and isinstance(choice.get(F_PROMPT_TOKEN_IDS), list):
                 self.prompt_ids = choice[F_PROMPT_TOKEN_IDS]

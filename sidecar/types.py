@@ -1,7 +1,7 @@
-"""Typed values and wire vocabulary of the sidecar. Nothing else lives here.
+"""Typed values and vLLM vocabulary of the sidecar. Nothing else lives here.
 
 No I/O and no aiohttp: every other module imports this one, and it imports only the
-standard library.
+standard library and ``kvferry_wire`` (the headers, outcomes and routes clients see).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from kvferry_wire.protocol import Outcome, Route
 
 # ------------------------------------------------------------------ ids
 
@@ -22,19 +24,7 @@ JSON = dict[str, Any]
 
 # ------------------------------------------------------------------ HTTP vocabulary
 
-HDR_REQUEST_ID: Final = "X-Request-Id"
-HDR_SESSION_ID: Final = "X-Session-Id"
-# Set by a sidecar that forwards a request to the session's owner. Its presence makes
-# the receiver serve the request itself, so one request is forwarded at most once.
-HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
-# Diagnostics on every turn's response.
-HDR_OUTCOME: Final = "X-Kvferry-Outcome"
-HDR_REUSED_TOKENS: Final = "X-Kvferry-Reused-Tokens"
-HDR_OWNER: Final = "X-Kvferry-Owner"
-HDR_ROUTE: Final = "X-Kvferry-Route"
-# Present when the answer will leave no handle for the next turn, with the reason.
-HDR_HANDLE: Final = "X-Kvferry-Handle"
-
+# Headers clients and peers see are the wire contract: kvferry_wire.protocol.HDR_*.
 PATH_CHAT: Final = "/v1/chat/completions"
 PATH_COMPLETIONS: Final = "/v1/completions"
 PATH_MODELS: Final = "/v1/models"
@@ -165,26 +155,6 @@ class KVHandle:
 # ------------------------------------------------------------------ outcomes
 
 
-class Outcome(enum.StrEnum):
-    """What happened to the session's KV on this turn (one per turn, metric label)."""
-
-    REUSED = "reused"  # P was sent the handle (or its aligned prefix)
-    EXPIRED = "expired"  # a handle existed but was past expiry - margin (or another build)
-    MISALIGNED = "misaligned"  # the prompt diverged from the handle's tokens too early
-    NO_HANDLE = "no-handle"  # first turn, evicted, or not kept
-    BELOW_THRESHOLD = "below-threshold"  # usable prefix shorter than the recompute threshold
-    PULL_FAILED = "pull-failed"  # P failed with the handle; retried without it
-    SKIPPED_PREFILL = "skipped-prefill"  # D prefilled the short tail itself
-
-
-class Route(enum.StrEnum):
-    """Where the prompt was prefilled."""
-
-    REMOTE = "remote"  # a prefill engine, then D pulled from it
-    SKIP = "skip"  # D alone, by choice (short uncached tail)
-    FALLBACK = "fallback"  # D alone, because no prefill engine could do it
-
-
 class HandleFate(enum.StrEnum):
     """Why a handle left the store."""
 
@@ -258,8 +228,9 @@ class PrefillResult:
     """What the prefill leg produced for the decode leg."""
 
     route: Route
-    outcome: Outcome
+    outcome: Outcome  # final: plan.settle has run
     decode_params: Mapping[str, Any] | None  # P's kv_transfer_params for D
+    reused_tokens: int = 0  # what P was told to pull (or D holds, when skipping)
     engine: str | None = None
     attempts: int = 0
     prefill_s: float | None = None
@@ -293,5 +264,6 @@ class TurnReport:
     handle_age_s: float | None = None
     handle_kept: bool = False
     handle_not_kept_reason: str | None = None
+    finish_reason: str | None = None  # D's: stop, length, ...
     timings: TurnTimings = field(default_factory=TurnTimings)
     error: str | None = None

@@ -23,21 +23,16 @@ from typing import Any
 
 import aiohttp
 
-from .types import (
-    HDR_REQUEST_ID,
-    JSON,
-    PATH_HEALTH,
-    PATH_METRICS,
-    PATH_TOKENIZE,
-    PATH_VERSION,
-)
+from kvferry_wire.protocol import HDR_REQUEST_ID
+
+from . import enginemetrics
+from .types import JSON, PATH_HEALTH, PATH_METRICS, PATH_TOKENIZE, PATH_VERSION
 
 log = logging.getLogger(__name__)
 
 # vLLM 0.33 added kv_transfer_params to the final streamed chunk.
 STREAMING_HANDLES_SINCE = (0, 33)
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)")
-_BLOCK_SIZE_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 
 
 class UpstreamError(Exception):
@@ -70,11 +65,6 @@ def parse_version(text: str | None) -> tuple[int, int] | None:
 def streams_handles(version: str | None) -> bool:
     parsed = parse_version(version)
     return parsed is not None and parsed >= STREAMING_HANDLES_SINCE
-
-
-def parse_block_size(metrics_text: str) -> int | None:
-    match = _BLOCK_SIZE_RE.search(metrics_text)
-    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -129,8 +119,9 @@ class EngineClient:
                 info.streaming_handles = streams_handles(info.version)
         with contextlib.suppress(UpstreamError):
             status, body, _ = await self.get(PATH_METRICS)
-            if status == 200:
-                info.block_size = parse_block_size(body.decode("utf-8", "replace"))
+            figures = enginemetrics.parse_or_none(body.decode("utf-8", "replace"))
+            if status == 200 and figures is not None:
+                info.block_size = figures.block_size
         return info
 
     async def post_json(

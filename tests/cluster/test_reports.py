@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from kvferry_sidecar import report as wire
+from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.kube import wait_for_event

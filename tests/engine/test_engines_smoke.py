@@ -22,18 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
+from kvferry_dev.client import WORDS
+from kvferry_dev.configs import BLOCK_SIZE, SERVED_MODEL_NAME, kv_transfer_config
+from kvferry_dev.engines import Engine, repo_root, validate_kv_transfer_configs
 from kvferry_operator.api import parse_server
-from kvferry_operator.render import build_kv_transfer_config
-from kvferry_sidecar.local import (
-    BLOCK_SIZE,
-    SERVED_MODEL_NAME,
-    WORDS,
-    Engine,
-    kv_transfer_config,
-    metric,
-    repo_root,
-    validate_kv_transfer_configs,
-)
+from kvferry_operator.engine_config import build_kv_transfer_config
 
 pytestmark = pytest.mark.engine
 
@@ -193,14 +186,14 @@ def test_p_to_d_handoff(turn1: dict[str, Any], prefill: Engine, decode: Engine) 
 
     # D read the prompt from P over NIXL instead of computing it.
     before, after = turn1["d_before"], turn1["d_after"]
-    pulled = metric(after, "vllm:prompt_tokens_cached_by_source", source="p2p") - metric(
-        before, "vllm:prompt_tokens_cached_by_source", source="p2p"
+    pulled = after.total("vllm:prompt_tokens_cached_by_source", source="p2p") - before.total(
+        "vllm:prompt_tokens_cached_by_source", source="p2p"
     )
-    computed = metric(after, "vllm:prompt_tokens_by_source", source="local_compute") - metric(
-        before, "vllm:prompt_tokens_by_source", source="local_compute"
+    computed = after.total("vllm:prompt_tokens_by_source", source="local_compute") - before.total(
+        "vllm:prompt_tokens_by_source", source="local_compute"
     )
-    xfer_bytes = metric(after, "vllm:nixl_bytes_transferred_sum") - metric(
-        before, "vllm:nixl_bytes_transferred_sum"
+    xfer_bytes = after.total("vllm:nixl_bytes_transferred_sum") - before.total(
+        "vllm:nixl_bytes_transferred_sum"
     )
     assert pulled >= len(ids) - BLOCK_SIZE, (pulled, computed, xfer_bytes)
     assert computed < BLOCK_SIZE, (pulled, computed)
@@ -268,17 +261,17 @@ def test_turn2_pulls_handle_from_decode(
     )
     t2 = time.monotonic()
 
-    pulled = metric(p_after, "vllm:prompt_tokens_cached_by_source", source="p2p") - metric(
-        p_before, "vllm:prompt_tokens_cached_by_source", source="p2p"
+    pulled = p_after.total("vllm:prompt_tokens_cached_by_source", source="p2p") - p_before.total(
+        "vllm:prompt_tokens_cached_by_source", source="p2p"
     )
-    computed = metric(p_after, "vllm:prompt_tokens_by_source", source="local_compute") - metric(
-        p_before, "vllm:prompt_tokens_by_source", source="local_compute"
+    computed = p_after.total(
+        "vllm:prompt_tokens_by_source", source="local_compute"
+    ) - p_before.total("vllm:prompt_tokens_by_source", source="local_compute")
+    xfer_bytes = p_after.total("vllm:nixl_bytes_transferred_sum") - p_before.total(
+        "vllm:nixl_bytes_transferred_sum"
     )
-    xfer_bytes = metric(p_after, "vllm:nixl_bytes_transferred_sum") - metric(
-        p_before, "vllm:nixl_bytes_transferred_sum"
-    )
-    expired = metric(p_after, "vllm:nixl_num_kv_expired_reqs") - metric(
-        p_before, "vllm:nixl_num_kv_expired_reqs"
+    expired = p_after.total("vllm:nixl_num_kv_expired_reqs") - p_before.total(
+        "vllm:nixl_num_kv_expired_reqs"
     )
     n_handle = handle["remote_num_tokens"]
     summary = dict(

@@ -20,14 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from kvferry_sidecar.local import (
-    EnginePair,
-    chat_body,
-    filler_text,
-    free_port,
-    sidecar_files,
-    tiny_server_manifest,
-)
+from kvferry_dev.client import chat_body, filler_text
+from kvferry_dev.configs import tiny_server_manifest
+from kvferry_dev.engines import EnginePair
+from kvferry_dev.procs import free_port
+from kvferry_dev.sidecars import sidecar_files
 from tests.cluster.test_reports import bound_token
 from tests.kube import Kubectl, Operator, wait_until
 

@@ -37,20 +37,13 @@ from typing import Any
 
 import pytest
 
+from kvferry_dev.client import Reply, filler_text
+from kvferry_dev.configs import BLOCK_SIZE, kv_transfer_config, tiny_server
+from kvferry_dev.engines import Engine, EnginePair
+from kvferry_dev.figures import PrefillFigures
+from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
 from kvferry_sidecar.config import Settings
-from kvferry_sidecar.local import (
-    BLOCK_SIZE,
-    Engine,
-    EnginePair,
-    PrefillFigures,
-    Reply,
-    SidecarProcess,
-    filler_text,
-    kv_transfer_config,
-    start_sidecar,
-    tiny_server,
-)
 
 pytestmark = pytest.mark.engine
 

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from kvferry_operator import api, handlers, kube, render
+from kvferry_wire import protocol
 from tests.manifests import EXAMPLES, ROOT, load_example
 
 CHART = ROOT / "charts" / "kvferry"
@@ -144,12 +145,12 @@ CALLS = [
     Call("Kube.apply PodDisruptionBudget", "policy", "poddisruptionbudgets",
          ("create", "patch")),
     Call("Kube.apply KVCacheStatus", "kvferry.io", "kvcachestatuses", ("create", "patch")),
-    # Kube.patch_status (handlers.refresh_status, apply_children, reporting.Publisher).
+    # Kube.patch_status (handlers.refresh_status, apply_children, publisher.Publisher).
     Call("Kube.patch_status DisaggregatedServer", "kvferry.io", "disaggregatedservers/status",
          ("patch",)),
     Call("Kube.patch_status KVCacheStatus", "kvferry.io", "kvcachestatuses/status",
          ("patch",)),
-    # Kube.get (reporting.Publisher).
+    # Kube.get (publisher.Publisher).
     Call("Kube.get DisaggregatedServer", "kvferry.io", "disaggregatedservers", ("get",)),
     Call("Kube.get KVCacheStatus", "kvferry.io", "kvcachestatuses", ("get",)),
     # Kube.list_servers (handlers._resync_forever).
@@ -157,7 +158,7 @@ CALLS = [
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),
-    # Kube.create_event (reporting.Publisher) and kopf's event poster (kopf.info/warn).
+    # Kube.create_event (publisher.Publisher) and kopf's event poster (kopf.info/warn).
     Call("Kube.create_event", "", "events", ("create",)),
     Call("kopf posting: kopf.info/kopf.warn", "", "events", ("create",)),
     # kopf's observation (kopf/_core/reactor/observation.py): CRD changes always,
@@ -544,7 +545,7 @@ class TestOptionalObjects:
         peers, clients = pol["spec"]["ingress"]
         assert peers == {"from": [{"podSelector": {"matchLabels": server_pods}}]}
         assert clients == {
-            "ports": [{"port": api.SIDECAR_PORT, "protocol": "TCP"}],
+            "ports": [{"port": protocol.SIDECAR_PORT, "protocol": "TCP"}],
             "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
         }
         # The selector matches what the operator renders on prefill/decode pods.

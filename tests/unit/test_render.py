@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 
 from kvferry_operator import api, cli, render, validation
+from kvferry_wire import protocol
 from tests.manifests import EXAMPLES, ROOT, load_example, server
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -182,7 +183,7 @@ class TestEngineContainer:
     def test_side_channel_host_is_the_pod_ip(self):
         env = env_of(engine(rendered(server()), "decode"))
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(api.NIXL_SIDE_CHANNEL_PORT)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(protocol.NIXL_SIDE_CHANNEL_PORT)
 
     def test_user_env_overrides_ours_by_name(self):
         objs = rendered(

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry_operator import tune
-from kvferry_operator.tune import Histogram, TuningInputs
+from kvferry_operator.tune import TuningInputs
+from kvferry_wire.report import Histogram, merge_histograms
 
 BOUNDS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 
@@ -45,11 +46,11 @@ class TestHistogram:
 
     def test_merge_sums_counts(self):
         a, b = Histogram((1.0,), (1, 2)), Histogram((1.0,), (3, 4))
-        assert tune.merge_histograms([a, b]) == Histogram((1.0,), (4, 6))
+        assert merge_histograms([a, b], (1.0,)) == Histogram((1.0,), (4, 6))
 
     def test_merge_refuses_different_bounds(self):
         with pytest.raises(ValueError, match="different bucket bounds"):
-            tune.merge_histograms([Histogram((1.0,), (0, 0)), Histogram((2.0,), (0, 0))])
+            merge_histograms([Histogram((1.0,), (0, 0)), Histogram((2.0,), (0, 0))], (1.0,))
 
     def test_malformed_counts_are_rejected(self):
         with pytest.raises(ValueError, match="overflow"):

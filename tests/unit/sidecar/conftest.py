@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient
 
 from kvferry_sidecar.app import SIDECAR, app_factory
 from kvferry_sidecar.config import Settings
-from kvferry_sidecar.state import Sidecar
+from kvferry_sidecar.runtime import Sidecar
 
 from .fakes import FakeClock, FakeEngine
 

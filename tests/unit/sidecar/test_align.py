@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry_sidecar.align import align, common_prefix_len, cut_block_ids, held_by_decode
-from kvferry_sidecar.types import KVHandle, Outcome, token_array
+from kvferry_sidecar.types import KVHandle, token_array
+from kvferry_wire.protocol import Outcome
 
 BS = 4
 THRESHOLD = 8

@@ -10,9 +10,9 @@ from kvferry_sidecar.types import (
     HandleFate,
     HandleFormatError,
     KVHandle,
-    Outcome,
     token_array,
 )
+from kvferry_wire.protocol import Outcome
 
 NOW = 1000.0
 TTL = 480.0

@@ -19,18 +19,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvferry_sidecar.blockindex import BlockIndex, Verdict
 from kvferry_sidecar.kvevents import (
     Batch,
-    BlockIndex,
     Cleared,
     EventDecodeError,
     Removed,
     Stored,
-    Subscriber,
-    Verdict,
     decode_batch,
     seq_to_bytes,
 )
+from kvferry_sidecar.kvsubscriber import Subscriber
 
 # ------------------------------------------------------------------ vLLM's types
 

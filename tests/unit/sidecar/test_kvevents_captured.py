@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from kvferry_sidecar import kvevents
+from kvferry_sidecar.blockindex import BlockIndex, Verdict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32-kv-events.json"
 FRAMES = [
@@ -32,11 +33,11 @@ def test_captured_batches_decode_to_vllm_events():
 
 
 def test_captured_stream_applies_to_the_block_index():
-    index = kvevents.BlockIndex()
+    index = BlockIndex()
     held = []
     for frame in FRAMES:
         seq, batch = kvevents.seq_from_bytes(frame[1]), kvevents.decode_batch(frame[2])
-        assert index.check(seq) == kvevents.Verdict.NEXT
+        assert index.check(seq) == Verdict.NEXT
         index.accept(seq, batch)
         held.append((len(index.blocks), index.held_by("s-1")))
     # stored 2 blocks for s-1, removed one, then the engine cleared everything.

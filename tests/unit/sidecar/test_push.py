@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvferry_sidecar import report
 from kvferry_sidecar.push import Pusher
+from kvferry_wire import report
 
 BODY = b'{"version": 1}'
 

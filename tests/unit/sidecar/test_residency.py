@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry_sidecar import report
 from kvferry_sidecar.enginemetrics import EngineFigures
 from kvferry_sidecar.residency import (
     Identity,
@@ -13,7 +12,9 @@ from kvferry_sidecar.residency import (
     handle_blocks,
     ttft_of,
 )
-from kvferry_sidecar.types import Api, HandleFate, Outcome, Route, TurnReport, TurnTimings
+from kvferry_sidecar.types import Api, HandleFate, TurnReport, TurnTimings
+from kvferry_wire import report
+from kvferry_wire.protocol import Outcome, Route
 
 IDENT = Identity(server="llama", namespace="serving", pod="llama-decode-0", role="decode")
 STARTED = 1_700_000_000.0

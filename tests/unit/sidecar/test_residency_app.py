@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from kvferry_sidecar import report
+from kvferry_wire import report
 
 from .conftest import Engines, MakeSidecar, sidecar_of
 from .test_push import FakeOperator

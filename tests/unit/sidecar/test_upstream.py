@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry_sidecar.upstream import (
-    EngineClient,
-    PrefillPool,
-    parse_block_size,
-    parse_version,
-    streams_handles,
-)
+from kvferry_sidecar.enginemetrics import parse
+from kvferry_sidecar.upstream import EngineClient, PrefillPool, parse_version, streams_handles
 
 METRICS = (
     "# TYPE vllm:cache_config_info gauge\n"
@@ -41,8 +36,8 @@ def test_parse_version() -> None:
 
 
 def test_block_size_from_engine_metrics() -> None:
-    assert parse_block_size(METRICS) == 16
-    assert parse_block_size("vllm:num_requests_running 0\n") is None
+    assert parse(METRICS).block_size == 16
+    assert parse("vllm:num_requests_running 0\n").block_size is None
 
 
 class _Session:

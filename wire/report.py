@@ -1,7 +1,7 @@
 """The residency report: what a sidecar tells the operator (wire contract).
 
 Sidecars serve it at ``/v1/residency`` and push it to the operator's report
-endpoint; ``kvferry_operator`` decodes it with :func:`decode`. Counters and
+endpoint; the operator decodes it with :func:`decode`. Counters and
 histograms are cumulative since the sidecar started (``startedAt``), so a lost
 push loses nothing and the operator can difference two reports.
 
@@ -14,6 +14,7 @@ versions, rather than being half understood.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -37,11 +38,26 @@ TRANSPORTS = ("RDMA", "TCPFallback", "Unknown")
 
 
 class Histogram(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
-    """``counts[i]`` observations in (bounds[i-1], bounds[i]]; last count: above bounds[-1]."""
+    """Bucket counts: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``, and a
+    last overflow count for observations above ``bounds[-1]``.
+
+    The one histogram type of kvferry: the sidecar observes into it, the report
+    carries it, the operator merges pods' histograms and reads quantiles from it.
+    """
 
     bounds: list[float]
     counts: list[int]
     sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Runs on construction and on decode (msgspec turns the ValueError into a
+        # ValidationError naming the field), so a malformed histogram never exists.
+        self.bounds = [float(b) for b in self.bounds]
+        self.counts = list(self.counts)
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError("a histogram needs one count per bound plus an overflow count")
+        if self.bounds != sorted(self.bounds) or any(c < 0 for c in self.counts):
+            raise ValueError("bounds must ascend and counts must not be negative")
 
     @classmethod
     def empty(cls, bounds: tuple[float, ...]) -> Histogram:
@@ -59,6 +75,35 @@ class Histogram(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
     @property
     def total(self) -> int:
         return sum(self.counts)
+
+    def copy(self) -> Histogram:
+        return Histogram(list(self.bounds), list(self.counts), self.sum)
+
+    def quantile(self, q: float) -> tuple[float, bool]:
+        """The q-quantile by linear interpolation inside its bucket, and whether it
+        fell in the overflow bucket (then the value is only a lower bound)."""
+        if self.total == 0:
+            return math.nan, False
+        rank = q * self.total
+        seen = 0
+        for i, count in enumerate(self.counts[:-1]):
+            if count and seen + count >= rank:
+                lo = self.bounds[i - 1] if i > 0 else 0.0
+                return lo + (self.bounds[i] - lo) * max(0.0, rank - seen) / count, False
+            seen += count
+        return self.bounds[-1], True
+
+
+def merge_histograms(hists: list[Histogram], bounds: tuple[float, ...]) -> Histogram:
+    """Sum histograms that all have ``bounds`` (empty: an empty histogram).
+    Other bounds are a caller bug: :func:`decode` refuses reports that carry them."""
+    out = Histogram.empty(bounds)
+    for h in hists:
+        if h.bounds != out.bounds:
+            raise ValueError("histograms with different bucket bounds cannot be merged")
+        out.counts = [a + b for a, b in zip(out.counts, h.counts, strict=True)]
+        out.sum += h.sum
+    return out
 
 
 class TurnBucket(msgspec.Struct, rename="camel"):
@@ -137,10 +182,9 @@ class ReportError(ValueError):
 
 
 def _check_histogram(name: str, hist: Histogram, bounds: tuple[float, ...]) -> None:
+    # Shape and signs were checked on decode (Histogram.__post_init__).
     if tuple(hist.bounds) != bounds:
         raise ReportError(f"{name}.bounds differ from this operator's buckets")
-    if len(hist.counts) != len(bounds) + 1 or any(c < 0 for c in hist.counts):
-        raise ReportError(f"{name}.counts must be {len(bounds) + 1} non-negative counts")
 
 
 def decode(raw: bytes) -> Report:

@@ -1,7 +1,7 @@
 """Fold received reports into KVCacheStatus and the server's retention status.
 
 Runs on a timer inside the operator. Per server with reports:
-  1. aggregate the pods' latest reports (pure, ``reports.aggregate``);
+  1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``);
   2. run the tuner (pure, ``tune``) unless the mode is Observe;
   3. write KVCacheStatus status when a figure changed, at most once per
      ``min_write_seconds`` (``lastUpdateTime`` alone never triggers a write);
@@ -13,22 +13,17 @@ Runs on a timer inside the operator. Per server with reports:
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import api, reports, tune
-from .endpoint import ReportStore
+from . import aggregate, api, tune
 from .kube import Kube
+from .report_endpoint import ReportStore
 
 EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
-
-
-def _iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def applied_retention(server_obj: dict[str, Any], spec_value: int) -> int:
@@ -83,12 +78,12 @@ class Publisher:
         now = self.clock()
         mode = server.spec.cache_tuning.mode
         applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
-        agg = reports.aggregate(
+        agg = aggregate.aggregate(
             server, self.store.get(namespace, name), now, applied, self.stale_after
         )
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
-        status = reports.with_recommendations(agg.status, mode, rec, threshold)
+        status = aggregate.with_recommendations(agg.status, mode, rec, threshold)
 
         current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
         old = {
@@ -105,7 +100,7 @@ class Publisher:
                 api.STATUS_KIND,
                 namespace,
                 name,
-                {**_nulls_for_removed(old, status), "lastUpdateTime": _iso(now)},
+                {**_nulls_for_removed(old, status), "lastUpdateTime": api.iso_time(now)},
             )
             self._last_write[key] = now
 
@@ -117,7 +112,7 @@ class Publisher:
         server: api.Server,
         applied: int,
         rec: tune.Recommendation | None,
-        agg: reports.Aggregate,
+        agg: aggregate.Aggregate,
         now: float,
     ) -> None:
         mode = server.spec.cache_tuning.mode

@@ -1,14 +1,19 @@
-"""The bidirectional turn protocol (decode role), as small steps over typed values.
+"""The bidirectional turn protocol (decode role): the I/O half, over aiohttp.
+
+The decisions are ``plan``'s (pure); this module talks to the engines and the
+client and asks ``plan`` what to do at each step.
 
     serve_turn
-      1. parse_turn       body + headers -> TurnInput (session key, stream, ...)
+      1. plan.parse_turn  body + headers -> TurnInput (session key, stream, ...)
       2. forward.target   not the session's owner? one hop there (forward.forward)
       3. prompt_tokens    the prompt's ids from D's /tokenize
-      4. plan_turn        take the session's handle, check expiry and alignment,
-                          decide the route: P (with/without handle) or D alone
-      5. run_prefill      least-loaded ready P; retries; pull failure -> recompute
+      4. plan.plan_turn   the session's handle (taken from the store: single use),
+                          expiry and alignment; the route: P (with/without handle)
+                          or D alone
+      5. run_prefill      least-loaded ready P; retries; pull failure -> recompute;
+                          plan.settle gives the turn's outcome
       6. run_decode       local D with P's params; stream or not, as the client asked;
-                          restore the client's view; capture the new handle
+                          restore the client's view; plan.build_handle keeps the next
       7. record_turn      TurnReport -> series, one log line, the residency model
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
@@ -27,107 +32,27 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from . import forward, rewrite
-from .align import align, held_by_decode
-from .handles import local_deadline
-from .session import session_key, session_tag
-from .state import Sidecar
+from kvferry_wire.protocol import HDR_REQUEST_ID, Outcome, Route
+
+from . import forward, plan, rewrite
+from .runtime import Sidecar
 from .types import (
     F_KV_PARAMS,
-    HDR_HANDLE,
-    HDR_OUTCOME,
-    HDR_OWNER,
-    HDR_REQUEST_ID,
-    HDR_REUSED_TOKENS,
-    HDR_ROUTE,
     JSON,
-    K_DO_REMOTE_DECODE,
-    K_REMOTE_BLOCK_IDS,
-    K_REMOTE_NUM_TOKENS,
-    LOCAL_PREFILL_PARAMS,
     Api,
-    KVHandle,
-    Outcome,
     PrefillPlan,
     PrefillResult,
-    Route,
     TurnInput,
     TurnReport,
     TurnTimings,
-    token_array,
 )
 from .upstream import EngineTimeout, EngineUnavailable, EngineUnreachable, UpstreamError
 
 log = logging.getLogger(__name__)
 
-# Reasons a turn leaves no handle (metric label, log field, X-Kvferry-Handle).
-NOT_KEPT_STREAMING = "engine-streams-no-handle"
-NOT_KEPT_MULTI = "multiple-sequences"
-NOT_KEPT_OFF = "bidirectional-off"
-NOT_KEPT_NONE = "engine-returned-none"
-NOT_KEPT_NO_IDS = "no-token-ids"
-NOT_KEPT_ERROR = "error"
-
-
-class BadRequest(Exception):
-    """The client's body cannot be served (not JSON, not an object)."""
-
-
-# ------------------------------------------------------------------ 1. parse
-
-
-def parse_turn(
-    sc: Sidecar,
-    api: Api,
-    body: Mapping[str, Any],
-    headers: Mapping[str, str],
-    request_id: str,
-    received_at: float,
-) -> TurnInput:
-    key = session_key(body, headers, sc.settings.session_keys)
-    prompt = body.get("prompt")
-    single_prompt = (
-        api is Api.CHAT or isinstance(prompt, str) or (rewrite.prompt_ids_in_body(body) is not None)
-    )
-    single = (
-        (body.get("n") in (None, 1))
-        and (body.get("best_of") in (None, 1))
-        and not body.get("use_beam_search")
-        and single_prompt
-    )
-    return TurnInput(
-        api=api,
-        body=rewrite.client_body(body),
-        request_id=request_id,
-        session_key=key,
-        session=session_tag(key),
-        stream=bool(body.get("stream")),
-        wants_token_ids=bool(body.get("return_token_ids")),
-        single_sequence=single,
-        received_at=received_at,
-    )
-
 
 def _session_id(sc: Sidecar, turn: TurnInput) -> str | None:
     return turn.session if sc.settings.tag_session_id else None
-
-
-def keeps_handle(sc: Sidecar, turn: TurnInput) -> str | None:
-    """None when this turn can leave a handle; else the reason it cannot."""
-    if not sc.settings.bidirectional:
-        return NOT_KEPT_OFF
-    if not turn.single_sequence:
-        return NOT_KEPT_MULTI
-    if turn.stream and not sc.local.streaming_handles:
-        return NOT_KEPT_STREAMING
-    return None
-
-
-def local_params(sc: Sidecar, turn: TurnInput) -> Mapping[str, Any] | None:
-    """kv_transfer_params for a turn D prefills itself: the no-transfer flags when a
-    handle can be captured (vLLM returns one only for requests that carried params),
-    none otherwise (no point pinning blocks nobody will learn about)."""
-    return None if keeps_handle(sc, turn) else LOCAL_PREFILL_PARAMS
 
 
 # ------------------------------------------------------------------ 3. tokens
@@ -147,40 +72,6 @@ async def prompt_tokens(sc: Sidecar, turn: TurnInput) -> list[int] | None:
         return None
 
 
-# ------------------------------------------------------------------ 4. plan
-
-
-def plan_turn(sc: Sidecar, turn: TurnInput, prompt_ids: list[int] | None) -> PrefillPlan:
-    """Take the session's handle and decide where the prompt is prefilled. No I/O."""
-    s = sc.settings
-    prompt_len = None if prompt_ids is None else len(prompt_ids)
-    if not turn.single_sequence:
-        # vLLM's P/D transfer and the handle both describe one sequence.
-        return PrefillPlan(Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, 0, 0, None)
-    lookup = sc.store.take(turn.session)
-    handle = lookup.handle
-    if handle is None:
-        outcome, alignment, held = lookup.outcome, None, 0
-    elif prompt_ids is None:
-        # Cannot prove the prompt extends the handle: do not use it.
-        outcome, alignment, held = Outcome.MISALIGNED, None, 0
-    else:
-        block_size = sc.local.block_size
-        alignment = align(
-            prompt_ids, handle, block_size=block_size, threshold=s.recompute_threshold
-        )
-        outcome = alignment.outcome
-        held = held_by_decode(alignment, handle, block_size)
-    aligned = alignment.aligned_tokens if alignment else 0
-    if prompt_len is not None and prompt_len - held < s.skip_prefill_below_tokens:
-        return PrefillPlan(
-            Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, aligned, held, lookup.age_s
-        )
-    params = alignment.params if alignment else None
-    reused = alignment.usable_tokens if alignment else 0
-    return PrefillPlan(Route.REMOTE, outcome, params, prompt_len, aligned, reused, lookup.age_s)
-
-
 # ------------------------------------------------------------------ 5. prefill
 
 
@@ -192,13 +83,14 @@ def _valid_prefill_params(data: Any) -> Mapping[str, Any] | None:
 
 
 async def run_prefill(
-    sc: Sidecar, turn: TurnInput, plan: PrefillPlan, timings: TurnTimings
+    sc: Sidecar, turn: TurnInput, planned: PrefillPlan, rules: plan.Rules, timings: TurnTimings
 ) -> PrefillResult:
-    if plan.route is Route.SKIP:
-        return PrefillResult(Route.SKIP, plan.outcome, local_params(sc, turn))
+    if planned.route is Route.SKIP:
+        outcome, reused = plan.settle(planned, Route.SKIP, planned.outcome)
+        return PrefillResult(Route.SKIP, outcome, plan.local_params(turn, rules), reused)
     s = sc.settings
-    handle = plan.handle_params
-    outcome = plan.outcome
+    handle = planned.handle_params
+    outcome = planned.outcome
     tried: set[str] = set()
     attempts = 0
     started = time.monotonic()
@@ -241,8 +133,15 @@ async def run_prefill(
         params = _valid_prefill_params(data) if status == 200 else None
         if params is not None:
             sc.metrics.prefill_attempts.labels("ok").inc()
+            outcome, reused = plan.settle(planned, Route.REMOTE, outcome)
             return PrefillResult(
-                Route.REMOTE, outcome, params, engine.url, attempts, time.monotonic() - started
+                Route.REMOTE,
+                outcome,
+                params,
+                reused,
+                engine.url,
+                attempts,
+                time.monotonic() - started,
             )
         if status == 200:
             sc.metrics.prefill_attempts.labels("no-params").inc()
@@ -273,64 +172,13 @@ async def run_prefill(
             "prefill failed request_id=%s engine=%s status=%s", turn.request_id, engine.url, status
         )
     elapsed = time.monotonic() - started if attempts else None
-    return PrefillResult(Route.FALLBACK, outcome, local_params(sc, turn), None, attempts, elapsed)
+    outcome, reused = plan.settle(planned, Route.FALLBACK, outcome)
+    return PrefillResult(
+        Route.FALLBACK, outcome, plan.local_params(turn, rules), reused, None, attempts, elapsed
+    )
 
 
 # ------------------------------------------------------------------ 6. decode
-
-
-def build_handle(
-    sc: Sidecar, turn: TurnInput, capture: rewrite.Capture, received_wall: float
-) -> tuple[KVHandle | None, str | None]:
-    params = capture.params
-    if not params or not params.get(K_DO_REMOTE_DECODE) or not params.get(K_REMOTE_BLOCK_IDS):
-        return None, NOT_KEPT_NONE
-    if capture.prompt_ids is None or not capture.output_ids:
-        return None, NOT_KEPT_NO_IDS
-    try:
-        ids = token_array([*capture.prompt_ids, *capture.output_ids])
-    except (OverflowError, TypeError):
-        return None, NOT_KEPT_NO_IDS
-    now = sc.store.now()
-    num = params.get(K_REMOTE_NUM_TOKENS)
-    num_tokens = num if isinstance(num, int) and num > 0 else len(ids) - 1
-    handle = KVHandle(
-        session=turn.session,
-        params=dict(params),
-        token_ids=ids,
-        num_tokens=min(num_tokens, len(ids)),
-        engine_build=sc.settings.engine_build,
-        created_at=now,
-        expires_at=local_deadline(
-            params,
-            received_at=now,
-            received_wall=received_wall,
-            retention_s=sc.settings.retention_seconds,
-        ),
-        request_id=turn.request_id,
-    )
-    return handle, None
-
-
-def _headers(sc: Sidecar, turn: TurnInput, report: TurnReport) -> dict[str, str]:
-    headers = {
-        HDR_REQUEST_ID: turn.request_id,
-        HDR_OUTCOME: report.outcome.value,
-        HDR_REUSED_TOKENS: str(report.reused_tokens),
-        HDR_ROUTE: report.route.value,
-    }
-    if sc.settings.ordinal is not None:
-        headers[HDR_OWNER] = str(sc.settings.ordinal)
-    reason = keeps_handle(sc, turn)
-    if reason == NOT_KEPT_STREAMING:
-        headers[HDR_HANDLE] = (
-            f"not-kept; reason={reason}; engine={sc.local.info.version or 'unknown'}; "
-            "vLLM < 0.33 returns no kv_transfer_params when streaming, the next turn "
-            "recomputes (send stream=false or upgrade to keep KV)"
-        )
-    elif reason is not None:
-        headers[HDR_HANDLE] = f"not-kept; reason={reason}"
-    return headers
 
 
 def error_body(message: str, kind: str, status: int) -> JSON:
@@ -362,6 +210,7 @@ async def run_decode(
     request: web.Request,
     turn: TurnInput,
     prefill: PrefillResult,
+    rules: plan.Rules,
     report: TurnReport,
 ) -> web.StreamResponse:
     timings = report.timings
@@ -380,14 +229,20 @@ async def run_decode(
                 upstream.status,
             )
             report.route = Route.FALLBACK
-            upstream = await _open_decode(sc, turn, local_params(sc, turn))
+            upstream = await _open_decode(sc, turn, plan.local_params(turn, rules))
     except UpstreamError as exc:
         report.status, report.error = 502, exc.reason
         return not_ready(sc, turn.request_id, exc.reason)
     if prefill.route is Route.REMOTE:
         timings.p_to_d_s = time.monotonic() - p_done
     report.status = upstream.status
-    headers = _headers(sc, turn, report)
+    headers = plan.response_headers(
+        turn,
+        report,
+        rules,
+        ordinal=sc.settings.ordinal,
+        engine_version=sc.local.info.version,
+    )
     try:
         if upstream.status != 200:
             raw = await upstream.read()
@@ -404,8 +259,9 @@ async def run_decode(
             response, capture = await _relay_body(upstream, turn, headers)
     finally:
         upstream.release()
+    report.finish_reason = capture.finish_reason
     if report.error is None:
-        _keep_handle(sc, turn, capture, report)
+        _keep_handle(sc, turn, capture, rules, report)
     return response
 
 
@@ -458,11 +314,18 @@ async def _relay_stream(
 
 
 def _keep_handle(
-    sc: Sidecar, turn: TurnInput, capture: rewrite.Capture, report: TurnReport
+    sc: Sidecar, turn: TurnInput, capture: rewrite.Capture, rules: plan.Rules, report: TurnReport
 ) -> None:
-    reason = keeps_handle(sc, turn)
+    reason = plan.handle_not_kept(turn, rules)
     if reason is None:
-        handle, reason = build_handle(sc, turn, capture, time.time())
+        handle, reason = plan.build_handle(
+            turn,
+            capture,
+            now=sc.store.now(),
+            received_wall=time.time(),
+            engine_build=sc.settings.engine_build,
+            retention_s=sc.settings.retention_seconds,
+        )
         if handle is not None:
             sc.store.put(handle)
             report.handle_kept = True
@@ -487,7 +350,9 @@ async def serve_turn(
             error_body("request body must be a JSON object", "invalid_request_error", 400),
             status=400,
         )
-    turn = parse_turn(sc, api, body, request.headers, request_id, received_at)
+    turn = plan.parse_turn(
+        api, body, request.headers, request_id, received_at, sc.settings.session_keys
+    )
 
     owner = forward.target(sc, turn, request.headers)
     if owner is not None:
@@ -498,31 +363,29 @@ async def serve_turn(
     if not sc.local.ready:
         return not_ready(sc, request_id, sc.local.last_error or "health check failed")
 
+    rules = sc.rules()
     prompt_ids = await prompt_tokens(sc, turn)
-    plan = plan_turn(sc, turn, prompt_ids)
+    # Taken now, before any await: single use even when two turns of a session race.
+    lookup = sc.store.take(turn.session) if turn.single_sequence else None
+    planned = plan.plan_turn(turn, prompt_ids, lookup, rules)
     report = TurnReport(
         request_id=request_id,
         session=turn.session,
         api=api,
         stream=turn.stream,
-        outcome=plan.outcome,
-        route=plan.route,
-        prompt_tokens=plan.prompt_tokens,
-        aligned_tokens=plan.aligned_tokens,
-        reused_tokens=plan.reused_tokens,
-        handle_age_s=plan.handle_age_s,
+        outcome=planned.outcome,
+        route=planned.route,
+        prompt_tokens=planned.prompt_tokens,
+        aligned_tokens=planned.aligned_tokens,
+        reused_tokens=planned.reused_tokens,
+        handle_age_s=planned.handle_age_s,
     )
-    prefill = await run_prefill(sc, turn, plan, report.timings)
+    prefill = await run_prefill(sc, turn, planned, rules, report.timings)
     report.outcome, report.route = prefill.outcome, prefill.route
+    report.reused_tokens = prefill.reused_tokens
     report.prefill_engine, report.prefill_attempts = prefill.engine, prefill.attempts
     report.timings.prefill_s = prefill.prefill_s if prefill.route is Route.REMOTE else None
-    if prefill.route is Route.FALLBACK and prefill.outcome is Outcome.REUSED:
-        # No prefill engine took the handle: D prefills alone (its prefix cache still
-        # holds the session's pinned blocks).
-        report.outcome = Outcome.SKIPPED_PREFILL
-    if report.outcome is not Outcome.REUSED and plan.outcome is Outcome.REUSED:
-        report.reused_tokens = 0  # the handle was not used after all
-    response = await run_decode(sc, request, turn, prefill, report)
+    response = await run_decode(sc, request, turn, prefill, rules, report)
     report.timings.total_s = time.monotonic() - received_at
     sc.record_turn(report)
     return response

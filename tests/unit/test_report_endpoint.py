@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvferry_operator import api, endpoint
-from kvferry_sidecar import report as wire
+from kvferry_operator import api
+from kvferry_operator import report_endpoint as endpoint
+from kvferry_wire import report as wire
 
 NS, SERVER, POD, UID = "serving", "tiny", "tiny-decode-0", "pod-uid-1"
 GOOD_TOKEN = "good-token"

@@ -1,4 +1,4 @@
-"""kvferry's main job on one machine, CPU only: ``python -m kvferry_sidecar.demo``
+"""kvferry's main job on one machine, CPU only: ``python -m kvferry_dev.demo``
 (``make demo``).
 
 1. builds (first run, ~3-5 min, ~6 GB under ~/.cache/kvferry) or reuses the engine venv
@@ -42,7 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import local
+from .client import Reply, filler_text
+from .configs import tiny_server
+from .engines import Engine, build_tiny_model, engine_env, start_pair
+from .figures import PrefillFigures
+from .procs import EngineError, stop_all
+from .sidecars import SidecarProcess, start_sidecar
 
 
 @dataclass
@@ -82,13 +87,13 @@ def _step(msg: str) -> Iterator[None]:
 
 @dataclass
 class Turn:
-    reply: local.Reply
-    p: local.PrefillFigures  # P's /metrics around the turn (read outside the timing)
+    reply: Reply
+    p: PrefillFigures  # P's /metrics around the turn (read outside the timing)
 
 
 def run_conversation(
-    sc: local.SidecarProcess,
-    prefill: local.Engine,
+    sc: SidecarProcess,
+    prefill: Engine,
     turns: list[list[dict[str, Any]]],
     *,
     session: str,
@@ -101,8 +106,8 @@ def run_conversation(
         before = prefill.metrics()
         r = sc.chat(messages, max_tokens=1, session_id=session, request_id=f"demo-{session}")
         if r.status != 200:
-            raise local.EngineError(f"turn failed: {r.status} {r.body}")
-        out.append(Turn(r, local.PrefillFigures.between(before, prefill.metrics())))
+            raise EngineError(f"turn failed: {r.status} {r.body}")
+        out.append(Turn(r, PrefillFigures.between(before, prefill.metrics())))
     return out
 
 
@@ -141,7 +146,7 @@ def table(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m kvferry_sidecar.demo", description=__doc__.split("\n\n")[0]
+        prog="python -m kvferry_dev.demo", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--user-words", type=int, default=360, help="words per user message")
@@ -164,37 +169,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         code = 130
         _say("interrupted; stopping everything")
-    except local.EngineError as e:
+    except EngineError as e:
         _say(f"failed: {e}")
     finally:
-        local.stop_all()  # whatever a `with` block did not stop yet
+        stop_all()  # whatever a `with` block did not stop yet
         _say(f"stopped. Logs (engines, sidecars, their settings): {logs}")
     return code
 
 
 def _run(args: argparse.Namespace, logs: Path) -> int:
     with _step("engine venv (hack/engine-env.sh; the first run downloads ~6 GB)"):
-        py = local.engine_env()
+        py = engine_env()
     with _step("tiny model (hack/tinymodel/build.py)"):
-        model = local.build_tiny_model(py)
-    server = local.tiny_server()
+        model = build_tiny_model(py)
+    server = tiny_server()
     with _step("starting P (core 0) and D (core 1), NIXL on loopback (~30-60 s)"):
-        pair = local.start_pair(py, model, logs, server=server)
+        pair = start_pair(py, model, logs, server=server)
     with pair:
         P = pair.prefill
-        on = local.start_sidecar(pair, server, logs, name="sidecar-reuse-on")
-        off_server = local.tiny_server(bidirectional=False)
-        off = local.start_sidecar(pair, off_server, logs, name="sidecar-reuse-off")
+        on = start_sidecar(pair, server, logs, name="sidecar-reuse-on")
+        off_server = tiny_server(bidirectional=False)
+        off = start_sidecar(pair, off_server, logs, name="sidecar-reuse-off")
         _say(f"P {P.url}  D {pair.decode.url}  sidecars: on {on.url}, off {off.url}")
         with on, off:
             # Warm up (first requests allocate, and the first transfer each way does the
             # NIXL handshake): two turns through P with a pull, one without.
-            warm = [{"role": "user", "content": local.filler_text("warm-0", 300)}]
+            warm = [{"role": "user", "content": filler_text("warm-0", 300)}]
             [t] = run_conversation(on, P, [warm], session="demo-warmup", reset_prefill=True)
             run_conversation(off, P, [warm], session="demo-warmup-off", reset_prefill=True)
             warm += [
                 {"role": "assistant", "content": t.reply.text},
-                {"role": "user", "content": local.filler_text("warm-1", 300)},
+                {"role": "user", "content": filler_text("warm-1", 300)},
             ]
             run_conversation(on, P, [warm], session="demo-warmup", reset_prefill=True)
 
@@ -204,14 +209,14 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
             off_runs: list[list[Turn]] = []
             every_turn = not args.keep_prefill_cache
 
-            def run(sc: local.SidecarProcess, session: str) -> list[Turn]:
+            def run(sc: SidecarProcess, session: str) -> list[Turn]:
                 P.reset_prefix_cache()  # each run starts from an empty P either way
                 return run_conversation(sc, P, turns, session=session, reset_prefill=every_turn)
 
             with _step(f"{args.turns} turns with reuse on"):
                 P.reset_prefix_cache()
                 for i in range(args.turns):
-                    text = local.filler_text(f"demo-{i}", args.user_words)
+                    text = filler_text(f"demo-{i}", args.user_words)
                     history.append({"role": "user", "content": text})
                     turns.append([dict(m) for m in history])
                     [t] = run_conversation(

@@ -19,10 +19,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry_sidecar.report import GAP_BOUNDS, LATENCY_BOUNDS, Histogram, Report, TurnBucket
+from kvferry_wire.report import (
+    GAP_BOUNDS,
+    LATENCY_BOUNDS,
+    Histogram,
+    Report,
+    TurnBucket,
+    merge_histograms,
+)
 
 from . import tune
-from .api import Server
+from .api import Server, iso_time
 
 DEFAULT_STALE_SECONDS = 90.0
 
@@ -33,21 +40,12 @@ class Received:
     received_at: float  # unix seconds, operator clock
 
 
-def _hist(h: Histogram) -> tune.Histogram:
-    return tune.Histogram(tuple(float(b) for b in h.bounds), tuple(h.counts))
-
-
-def merged(hists: list[Histogram], bounds: tuple[float, ...]) -> tune.Histogram:
-    out = tune.merge_histograms([_hist(h) for h in hists])
-    return out or tune.Histogram(bounds, (0,) * (len(bounds) + 1))
-
-
-def _q(h: tune.Histogram, q: float) -> float | None:
+def _q(h: Histogram, q: float) -> float | None:
     value, _ = h.quantile(q)
     return None if math.isnan(value) else round(value, 3)
 
 
-def quantiles(h: tune.Histogram) -> dict[str, Any]:
+def quantiles(h: Histogram) -> dict[str, Any]:
     return {"count": h.total, "p50": _q(h, 0.50), "p95": _q(h, 0.95), "p99": _q(h, 0.99)}
 
 
@@ -91,7 +89,7 @@ def aggregate(
             "name": r.report.pod,
             "role": r.report.role,
             "stale": is_stale(r, now, stale_after),
-            "lastReport": _iso(r.received_at),
+            "lastReport": iso_time(r.received_at),
             "ageSeconds": round(now - r.received_at, 1),
             "sessionsHeld": r.report.kv_events.sessions_held,
             "pinnedHandles": r.report.pinned.handles,
@@ -149,7 +147,7 @@ def aggregate(
     pull_bytes = sum(r.transfer.bytes for r in fresh)
     pull_seconds = sum(r.transfer.seconds for r in fresh)
     pulls = sum(r.transfer.pulls for r in fresh)
-    pull_latency = merged([r.transfer.pull_latency for r in fresh], LATENCY_BOUNDS)
+    pull_latency = merge_histograms([r.transfer.pull_latency for r in fresh], LATENCY_BOUNDS)
     recompute_tokens = sum(r.transfer.recompute_tokens for r in fresh)
     recompute_seconds = sum(r.transfer.recompute_seconds for r in fresh)
     bpt = [r.transfer.bytes_per_token for r in fresh if r.transfer.bytes_per_token]
@@ -158,7 +156,7 @@ def aggregate(
     transport = majority_transport(fresh)
 
     # 3. retention vs gaps
-    gaps = merged([r.gaps for r in fresh], GAP_BOUNDS)
+    gaps = merge_histograms([r.gaps for r in fresh], GAP_BOUNDS)
     usage = [
         r.engine.kv_usage for r in fresh if r.role == "decode" and r.engine.kv_usage is not None
     ]
@@ -184,8 +182,8 @@ def aggregate(
         )
 
     # 4. ttft
-    ttft_reused = merged([r.ttft_reused for r in fresh], LATENCY_BOUNDS)
-    ttft_recomputed = merged([r.ttft_recomputed for r in fresh], LATENCY_BOUNDS)
+    ttft_reused = merge_histograms([r.ttft_reused for r in fresh], LATENCY_BOUNDS)
+    ttft_recomputed = merge_histograms([r.ttft_recomputed for r in fresh], LATENCY_BOUNDS)
     r95, c95 = _q(ttft_reused, 0.95), _q(ttft_recomputed, 0.95)
 
     gap_q = quantiles(gaps)
@@ -259,9 +257,3 @@ def with_recommendations(
             "reason": threshold.reason,
         }
     return out
-
-
-def _iso(ts: float) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -20,10 +20,13 @@ from typing import Any
 
 import aiohttp
 
-from . import config, enginemetrics, report
+from kvferry_wire import report
+
+from . import config, enginemetrics, plan
+from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
 from .handles import Clock, HandleStore
-from .kvevents import BlockIndex, Subscriber
+from .kvsubscriber import Subscriber
 from .metrics import Metrics
 from .push import Pusher
 from .residency import Identity, PinnedFigures, Residency, handle_blocks
@@ -94,6 +97,18 @@ class Sidecar:
 
     def report_body(self) -> bytes:
         return report.encode(self.snapshot())
+
+    def rules(self) -> plan.Rules:
+        """What the turn plan needs to know, as of now (the engine's capabilities are
+        re-read when it restarts)."""
+        s = self.settings
+        return plan.Rules(
+            bidirectional=s.bidirectional,
+            streaming_handles=self.local.streaming_handles,
+            block_size=self.local.block_size,
+            recompute_threshold=s.recompute_threshold,
+            skip_prefill_below_tokens=s.skip_prefill_below_tokens,
+        )
 
     @property
     def is_decode(self) -> bool:

@@ -26,14 +26,14 @@ from typing import Any
 
 from aiohttp import web
 
-from kvferry_sidecar.report import MAX_REPORT_BYTES, ReportError, decode
+from kvferry_wire.protocol import REPORT_PATH, REPORT_TOKEN_AUDIENCE
+from kvferry_wire.report import MAX_REPORT_BYTES, ReportError, decode
 
 from . import api
-from .reports import Received
+from .aggregate import Received
 
 log = logging.getLogger(__name__)
 
-AUDIENCE = "kvferry"
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
@@ -65,8 +65,8 @@ def identity_from_review(review_status: dict[str, Any]) -> Identity:
     """The pod a reviewed token is bound to, or :class:`Unauthorized`."""
     if not review_status.get("authenticated"):
         raise Unauthorized(review_status.get("error") or "token not authenticated")
-    if AUDIENCE not in (review_status.get("audiences") or []):
-        raise Unauthorized(f"token is not for audience {AUDIENCE!r}")
+    if REPORT_TOKEN_AUDIENCE not in (review_status.get("audiences") or []):
+        raise Unauthorized(f"token is not for audience {REPORT_TOKEN_AUDIENCE!r}")
     user = review_status.get("user") or {}
     username = user.get("username", "")
     if not username.startswith(SA_PREFIX):
@@ -178,7 +178,7 @@ def app_factory(
 
     app = web.Application(client_max_size=MAX_REPORT_BYTES + 1024)
     app[STORE_KEY] = store
-    app.router.add_post("/v1/reports", post_report)
+    app.router.add_post(REPORT_PATH, post_report)
     app.router.add_get("/healthz", healthz)
     return app
 

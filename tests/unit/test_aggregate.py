@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvferry_operator import api, reports, tune
-from kvferry_sidecar import report as wire
+from kvferry_operator import aggregate, api, tune
+from kvferry_wire import report as wire
 from tests.manifests import server
 
 SERVER = api.parse_server({**server(), "metadata": {"name": "tiny", "namespace": "ns"}})
@@ -31,7 +31,7 @@ def turns(**buckets: tuple[int, int, int, int]) -> dict[str, wire.TurnBucket]:
 
 
 def test_no_reports_says_so():
-    agg = reports.aggregate(SERVER, [], NOW, 480)
+    agg = aggregate.aggregate(SERVER, [], NOW, 480)
     assert agg.status["phase"] == "NoReports"
     assert agg.status["summary"]["hitRate"] == "-"
     assert agg.tuning is None
@@ -40,7 +40,9 @@ def test_no_reports_says_so():
 def test_hit_rate_and_reused_share_count_turns_after_the_first():
     a = rep("tiny-decode-0", by_turn=turns(t1=(10, 0, 1000, 0), t2=(10, 8, 2000, 1600)))
     b = rep("tiny-decode-1", by_turn=turns(t2=(10, 10, 2000, 1900), t3=(5, 5, 1500, 1400)))
-    agg = reports.aggregate(SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480)
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
     # turns >= 2: 25 turns, 23 reused; tokens 5500, reused 4900.
     assert agg.status["summary"]["hitRate"] == "92%"
     assert agg.status["summary"]["reusedTokenShare"] == "89%"
@@ -51,9 +53,9 @@ def test_hit_rate_and_reused_share_count_turns_after_the_first():
 def test_stale_reports_are_shown_but_not_counted():
     old = rep("tiny-decode-0", by_turn=turns(t2=(10, 0, 1000, 0)))
     new = rep("tiny-decode-1", by_turn=turns(t2=(10, 10, 1000, 1000)))
-    agg = reports.aggregate(
+    agg = aggregate.aggregate(
         SERVER,
-        [reports.Received(old, NOW - 500), reports.Received(new, NOW - 1)],
+        [aggregate.Received(old, NOW - 500), aggregate.Received(new, NOW - 1)],
         NOW,
         480,
         stale_after=90,
@@ -64,14 +66,16 @@ def test_stale_reports_are_shown_but_not_counted():
 
 
 def test_all_stale_is_phase_stale():
-    agg = reports.aggregate(SERVER, [reports.Received(rep("tiny-decode-0"), 0.0)], NOW, 480)
+    agg = aggregate.aggregate(SERVER, [aggregate.Received(rep("tiny-decode-0"), 0.0)], NOW, 480)
     assert agg.status["phase"] == "Stale"
 
 
 def test_gap_quantiles_merge_across_pods():
     a = rep("tiny-decode-0", gaps=[40.0] * 50)
     b = rep("tiny-decode-1", gaps=[40.0] * 50)
-    agg = reports.aggregate(SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480)
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
     assert agg.status["retention"]["gapSeconds"]["count"] == 100
     assert 30 <= agg.status["retention"]["gapSeconds"]["p95"] <= 45
     assert agg.tuning.gaps.total == 100
@@ -84,14 +88,16 @@ def test_transport_is_the_majority_of_known_reports():
         rep("c", transport="TCPFallback"),
         rep("d"),
     ]
-    agg = reports.aggregate(SERVER, [reports.Received(r, NOW) for r in reps], NOW, 480)
+    agg = aggregate.aggregate(SERVER, [aggregate.Received(r, NOW) for r in reps], NOW, 480)
     assert agg.transport == "RDMA"
 
 
 def test_recommendations_are_hidden_in_observe_mode():
-    agg = reports.aggregate(SERVER, [reports.Received(rep("a", gaps=[40.0] * 50), NOW)], NOW, 480)
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(rep("a", gaps=[40.0] * 50), NOW)], NOW, 480
+    )
     rec = tune.recommend_retention(agg.tuning)
-    assert reports.with_recommendations(agg.status, "Observe", rec, None) == agg.status
-    shown = reports.with_recommendations(agg.status, "Recommend", rec, None)
+    assert aggregate.with_recommendations(agg.status, "Observe", rec, None) == agg.status
+    shown = aggregate.with_recommendations(agg.status, "Recommend", rec, None)
     assert shown["summary"]["recommendedRetention"] == f"{rec.value}s"
     assert shown["retention"]["reason"] == rec.reason

@@ -1,0 +1,62 @@
+"""What the local P/D pair and its sidecar run: a small DisaggregatedServer for the
+tiny model, and the engines' ``--kv-transfer-config`` as the operator renders it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry_operator.api import Server, parse_server
+from kvferry_operator.engine_config import build_kv_transfer_config
+
+SERVED_MODEL_NAME = "tiny-llama"
+
+# Defaults for local runs (see tests/engine/README.md for why).
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 4096
+DECODE_RETENTION_SECONDS = 45  # decoder_kv_blocks_ttl; short so a pinned handle stops D spinning
+
+
+def tiny_server_manifest(
+    *,
+    decode_retention_seconds: int = DECODE_RETENTION_SECONDS,
+    recompute_threshold: int = 64,
+    lease_seconds: int = 30,
+    bidirectional: bool = True,
+    skip_prefill_below_tokens: int = 256,
+    name: str = "tiny-llama",
+) -> dict[str, Any]:
+    """A DisaggregatedServer for the tiny model, 1 P + 1 D, as a user would write it."""
+    return {
+        "apiVersion": "kvferry.io/v1alpha1",
+        "kind": "DisaggregatedServer",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "model": {
+                "name": SERVED_MODEL_NAME,
+                "source": {"image": {"path": "/models/tiny-llama"}},
+                "dtype": "float32",
+                "maxModelLen": MAX_MODEL_LEN,
+            },
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1},
+            "kvTransfer": {
+                "bidirectional": bidirectional,
+                "recomputeThreshold": recompute_threshold,
+                "leaseSeconds": lease_seconds,
+                "decodeRetentionSeconds": decode_retention_seconds,
+            },
+            "routing": {"skipPrefillBelowTokens": skip_prefill_below_tokens},
+        },
+    }
+
+
+def tiny_server(**kwargs: Any) -> Server:
+    """``kvferry_operator.api.Server`` of ``tiny_server_manifest(**kwargs)`` (defaulted)."""
+    return parse_server(tiny_server_manifest(**kwargs))
+
+
+def kv_transfer_config(role: str, server: Server | None = None) -> dict[str, Any]:
+    """The operator's ``--kv-transfer-config`` for `role` ("prefill" | "decode") plus
+    ``kv_buffer_device: cpu`` for the CPU build (GPU builds default to cuda)."""
+    cfg = build_kv_transfer_config(server if server is not None else tiny_server(), role)
+    return {**cfg, "kv_buffer_device": "cpu"}

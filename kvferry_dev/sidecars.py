@@ -1,0 +1,183 @@
+"""The real decode sidecar (``kvferry-sidecar``) as a subprocess in front of a local
+P/D pair, configured with the operator's own settings file for the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry_operator.render import build_sidecar_settings
+
+from .client import HttpServer
+from .engines import EnginePair
+from .procs import LIVE, EngineError, free_port, stop_group, tail
+
+
+def sidecar_files(
+    server: Any,
+    pair: EnginePair,
+    port: int,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sidecar.json, topology.json) for the decode sidecar in front of `pair`.
+
+    sidecar.json is the operator's ``build_sidecar_settings(server)`` with this
+    machine's addresses; topology.json names P's engine and this sidecar (ordinal 0).
+    """
+    d = pair.decode
+    settings = dict(build_sidecar_settings(server))
+    settings.pop("enginePort", None)
+    settings.update(
+        {
+            "role": "decode",
+            "listenHost": "127.0.0.1",
+            "listenPort": port,
+            "engineUrl": d.url,
+            "ordinal": 0,
+            "blockSize": d.block_size,
+            "kvEvents": d.kv_events_endpoint,
+            "kvEventsReplay": d.kv_replay_endpoint,
+        }
+    )
+    settings.update(overrides or {})
+    topology = {
+        "version": 1,
+        "prefillEngines": [pair.prefill.url],
+        "decodeSidecars": [f"http://127.0.0.1:{port}"],
+    }
+    return settings, topology
+
+
+@dataclass(eq=False)
+class SidecarProcess(HttpServer):
+    """``kvferry-sidecar --role decode`` as a subprocess of this python's venv."""
+
+    name: str
+    settings: dict[str, Any]
+    topology: dict[str, Any]
+    log_dir: Path
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:  # type: ignore[override]
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        return f"sidecar {self.name}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def argv(self) -> list[str]:
+        settings_path = self.log_dir / f"{self.name}.sidecar.json"
+        topology_path = self.log_dir / f"{self.name}.topology.json"
+        settings_path.write_text(json.dumps(self.settings, indent=2) + "\n")
+        topology_path.write_text(json.dumps(self.topology, indent=2) + "\n")
+        script = Path(sys.executable).parent / "kvferry-sidecar"
+        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvferry_sidecar.cli"]
+        return [
+            *cmd,
+            "--role",
+            "decode",
+            "--config",
+            str(settings_path),
+            "--topology",
+            str(topology_path),
+        ]
+
+    def start(self, timeout: float = 60.0) -> SidecarProcess:
+        if self.proc is not None:
+            raise EngineError(f"sidecar {self.name} already started")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFERRY_", "POD_"))}
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(self.log_path, "ab") as log:
+            log.write(f"# kvferry: {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv(),
+                cwd="/",
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        LIVE.add(self)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait until /readyz answers 200 (its engine is up); returns the readyz body."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EngineError(f"sidecar {self.name} exited:\n{self.logtail()}")
+            try:
+                r = self.request("GET", "/readyz", timeout=5, check=False)
+                if r.status == 200:
+                    return r.body
+            except EngineError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"sidecar {self.name} not ready after {timeout:.0f} s:\n{self.logtail()}"
+                )
+            time.sleep(0.2)
+
+    def readyz(self) -> tuple[int, Any]:
+        r = self.request("GET", "/readyz", timeout=10, check=False)
+        return r.status, r.body
+
+    def stop(self, timeout: float = 10.0) -> None:
+        LIVE.discard(self)
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_group(proc, timeout)
+
+    def logtail(self, lines: int = 60) -> str:
+        try:
+            return tail(self.log_path.read_text(errors="replace"), lines)
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def __enter__(self) -> SidecarProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_sidecar(
+    pair: EnginePair,
+    server: Any,
+    log_dir: Path | str,
+    *,
+    name: str = "sidecar",
+    overrides: Mapping[str, Any] | None = None,
+    port: int | None = None,
+    timeout: float = 60.0,
+) -> SidecarProcess:
+    """Start the decode sidecar for `pair` with the operator's settings for `server`
+    (plus `overrides`, camelCase file keys) and wait until it is ready."""
+    port = port or free_port()
+    settings, topology = sidecar_files(server, pair, port, overrides=overrides)
+    sc = SidecarProcess(
+        name=name,
+        settings=settings,
+        topology=topology,
+        log_dir=Path(log_dir),
+        port=port,
+    )
+    return sc.start(timeout)

@@ -1,0 +1,250 @@
+"""The turn plan: every decision of the bidirectional turn protocol, without I/O.
+
+``relay`` does the talking (engines, client); it asks this module what to do at
+each step and what the turn's outcome is, so the rules can be read and tested
+without aiohttp:
+
+- ``parse_turn``: body + headers -> ``TurnInput`` (session key, stream, one
+  sequence or several);
+- ``handle_not_kept``: whether this turn can leave a handle for the next one;
+- ``plan_turn``: with the session's handle (already taken from the store), the
+  prompt's ids and the engine's block size: use the handle or not, prefill on P
+  or let D prefill alone;
+- ``settle``: the turn's final outcome once the prefill leg ran (a handle offered
+  to no P is not "reused");
+- ``build_handle``: D's answer -> the ``KVHandle`` kept for the next turn;
+- ``response_headers``: the diagnostics every turn's answer carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry_wire.protocol import (
+    HDR_HANDLE,
+    HDR_OUTCOME,
+    HDR_OWNER,
+    HDR_REQUEST_ID,
+    HDR_REUSED_TOKENS,
+    HDR_ROUTE,
+    Outcome,
+    Route,
+)
+
+from . import rewrite
+from .align import align, held_by_decode
+from .handles import Lookup, local_deadline
+from .session import session_key, session_tag
+from .types import (
+    K_DO_REMOTE_DECODE,
+    K_REMOTE_BLOCK_IDS,
+    K_REMOTE_NUM_TOKENS,
+    LOCAL_PREFILL_PARAMS,
+    Api,
+    KVHandle,
+    PrefillPlan,
+    TurnInput,
+    TurnReport,
+    token_array,
+)
+
+# Reasons a turn leaves no handle (metric label, log field, X-Kvferry-Handle).
+NOT_KEPT_STREAMING = "engine-streams-no-handle"
+NOT_KEPT_MULTI = "multiple-sequences"
+NOT_KEPT_OFF = "bidirectional-off"
+NOT_KEPT_NONE = "engine-returned-none"
+NOT_KEPT_NO_IDS = "no-token-ids"
+NOT_KEPT_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The settings and engine facts the plan depends on (read once per turn)."""
+
+    bidirectional: bool
+    streaming_handles: bool  # D returns the handle on a streamed answer (vLLM 0.33+)
+    block_size: int | None
+    recompute_threshold: int
+    skip_prefill_below_tokens: int
+
+
+# ------------------------------------------------------------------ 1. parse
+
+
+def parse_turn(
+    api: Api,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    request_id: str,
+    received_at: float,
+    session_keys: tuple[str, ...],
+) -> TurnInput:
+    key = session_key(body, headers, session_keys)
+    prompt = body.get("prompt")
+    single_prompt = (
+        api is Api.CHAT or isinstance(prompt, str) or (rewrite.prompt_ids_in_body(body) is not None)
+    )
+    single = (
+        (body.get("n") in (None, 1))
+        and (body.get("best_of") in (None, 1))
+        and not body.get("use_beam_search")
+        and single_prompt
+    )
+    return TurnInput(
+        api=api,
+        body=rewrite.client_body(body),
+        request_id=request_id,
+        session_key=key,
+        session=session_tag(key),
+        stream=bool(body.get("stream")),
+        wants_token_ids=bool(body.get("return_token_ids")),
+        single_sequence=single,
+        received_at=received_at,
+    )
+
+
+# ------------------------------------------------------------------ handles kept or not
+
+
+def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
+    """None when this turn can leave a handle; else the reason it cannot."""
+    if not rules.bidirectional:
+        return NOT_KEPT_OFF
+    if not turn.single_sequence:
+        return NOT_KEPT_MULTI
+    if turn.stream and not rules.streaming_handles:
+        return NOT_KEPT_STREAMING
+    return None
+
+
+def local_params(turn: TurnInput, rules: Rules) -> Mapping[str, Any] | None:
+    """kv_transfer_params for a turn D prefills itself: the no-transfer flags when a
+    handle can be captured (vLLM returns one only for requests that carried params),
+    none otherwise (no point pinning blocks nobody will learn about)."""
+    return None if handle_not_kept(turn, rules) else LOCAL_PREFILL_PARAMS
+
+
+# ------------------------------------------------------------------ 4. plan
+
+
+def plan_turn(
+    turn: TurnInput, prompt_ids: list[int] | None, lookup: Lookup | None, rules: Rules
+) -> PrefillPlan:
+    """Use the session's handle or not, and where the prompt is prefilled.
+
+    ``lookup`` is the store's answer for the session (the handle is already taken:
+    single use); None for a turn of several sequences, which never uses one.
+    """
+    prompt_len = None if prompt_ids is None else len(prompt_ids)
+    if lookup is None or not turn.single_sequence:
+        # vLLM's P/D transfer and the handle both describe one sequence.
+        return PrefillPlan(Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, 0, 0, None)
+    handle = lookup.handle
+    if handle is None:
+        outcome, alignment, held = lookup.outcome, None, 0
+    elif prompt_ids is None:
+        # Cannot prove the prompt extends the handle: do not use it.
+        outcome, alignment, held = Outcome.MISALIGNED, None, 0
+    else:
+        alignment = align(
+            prompt_ids, handle, block_size=rules.block_size, threshold=rules.recompute_threshold
+        )
+        outcome = alignment.outcome
+        held = held_by_decode(alignment, handle, rules.block_size)
+    aligned = alignment.aligned_tokens if alignment else 0
+    if prompt_len is not None and prompt_len - held < rules.skip_prefill_below_tokens:
+        return PrefillPlan(
+            Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, aligned, held, lookup.age_s
+        )
+    params = alignment.params if alignment else None
+    reused = alignment.usable_tokens if alignment else 0
+    return PrefillPlan(Route.REMOTE, outcome, params, prompt_len, aligned, reused, lookup.age_s)
+
+
+def settle(plan: PrefillPlan, route: Route, outcome: Outcome) -> tuple[Outcome, int]:
+    """The turn's outcome and reused tokens once the prefill leg ran.
+
+    ``route``/``outcome`` are what the leg did: it may have fallen back to D (no P
+    could prefill) or dropped the handle after a failed pull.
+    """
+    if route is Route.FALLBACK and outcome is Outcome.REUSED:
+        # No prefill engine took the handle: D prefills alone (its prefix cache still
+        # holds the session's pinned blocks).
+        outcome = Outcome.SKIPPED_PREFILL
+    if plan.outcome is Outcome.REUSED and outcome is not Outcome.REUSED:
+        return outcome, 0  # the handle was not used after all
+    return outcome, plan.reused_tokens
+
+
+# ------------------------------------------------------------------ 6. the new handle
+
+
+def build_handle(
+    turn: TurnInput,
+    capture: rewrite.Capture,
+    *,
+    now: float,
+    received_wall: float,
+    engine_build: str | None,
+    retention_s: float,
+) -> tuple[KVHandle | None, str | None]:
+    """The handle D's answer left for the next turn, or why there is none.
+
+    ``now`` is on the handle store's clock; ``received_wall`` the wall clock then."""
+    params = capture.params
+    if not params or not params.get(K_DO_REMOTE_DECODE) or not params.get(K_REMOTE_BLOCK_IDS):
+        return None, NOT_KEPT_NONE
+    if capture.prompt_ids is None or not capture.output_ids:
+        return None, NOT_KEPT_NO_IDS
+    try:
+        ids = token_array([*capture.prompt_ids, *capture.output_ids])
+    except (OverflowError, TypeError):
+        return None, NOT_KEPT_NO_IDS
+    num = params.get(K_REMOTE_NUM_TOKENS)
+    num_tokens = num if isinstance(num, int) and num > 0 else len(ids) - 1
+    handle = KVHandle(
+        session=turn.session,
+        params=dict(params),
+        token_ids=ids,
+        num_tokens=min(num_tokens, len(ids)),
+        engine_build=engine_build,
+        created_at=now,
+        expires_at=local_deadline(
+            params, received_at=now, received_wall=received_wall, retention_s=retention_s
+        ),
+        request_id=turn.request_id,
+    )
+    return handle, None
+
+
+# ------------------------------------------------------------------ response headers
+
+
+def response_headers(
+    turn: TurnInput,
+    report: TurnReport,
+    rules: Rules,
+    *,
+    ordinal: int | None,
+    engine_version: str | None,
+) -> dict[str, str]:
+    headers = {
+        HDR_REQUEST_ID: turn.request_id,
+        HDR_OUTCOME: report.outcome.value,
+        HDR_REUSED_TOKENS: str(report.reused_tokens),
+        HDR_ROUTE: report.route.value,
+    }
+    if ordinal is not None:
+        headers[HDR_OWNER] = str(ordinal)
+    reason = handle_not_kept(turn, rules)
+    if reason == NOT_KEPT_STREAMING:
+        headers[HDR_HANDLE] = (
+            f"not-kept; reason={reason}; engine={engine_version or 'unknown'}; "
+            "vLLM < 0.33 returns no kv_transfer_params when streaming, the next turn "
+            "recomputes (send stream=false or upgrade to keep KV)"
+        )
+    elif reason is not None:
+        headers[HDR_HANDLE] = f"not-kept; reason={reason}"
+    return headers

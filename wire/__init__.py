@@ -1,0 +1,15 @@
+"""kvferry_wire: the contract between the operator, the sidecar and their clients.
+
+Owns what both sides must agree on and nothing else:
+
+- ``protocol``: ports in every engine pod, the HTTP headers and paths the sidecar
+  speaks to clients and peers, the per-turn outcome and route values those headers
+  carry, the report endpoint's path and token audience, and the handle-expiry
+  margin the sidecar applies and the operator's tuner adds back.
+- ``report``: the residency report (format version, fields, histogram buckets and
+  the one ``Histogram`` type both sides compute with), its decoder and encoder.
+
+May import: the standard library and msgspec. Never ``kvferry_operator``,
+``kvferry_sidecar`` or ``kvferry_dev`` (``tests/unit/test_layering.py`` checks it):
+both runtime packages import this one, so it must not pull either into the other.
+"""

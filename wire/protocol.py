@@ -1,0 +1,69 @@
+"""Names and numbers the operator, the sidecar and clients agree on. Constants only."""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+# ------------------------------------------------------------------ ports (every engine pod)
+
+# Clients and peers only ever talk to the sidecar; the engine is reached on localhost
+# (and by prefill peers for the P->D request).
+SIDECAR_PORT: Final = 8000
+ENGINE_PORT: Final = 8200
+NIXL_SIDE_CHANNEL_PORT: Final = 5600
+# The engine's KV-event PUB socket and its replay ROUTER socket.
+KV_EVENTS_PORT: Final = 5557
+KV_EVENTS_REPLAY_PORT: Final = 5558
+
+# ------------------------------------------------------------------ handle expiry
+
+# The sidecar stops offering a handle this long before D frees its blocks: vLLM's P
+# declines reads in a handle's last 5 s, and a prefill may queue before it reads. The
+# tuner adds the same margin to the inter-turn gap it wants covered, so the two
+# cannot drift apart.
+HANDLE_EXPIRY_MARGIN_SECONDS: Final = 15
+
+# ------------------------------------------------------------------ the report endpoint
+
+REPORT_PATH: Final = "/v1/reports"
+# Audience of the projected ServiceAccount token a sidecar presents with its report.
+REPORT_TOKEN_AUDIENCE: Final = "kvferry"
+
+# ------------------------------------------------------------------ HTTP headers
+
+HDR_REQUEST_ID: Final = "X-Request-Id"
+HDR_SESSION_ID: Final = "X-Session-Id"
+# Set by a sidecar that forwards a request to the session's owner. Its presence makes
+# the receiver serve the request itself, so one request is forwarded at most once.
+HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
+# Diagnostics on every turn's response.
+HDR_OUTCOME: Final = "X-Kvferry-Outcome"
+HDR_REUSED_TOKENS: Final = "X-Kvferry-Reused-Tokens"
+HDR_OWNER: Final = "X-Kvferry-Owner"
+HDR_ROUTE: Final = "X-Kvferry-Route"
+# Present when the answer will leave no handle for the next turn, with the reason.
+HDR_HANDLE: Final = "X-Kvferry-Handle"
+
+# ------------------------------------------------------------------ per-turn values
+
+
+class Outcome(enum.StrEnum):
+    """What happened to the session's KV on a turn: ``X-Kvferry-Outcome``, a metric
+    label and a key of the report's ``outcomes``."""
+
+    REUSED = "reused"  # P was sent the handle (or its aligned prefix)
+    EXPIRED = "expired"  # a handle existed but was past expiry - margin (or another build)
+    MISALIGNED = "misaligned"  # the prompt diverged from the handle's tokens too early
+    NO_HANDLE = "no-handle"  # first turn, evicted, or not kept
+    BELOW_THRESHOLD = "below-threshold"  # usable prefix shorter than the recompute threshold
+    PULL_FAILED = "pull-failed"  # P failed with the handle; retried without it
+    SKIPPED_PREFILL = "skipped-prefill"  # D prefilled the short tail itself
+
+
+class Route(enum.StrEnum):
+    """Where a turn's prompt was prefilled (``X-Kvferry-Route``)."""
+
+    REMOTE = "remote"  # a prefill engine, then D pulled from it
+    SKIP = "skip"  # D alone, by choice (short uncached tail)
+    FALLBACK = "fallback"  # D alone, because no prefill engine could do it
