@@ -31,7 +31,14 @@ from kvferry_operator.engine_config import build_kv_events_config
 from kvferry_wire import protocol
 
 from .client import HttpServer
-from .configs import BLOCK_SIZE, MAX_MODEL_LEN, SERVED_MODEL_NAME, kv_transfer_config, tiny_server
+from .configs import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    SERVED_MODEL_ALIAS,
+    SERVED_MODEL_NAME,
+    kv_transfer_config,
+    tiny_server,
+)
 from .procs import LIVE, EngineError, free_port, stop_group, tail
 
 START_TIMEOUT = 600.0  # s; a cold start on 2 busy cores takes 1-3 min
@@ -154,6 +161,7 @@ class Engine(HttpServer):
     kv_events_port: int = field(default_factory=free_port)
     kv_replay_port: int = field(default_factory=free_port)
     served_model_name: str = SERVED_MODEL_NAME
+    served_model_aliases: tuple[str, ...] = (SERVED_MODEL_ALIAS,)
     block_size: int = BLOCK_SIZE
     max_model_len: int = MAX_MODEL_LEN
     extra_args: list[str] = field(default_factory=list)
@@ -204,6 +212,7 @@ class Engine(HttpServer):
             str(self.model),
             "--served-model-name",
             self.served_model_name,
+            *self.served_model_aliases,
             "--host",
             "127.0.0.1",
             "--port",

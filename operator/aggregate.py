@@ -23,6 +23,7 @@ from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
     Histogram,
+    Releases,
     Report,
     TurnBucket,
     merge_histograms,
@@ -93,6 +94,7 @@ def aggregate(
             "ageSeconds": round(now - r.received_at, 1),
             "sessionsHeld": r.report.kv_events.sessions_held,
             "pinnedHandles": r.report.pinned.handles,
+            "unusedPinnedHandles": r.report.pinned.unused_handles,
             "pinnedBlocks": r.report.pinned.blocks,
             "pinnedBytes": r.report.pinned.bytes,
             "oldestPinnedSeconds": round(r.report.pinned.oldest_age_seconds, 1),
@@ -221,6 +223,14 @@ def aggregate(
             "handles": dict(sorted(handles.items())),
             "pinnedHandles": sum(r.pinned.handles for r in fresh),
             "pinnedBytes": sum(r.pinned.bytes for r in fresh),
+            # Of those, pinned although no turn will read them (release pending or
+            # impossible), and how handles dropped unread were let go.
+            "unusedPinnedHandles": sum(r.pinned.unused_handles for r in fresh),
+            "unusedPinnedBlocks": sum(r.pinned.unused_blocks for r in fresh),
+            "releases": {
+                name: sum(getattr(r.releases, name) for r in fresh)
+                for name in Releases.__struct_fields__
+            },
             "decodeKVUsageMax": max(usage) if usage else None,
         },
         "ttft": {

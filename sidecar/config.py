@@ -64,6 +64,10 @@ class Settings:
     # Drop a handle this long before D frees it (the tuner assumes the same margin).
     expiry_margin_seconds: float = float(protocol.HANDLE_EXPIRY_MARGIN_SECONDS)
     handle_store_cap: int = 1024
+    # A handle dropped unread waits this long for a ride on a prefill this sidecar
+    # sends anyway (free) before a release request of its own (costs P one block for
+    # its KV lease). D pins it meanwhile.
+    release_after_seconds: float = 2.0
     # KV block size in tokens; None = read vllm:cache_config_info from the engine.
     # Without it only handles the prompt fully extends are used (no partial prefix).
     block_size: int | None = None
@@ -120,6 +124,7 @@ _FILE_KEYS: dict[str, str] = {
     "retentionSeconds": "retention_seconds",
     "expiryMarginSeconds": "expiry_margin_seconds",
     "handleStoreCap": "handle_store_cap",
+    "releaseAfterSeconds": "release_after_seconds",
     "blockSize": "block_size",
     "streamingHandles": "streaming_handles",
     "tagSessionId": "tag_session_id",
@@ -260,6 +265,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("block_size must be >= 1")
     if settings.retention_seconds <= 0:
         raise ConfigError("retention_seconds must be > 0")
+    if settings.release_after_seconds < 0:
+        raise ConfigError("release_after_seconds must be >= 0")
     if settings.expiry_margin_seconds < 0:
         raise ConfigError("expiry_margin_seconds must be >= 0")
     if settings.report_interval_seconds <= 0:

@@ -103,6 +103,16 @@ class Metrics:
         self.prefill_ready = Gauge(
             "kvferry_prefill_engines_ready", "Prefill engines answering /health.", registry=r
         )
+        self.releases = Counter(
+            "kvferry_handle_releases",
+            "Handles no turn read, by how D was told to free them: rider (on a turn's own "
+            "prefill), request (a release request), failed, unreleasable (pinned until "
+            "D's deadline).",
+            ["method"],
+            registry=r,
+        )
+        for method in ("rider", "request", "failed", "unreleasable"):
+            self.releases.labels(method)
         self.report_pushes = Counter(
             "kvferry_report_pushes",
             "Residency report pushes to the operator, by result (ok, error).",
@@ -278,6 +288,16 @@ def report_families(r: rpt.Report) -> list:
             "kvferry_pinned_bytes",
             "Bytes pinned by held handles (0 while bytes per token is unknown).",
             r.pinned.bytes,
+        ),
+        _gauge(
+            "kvferry_pinned_unused_handles",
+            "Pinned handles no turn will read (release pending, failed or impossible).",
+            r.pinned.unused_handles,
+        ),
+        _gauge(
+            "kvferry_pinned_unused_blocks",
+            "KV blocks pinned by handles no turn will read.",
+            r.pinned.unused_blocks,
         ),
         _gauge(
             "kvferry_pinned_oldest_age_seconds",

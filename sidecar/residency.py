@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .enginemetrics import Cumulative, EngineFigures
-from .types import K_REMOTE_BLOCK_IDS, HandleFate, SessionTag, TurnReport
+from .types import HandleFate, SessionTag, TurnReport
 
 Clock = Callable[[], float]
 
@@ -59,7 +58,9 @@ _TAKEN_BY_OUTCOME = {
     Outcome.MISALIGNED: Outcome.MISALIGNED.value,
     Outcome.BELOW_THRESHOLD: Outcome.BELOW_THRESHOLD.value,
     Outcome.PULL_FAILED: Outcome.PULL_FAILED.value,
+    Outcome.KV_MISMATCH: Outcome.KV_MISMATCH.value,
     Outcome.SKIPPED_PREFILL: FATE_SKIPPED,
+    Outcome.CACHED_ON_DECODE: FATE_SKIPPED,
 }
 
 
@@ -79,17 +80,8 @@ class PinnedFigures:
     blocks: int = 0
     oldest_age_seconds: float = 0.0
     block_size: int | None = None
-
-
-def handle_blocks(params: Mapping[str, Any]) -> int:
-    """Blocks a handle pins on D: ``remote_block_ids`` is one flat list or one list
-    per KV cache group (the longest group spans the prefix)."""
-    ids = params.get(K_REMOTE_BLOCK_IDS)
-    if not isinstance(ids, (list, tuple)) or not ids:
-        return 0
-    if all(isinstance(b, int) for b in ids):
-        return len(ids)
-    return max((len(g) for g in ids if isinstance(g, (list, tuple))), default=0)
+    unused_handles: int = 0  # of the above, pinned although no turn will read them
+    unused_blocks: int = 0
 
 
 def turn_bucket(index: int) -> str:
@@ -136,6 +128,8 @@ class Residency:
 
         self.outcomes: dict[str, int] = {}
         self.handles: dict[str, int] = {}
+        # Handles dropped unread, by how D was told to free them (release.py).
+        self.releases: dict[str, int] = dict.fromkeys(rpt.Releases.__struct_fields__, 0)
         self.by_turn: dict[str, rpt.TurnBucket] = {}
         self.gaps = rpt.Histogram.empty(rpt.GAP_BOUNDS)
         self.ttft_reused = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
@@ -163,6 +157,10 @@ class Residency:
         if report.session in self._taken:
             del self._taken[report.session]
             self._count(self.handles, _TAKEN_BY_OUTCOME.get(report.outcome, FATE_TAKEN))
+        if report.next_session and report.next_session != report.session:
+            # The conversation's next turn looks up another slot (session.handle_slot):
+            # its gap and turn index continue there.
+            self._sessions[report.next_session] = self._sessions.pop(report.session)
         if report.status != 200 or report.error is not None:
             return  # timings of a failed turn describe the failure, not the cache
         ttft = ttft_of(report)
@@ -192,6 +190,9 @@ class Residency:
         return seen.turns
 
     # -------------------------------------------------------------- handles
+
+    def on_release(self, kind: str) -> None:
+        self._count(self.releases, kind)
 
     def on_handle_drop(self, fate: HandleFate, session: SessionTag) -> None:
         if fate is HandleFate.TAKEN:
@@ -271,7 +272,10 @@ class Residency:
                 blocks=pinned.blocks,
                 bytes=nbytes,
                 oldest_age_seconds=pinned.oldest_age_seconds,
+                unused_handles=pinned.unused_handles,
+                unused_blocks=pinned.unused_blocks,
             ),
+            releases=rpt.Releases(**self.releases),
             transfer=transfer,
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,

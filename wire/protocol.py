@@ -59,6 +59,12 @@ class Outcome(enum.StrEnum):
     BELOW_THRESHOLD = "below-threshold"  # usable prefix shorter than the recompute threshold
     PULL_FAILED = "pull-failed"  # P failed with the handle; retried without it
     SKIPPED_PREFILL = "skipped-prefill"  # D prefilled the short tail itself
+    # The handle's KV was computed under another model or adapter, cache_salt, media or
+    # media options, or either turn truncates its prompt: same ids, other KV.
+    KV_MISMATCH = "kv-mismatch"
+    # No usable handle, but D's prefix cache (seen through its KV events) still held
+    # the prompt's prefix: D prefilled the short tail itself.
+    CACHED_ON_DECODE = "cached-on-decode"
 
 
 class Route(enum.StrEnum):

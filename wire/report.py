@@ -6,7 +6,8 @@ histograms are cumulative since the sidecar started (``startedAt``), so a lost
 push loses nothing and the operator can difference two reports.
 
 REPORT_VERSION history:
-  1 - first version.
+  1 - first version. Fields added since, all with defaults (a report without them
+      still decodes): pinned.unusedHandles/unusedBlocks, releases.
 
 A peer that sends another version is refused with a message naming both
 versions, rather than being half understood.
@@ -114,13 +115,26 @@ class TurnBucket(msgspec.Struct, rename="camel"):
 
 
 class Pinned(msgspec.Struct, rename="camel"):
-    """Handles this decode pod keeps pinned for a next turn (vLLM 0.32 also spins
-    a core while any is pinned)."""
+    """KV this decode pod's engine keeps pinned for a next turn (vLLM 0.32 also spins
+    a core while any is pinned): handles the sidecar holds for sessions, plus the
+    ``unused`` ones no turn will read that D has not freed yet (release pending,
+    impossible, or failed: they go at D's deadline)."""
 
     handles: int = 0
     blocks: int = 0
     bytes: int = 0
     oldest_age_seconds: float = 0.0
+    unused_handles: int = 0
+    unused_blocks: int = 0
+
+
+class Releases(msgspec.Struct, rename="camel"):
+    """Handles dropped unread, by how D was told to free them (cumulative)."""
+
+    rider: int = 0  # on the turn's own prefill request
+    request: int = 0  # by a release request of their own
+    failed: int = 0  # a release request failed: pinned until D's deadline
+    unreleasable: int = 0  # no prefill engine, a failed pull, not returned by D
 
 
 class Transfer(msgspec.Struct, rename="camel"):
@@ -172,6 +186,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
         default_factory=lambda: Histogram.empty(LATENCY_BOUNDS)
     )
     pinned: Pinned = msgspec.field(default_factory=Pinned)
+    releases: Releases = msgspec.field(default_factory=Releases)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)

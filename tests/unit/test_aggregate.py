@@ -101,3 +101,18 @@ def test_recommendations_are_hidden_in_observe_mode():
     shown = aggregate.with_recommendations(agg.status, "Recommend", rec, None)
     assert shown["summary"]["recommendedRetention"] == f"{rec.value}s"
     assert shown["retention"]["reason"] == rec.reason
+
+
+def test_unused_pinned_handles_and_releases_are_summed():
+    """Handles pinned for nothing and how unread ones were released reach status."""
+    a = rep("a", pinned=wire.Pinned(handles=3, blocks=30, unused_handles=1, unused_blocks=10))
+    b = rep("b", pinned=wire.Pinned(handles=1, blocks=5), releases=wire.Releases(rider=2))
+    a.releases.request = 4
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
+    retention = agg.status["retention"]
+    assert retention["pinnedHandles"] == 4 and retention["unusedPinnedHandles"] == 1
+    assert retention["unusedPinnedBlocks"] == 10
+    assert retention["releases"] == {"rider": 2, "request": 4, "failed": 0, "unreleasable": 0}
+    assert [p["unusedPinnedHandles"] for p in agg.status["pods"]] == [1, 0]

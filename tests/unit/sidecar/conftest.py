@@ -61,6 +61,8 @@ def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
         "connect_timeout_seconds": 1.0,
         "prefill_timeout_seconds": 5.0,
         "kv_events": "",
+        # Handles dropped unread go to P at once (test_reuse_safety covers the wait).
+        "release_after_seconds": 0.0,
         "pod_name": "x-decode-0",
         "namespace": "serving",
         "server": "x",

@@ -80,6 +80,9 @@ class FakeEngine:
     name: str
     version: str = "0.33.0"
     block_size: int = 4
+    hash_algo: str = "sha256_cbor"
+    # process_start_time_seconds: the engine's identity (a restart changes it).
+    started_at: float = field(default_factory=time.time)
     reply: str = "fine thanks"
     ttl: float = 480.0
     healthy: bool = True
@@ -100,6 +103,10 @@ class FakeEngine:
     handles: list[dict[str, Any] | None] = field(default_factory=list)
     url: str = ""
     _count: int = 0
+
+    def restart(self) -> None:
+        """A new engine process on the same port (its pinned blocks are gone)."""
+        self.started_at += 1.0
 
     # -------------------------------------------------------------- inspection
 
@@ -133,7 +140,9 @@ class FakeEngine:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
-            'enable_prefix_caching="True"} 1.0\n'
+            f'enable_prefix_caching="True",prefix_caching_hash_algo="{self.hash_algo}"}} 1.0\n'
+            "# TYPE process_start_time_seconds gauge\n"
+            f"process_start_time_seconds {self.started_at}\n"
         )
         return web.Response(text=text + self.metrics_text)
 

@@ -9,10 +9,9 @@ from kvferry_sidecar.residency import (
     Identity,
     PinnedFigures,
     Residency,
-    handle_blocks,
     ttft_of,
 )
-from kvferry_sidecar.types import Api, HandleFate, TurnReport, TurnTimings
+from kvferry_sidecar.types import Api, HandleFate, TurnReport, TurnTimings, handle_blocks
 from kvferry_wire import report
 from kvferry_wire.protocol import Outcome, Route
 
