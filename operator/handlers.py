@@ -218,9 +218,12 @@ def refresh_status(
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
     old = body.get("status") or {}
-    # The transport is what the sidecars reported (written by reporting.py).
+    # The transport is what the sidecars reported (written by publisher.py).
     observed = status.Observed(
-        roles=roles, pods=list(pods.get(key, [])), transport=old.get("transport", "Unknown")
+        roles=roles,
+        pods=list(pods.get(key, [])),
+        transport=old.get("transport", "Unknown"),
+        transport_reason=old.get("transportReason", ""),
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):

@@ -22,7 +22,7 @@ import aiohttp
 
 from kvferry_wire import report
 
-from . import config, enginemetrics, plan
+from . import config, enginemetrics, plan, transport
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
 from .handles import Clock, HandleStore
@@ -59,6 +59,9 @@ class Sidecar:
         if self._topology is not None:
             self._topology.last = (settings.prefill_engines, settings.decode_sidecars)
         self.kv_index = BlockIndex()
+        # RDMA devices come and go only with the pod; re-read on every probe anyway
+        # (cheap: a few sysfs files) so a late device plugin shows.
+        self.rdma_devices = transport.read_rdma_devices(settings.rdma_sysfs)
         self.residency = Residency(
             Identity(
                 server=settings.server or "",
@@ -70,8 +73,10 @@ class Sidecar:
             clock=clock,
             pinned=self._pinned,
             kv_events=self.kv_index.stats,
+            transport=self._transport,
         )
         self.metrics.bind_report(self.snapshot)
+        self.metrics.bind_settings(settings)
 
     def _on_drop(self, fate: HandleFate, handle: KVHandle) -> None:
         self.metrics.on_drop(fate)
@@ -86,6 +91,19 @@ class Sidecar:
             oldest_age_seconds=max(self.store.ages(), default=0.0),
             block_size=local.block_size if local is not None else self.settings.block_size,
         )
+
+    def _transport(self) -> tuple[str, str]:
+        s = self.settings
+        verdict = transport.classify(
+            transport.Evidence(
+                requested=s.requested_transport,
+                rdma_enabled=s.rdma_enabled,
+                ucx_tls=s.engine_ucx_tls,
+                ucx_net_devices=s.engine_ucx_net_devices,
+                rdma_devices=self.rdma_devices,
+            )
+        )
+        return verdict.transport, verdict.reason
 
     def record_turn(self, turn: TurnReport) -> None:
         """A finished turn: Prometheus series, the log line, the residency model."""
@@ -135,6 +153,7 @@ class Sidecar:
         await self.http.close()
 
     async def probe(self) -> None:
+        self.rdma_devices = transport.read_rdma_devices(self.settings.rdma_sysfs)
         if await self.local.probe():
             cleared = self.store.clear()
             log.warning("engine restarted; handles cleared count=%s", cleared)
