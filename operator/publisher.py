@@ -24,6 +24,7 @@ from typing import Any
 
 from . import aggregate, api, pressure, tune
 from .kube import Kube
+from .metrics import Decision
 from .report_endpoint import ReportStore
 
 EVENT_RECOMMENDED = "RetentionRecommended"
@@ -66,6 +67,8 @@ class Publisher:
         self.clock = clock
         self._last_write: dict[tuple[str, str], float] = {}
         self._preemptions: dict[tuple[str, str], pressure.PreemptionWindow] = {}
+        # The last pass per server, for the operator's /metrics.
+        self.decisions: dict[tuple[str, str], Decision] = {}
 
     def publish_all(self, logger: logging.Logger) -> None:
         for namespace, name in self.store.servers():
@@ -79,6 +82,7 @@ class Publisher:
         if obj is None:
             self.store.forget(namespace, name)
             self._preemptions.pop((namespace, name), None)
+            self.decisions.pop((namespace, name), None)
             return
         server = api.parse_server(obj)
         now = self.clock()
@@ -98,6 +102,17 @@ class Publisher:
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         status = aggregate.with_recommendations(agg.status, mode, rec, threshold)
+        shown = mode != "Observe"
+        self.decisions[(namespace, name)] = Decision(
+            namespace=namespace,
+            server=name,
+            applied_retention=applied,
+            recommended_retention=rec.value if rec and shown else None,
+            recommended_threshold=threshold.value if threshold and shown else None,
+            preemptions_recent=agg.tuning.preemptions_delta if agg.tuning else 0,
+            transport=agg.transport,
+            reporting_pods=len(fresh),
+        )
 
         current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
         old = {

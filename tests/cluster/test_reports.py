@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+from kvferry_sidecar.promtext import Scrape
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import condition, make, wait_ready
@@ -171,6 +172,18 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     assert any("preemptionsDelta=4" in e["message"] for e in events)
     kvcs = kubectl.get("kvcachestatus", "tiny", ns)["status"]
     assert kvcs["retention"]["decodePreemptionsRecent"] == 4
+
+    # The operator's /metrics carry the same decision (the dashboard's history panel).
+    with urllib.request.urlopen(operator.metrics_url, timeout=10) as resp:
+        scraped = Scrape(resp.read().decode())
+    labels = {"namespace": ns, "server": "tiny"}
+    assert (
+        scraped.total("kvferry_operator_retention_recommended_seconds", **labels)
+        == (lowered["recommended"])
+    )
+    assert scraped.total("kvferry_operator_retention_applied_seconds", **labels) == 480
+    assert scraped.total("kvferry_operator_decode_preemptions_recent", **labels) == 4
+    assert scraped.total("kvferry_operator_transport_info", transport="TCPFallback", **labels) == 1
 
 
 def test_tcp_when_rdma_was_asked_for_is_a_warning(kubectl: Kubectl, operator: Operator, ns: str):
