@@ -108,9 +108,11 @@ def aggregate(
     applied_retention: int,
     stale_after: float = DEFAULT_STALE_SECONDS,
     preemptions_delta: int = 0,
+    decode_kv_usage_peak: float | None = None,
 ) -> Aggregate:
-    """``preemptions_delta``: decode preemptions of the recent past, which only the
-    caller can know (``pressure.PreemptionWindow``: reports are cumulative)."""
+    """``preemptions_delta`` and ``decode_kv_usage_peak``: decode pressure of the
+    recent past, which only the caller can know (``pressure``: reports are
+    cumulative or instantaneous). Without a peak the tuner sees the latest usage."""
     spec = server.spec
     fresh = [r.report for r in received if not is_stale(r, now, stale_after)]
     pods = [
@@ -205,7 +207,11 @@ def aggregate(
             coverage=spec.cache_tuning.coverage,
             min_retention=spec.cache_tuning.min_retention_seconds,
             max_retention=spec.cache_tuning.max_retention_seconds,
-            decode_kv_usage_max=max(usage) if usage else None,
+            decode_kv_usage_max=(
+                decode_kv_usage_peak
+                if decode_kv_usage_peak is not None
+                else (max(usage) if usage else None)
+            ),
             preemptions_delta=preemptions_delta,
             bytes_per_token=bytes_per_token,
             transfer_bytes_per_second=bandwidth,

@@ -1,4 +1,4 @@
-"""Preemptions between aggregations: the state the tuner's pressure rule needs. Pure.
+"""Decode pressure between aggregations: the state the tuner's pressure rule needs. Pure.
 
 Reports carry each engine's preemption counter since its sidecar started. The
 tuner wants "did decode preempt requests lately", so the publisher keeps one
@@ -11,8 +11,11 @@ preemptions of the last ``window`` seconds:
   within the window (an operator restart must not replay old preemptions as new).
 
 A window, not "since the last report": one burst keeps the recommendation lowered
-for ``window`` seconds instead of flapping back on the next aggregation. The
-state lives in the operator's memory; an operator restart starts it empty.
+for ``window`` seconds instead of flapping back on the next aggregation. For the
+same reason :class:`UsagePeak` gives the tuner the highest decode KV usage of the
+window rather than the latest (seen on the engine tier: usage hovering around the
+high-water mark flipped the recommendation, and its Event, every few seconds).
+The state lives in the operator's memory; an operator restart starts it empty.
 """
 
 from __future__ import annotations
@@ -54,3 +57,22 @@ class PreemptionWindow:
         while self._rises and now - self._rises[0][0] > self.window:
             self._rises.popleft()
         return sum(n for _, n in self._rises)
+
+
+@dataclass
+class UsagePeak:
+    window: float = WINDOW_SECONDS
+    _samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def observe(self, reports: list[Report], now: float) -> float | None:
+        """Fold in the decode pods' latest KV usage; the highest within the window."""
+        usage = [
+            r.engine.kv_usage
+            for r in reports
+            if r.role == "decode" and r.engine.kv_usage is not None
+        ]
+        if usage:
+            self._samples.append((now, max(usage)))
+        while self._samples and now - self._samples[0][0] > self.window:
+            self._samples.popleft()
+        return max((u for _, u in self._samples), default=None)

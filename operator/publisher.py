@@ -67,6 +67,7 @@ class Publisher:
         self.clock = clock
         self._last_write: dict[tuple[str, str], float] = {}
         self._preemptions: dict[tuple[str, str], pressure.PreemptionWindow] = {}
+        self._usage: dict[tuple[str, str], pressure.UsagePeak] = {}
         # The last pass per server, for the operator's /metrics.
         self.decisions: dict[tuple[str, str], Decision] = {}
 
@@ -82,6 +83,7 @@ class Publisher:
         if obj is None:
             self.store.forget(namespace, name)
             self._preemptions.pop((namespace, name), None)
+            self._usage.pop((namespace, name), None)
             self.decisions.pop((namespace, name), None)
             return
         server = api.parse_server(obj)
@@ -90,14 +92,17 @@ class Publisher:
         applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
         received = self.store.get(namespace, name)
         fresh = [r.report for r in received if not aggregate.is_stale(r, now, self.stale_after)]
-        window = self._preemptions.setdefault((namespace, name), pressure.PreemptionWindow())
+        key = (namespace, name)
+        preemptions = self._preemptions.setdefault(key, pressure.PreemptionWindow())
+        usage = self._usage.setdefault(key, pressure.UsagePeak())
         agg = aggregate.aggregate(
             server,
             received,
             now,
             applied,
             self.stale_after,
-            preemptions_delta=window.observe(fresh, now),
+            preemptions_delta=preemptions.observe(fresh, now),
+            decode_kv_usage_peak=usage.observe(fresh, now),
         )
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
@@ -118,7 +123,6 @@ class Publisher:
         old = {
             k: v for k, v in ((current or {}).get("status") or {}).items() if k != "lastUpdateTime"
         }
-        key = (namespace, name)
         if (
             current is not None
             and old != status

@@ -57,10 +57,10 @@ DECODE_POD = f"{SERVER}-decode-0"
 PREFILL_POD = f"{SERVER}-prefill-0"
 # Preemptions: D restarted with this many KV blocks of 32 tokens (vLLM needs room for
 # one max-model-len request: 4096 / 32 = 128, plus its null block), then a burst of
-# requests whose answers outgrow them: 6 x (~13 prompt + 25 answer blocks) > 136.
+# requests whose answers outgrow them: 6 x (~13 prompt + 16 answer blocks) > 136.
 TINY_KV_BLOCKS = 136
 BURST = 6
-BURST_ANSWER_TOKENS = 800
+BURST_ANSWER_TOKENS = 500
 
 
 def ask(url: str, body: dict) -> tuple[dict, dict[str, str]]:
@@ -420,6 +420,7 @@ def test_every_dashboard_query_has_data_from_the_run(run: Run, prometheus: Prome
             "panels": [
                 {
                     "title": title,
+                    "expr": expr,
                     "result": prometheus.query_range(_concrete(expr), run.started, end)[1]["data"][
                         "result"
                     ],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry_operator.pressure import PreemptionWindow
+from kvferry_operator.pressure import PreemptionWindow, UsagePeak
 from kvferry_wire import report as wire
 
 NOW = 10_000.0
@@ -50,3 +50,18 @@ def test_prefill_preemptions_do_not_move_decode_retention():
     w = PreemptionWindow(window=600)
     w.observe([rep("p-0", 0, role="prefill")], NOW)
     assert w.observe([rep("p-0", 9, role="prefill")], NOW + 10) == 0
+
+
+def usage(pod: str, value: float | None, role: str = "decode") -> wire.Report:
+    r = rep(pod, 0, role=role)
+    r.engine.kv_usage = value
+    return r
+
+
+def test_usage_peak_holds_the_highest_decode_usage_of_the_window():
+    # Usage hovering around the high-water mark must not flip the recommendation.
+    peak = UsagePeak(window=600)
+    assert peak.observe([usage("d-0", 0.95), usage("p-0", 0.99, role="prefill")], NOW) == 0.95
+    assert peak.observe([usage("d-0", 0.40)], NOW + 10) == 0.95
+    assert peak.observe([usage("d-0", 0.50)], NOW + 700) == 0.50
+    assert UsagePeak().observe([usage("d-0", None)], NOW) is None
