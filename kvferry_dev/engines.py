@@ -343,17 +343,20 @@ class Engine(HttpServer):
         *,
         crash: bool = False,
         kv_transfer_config: dict[str, Any] | None = None,
+        extra_args: list[str] | None = None,
         timeout: float = START_TIMEOUT,
     ) -> float:
         """Stop (or SIGKILL, `crash`) and start again on the same ports, with the same
-        flags or another kv-transfer config, logging to ``<role>.restart<N>.log``;
-        returns seconds to healthy."""
+        flags or another kv-transfer config / other extra args, logging to
+        ``<role>.restart<N>.log``; returns seconds to healthy."""
         if crash:
             self.kill()
         else:
             self.stop()
         if kv_transfer_config is not None:
             self.kv_transfer_config = kv_transfer_config
+        if extra_args is not None:
+            self.extra_args = list(extra_args)
         self.restarts += 1
         stem = self.log_path.name.split(".")[0]
         self.log_path = self.log_path.with_name(f"{stem}.restart{self.restarts}.log")

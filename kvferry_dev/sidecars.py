@@ -30,9 +30,12 @@ def sidecar_files(
     """(sidecar.json, topology.json) for the decode sidecar in front of `pair`.
 
     sidecar.json is the operator's ``build_sidecar_settings(server)`` with this
-    machine's addresses; topology.json names P's engine and this sidecar (ordinal 0).
+    machine's addresses and the decode engine's real UCX settings (in a pod the
+    operator copies them into the sidecar's environment); topology.json names P's
+    engine and this sidecar (ordinal 0).
     """
     d = pair.decode
+    engine_env = d.env()
     settings = dict(build_sidecar_settings(server))
     settings.pop("enginePort", None)
     settings.update(
@@ -45,6 +48,8 @@ def sidecar_files(
             "blockSize": d.block_size,
             "kvEvents": d.kv_events_endpoint,
             "kvEventsReplay": d.kv_replay_endpoint,
+            "engineUcxTls": engine_env.get("UCX_TLS"),
+            "engineUcxNetDevices": engine_env.get("UCX_NET_DEVICES"),
         }
     )
     settings.update(overrides or {})

@@ -163,6 +163,26 @@ def build_engine_container(server: Server, role: Role) -> Obj:
     }
 
 
+# The engine's UCX settings the sidecar reports the transport from, and the sidecar
+# variables that carry them (kvferry_sidecar.transport).
+SIDECAR_UCX_ENV = {
+    "UCX_TLS": "KVFERRY_ENGINE_UCX_TLS",
+    "UCX_NET_DEVICES": "KVFERRY_ENGINE_UCX_NET_DEVICES",
+}
+
+
+def build_sidecar_ucx_env(spec: ServerSpec, role: Role) -> list[Obj]:
+    """The engine container's UCX_TLS / UCX_NET_DEVICES, as the sidecar's
+    KVFERRY_ENGINE_* variables: same value or same source (a user's role.env wins
+    on the engine, so it does here too)."""
+    out = []
+    for entry in build_engine_env(spec, role):
+        name = SIDECAR_UCX_ENV.get(entry["name"])
+        if name is not None:
+            out.append({**entry, "name": name})
+    return out
+
+
 def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: Context) -> Obj:
     def field_env(name: str, path: str) -> Obj:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -187,6 +207,7 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             field_env("POD_IP", "status.podIP"),
             {"name": "KVFERRY_SERVER", "value": server.name},
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
+            *build_sidecar_ucx_env(spec, role),
         ],
         "ports": [{"name": "http", "containerPort": protocol.SIDECAR_PORT}],
         "resources": {
@@ -315,6 +336,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
         "transport": spec.network.transport,
+        "rdmaEnabled": spec.network.rdma.enabled,
         "kvEvents": f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
         "kvEventsReplay": f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",
     }

@@ -95,6 +95,15 @@ class Settings:
     # The local engine's KV-event PUB and replay ROUTER sockets; "" = off.
     kv_events: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}"
     kv_events_replay: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
+    # What the transport report rests on (kvferry_sidecar.transport): the spec's
+    # network.transport and network.rdma.enabled (settings file), the engine
+    # container's UCX_TLS / UCX_NET_DEVICES (the operator copies them into this
+    # container's environment; None = unset) and where RDMA devices show.
+    requested_transport: str = "auto"
+    rdma_enabled: bool = False
+    engine_ucx_tls: str | None = None
+    engine_ucx_net_devices: str | None = None
+    rdma_sysfs: str = "/sys/class/infiniband"
     settings_path: str | None = None
     topology_path: str | None = None
     topology_reload_seconds: float = 5.0
@@ -140,9 +149,14 @@ _FILE_KEYS: dict[str, str] = {
     "reportIntervalSeconds": "report_interval_seconds",
     "kvEvents": "kv_events",
     "kvEventsReplay": "kv_events_replay",
+    "transport": "requested_transport",
+    "rdmaEnabled": "rdma_enabled",
+    "engineUcxTls": "engine_ucx_tls",
+    "engineUcxNetDevices": "engine_ucx_net_devices",
+    "rdmaSysfs": "rdma_sysfs",
 }
 # Keys the operator writes that the proxy path does not use (yet).
-_KNOWN_UNUSED = {"version", "transport", "enginePort"}
+_KNOWN_UNUSED = {"version", "enginePort"}
 _FIELD_TYPES = {f.name: f.type for f in fields(Settings)}
 
 
@@ -271,6 +285,10 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("expiry_margin_seconds must be >= 0")
     if settings.report_interval_seconds <= 0:
         raise ConfigError("report_interval_seconds must be > 0")
+    if settings.requested_transport not in ("auto", "rdma", "tcp"):
+        raise ConfigError(
+            f"transport must be auto, rdma or tcp, got {settings.requested_transport!r}"
+        )
     if settings.operator_url and not settings.operator_url.startswith(("https://", "http://")):
         raise ConfigError(f"operator_url must be an http(s) URL, got {settings.operator_url!r}")
     ring = len(settings.decode_sidecars)

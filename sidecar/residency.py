@@ -19,6 +19,7 @@ Pure (no aiohttp, no zmq). Fed by the owner (``runtime.Sidecar``):
 5. engine figures (``observe_engine``, from ``enginemetrics``): counters made
    monotonic across engine restarts; bytes per token = NIXL bytes / p2p tokens.
 6. KV-event state (a source callable returning ``report.KVEvents``).
+7. the transport verdict (a source callable, see ``kvferry_sidecar.transport``).
 
 TTFT: a streamed turn's TTFT is arrival -> first byte written to the client
 (``timings.first_token_s``). A non-streamed answer has no first byte before the
@@ -115,6 +116,7 @@ class Residency:
         pending_cap: int = PENDING_CAP,
         pinned: Callable[[], PinnedFigures] | None = None,
         kv_events: Callable[[], rpt.KVEvents] | None = None,
+        transport: Callable[[], tuple[str, str]] | None = None,
     ) -> None:
         self.ident = ident
         self.started_at = time.time() if started_at is None else started_at
@@ -123,6 +125,7 @@ class Residency:
         self._pending_cap = pending_cap
         self.pinned_source = pinned
         self.kv_events_source = kv_events
+        self.transport_source = transport
         self.engine_healthy = False
         self.transport = ident.transport
 
@@ -212,6 +215,7 @@ class Residency:
         acc.update("preemptions", figures.preemptions)
         acc.update("nixl_bytes", figures.nixl_bytes)
         acc.update("nixl_seconds", figures.nixl_seconds)
+        acc.update("nixl_transfers", figures.nixl_transfers)
         acc.update("nixl_expired", figures.nixl_expired)
         acc.update("nixl_failed", figures.nixl_failed)
         acc.update("p2p_tokens", figures.p2p_tokens)
@@ -220,6 +224,12 @@ class Residency:
     def engine_restarted(self) -> None:
         """The engine is back from a restart: its usage figure is stale."""
         self._kv_usage = None
+
+    def transport_verdict(self) -> tuple[str, str]:
+        """(transport, reason) as of now."""
+        if self.transport_source is None:
+            return self.transport, ""
+        return self.transport_source()
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -239,10 +249,12 @@ class Residency:
             else 0
         )
         acc = self._engine
+        transport, transport_reason = self.transport_verdict()
         transfer = rpt.Transfer(
             pulls=self.transfer.pulls,
             bytes=int(acc.get("nixl_bytes")),
             seconds=acc.get("nixl_seconds"),
+            transfers=int(acc.get("nixl_transfers")),
             pull_latency=self.transfer.pull_latency.copy(),
             recompute_tokens=self.transfer.recompute_tokens,
             recompute_seconds=self.transfer.recompute_seconds,
@@ -257,7 +269,8 @@ class Residency:
             engine_build=self.ident.engine_build,
             started_at=self.started_at,
             generated_at=now_unix,
-            transport=self.transport if self.transport in rpt.TRANSPORTS else "Unknown",
+            transport=transport if transport in rpt.TRANSPORTS else rpt.TRANSPORT_UNKNOWN,
+            transport_reason=transport_reason,
             outcomes=dict(self.outcomes),
             handles=dict(self.handles),
             by_turn={

@@ -23,7 +23,7 @@ import aiohttp
 
 from kvferry_wire import report
 
-from . import config, enginemetrics, plan
+from . import config, enginemetrics, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -88,6 +88,9 @@ class Sidecar:
         self._pending: OrderedDict[str, KVHandle] = OrderedDict()
         self._releases: set[asyncio.Task[None]] = set()
         self._release_slots = asyncio.Semaphore(RELEASE_CONCURRENCY)
+        # RDMA devices come and go only with the pod; re-read on every probe anyway
+        # (cheap: a few sysfs files) so a late device plugin shows.
+        self.rdma_devices = transport.read_rdma_devices(settings.rdma_sysfs)
         self.residency = Residency(
             Identity(
                 server=settings.server or "",
@@ -99,8 +102,10 @@ class Sidecar:
             clock=clock,
             pinned=self._pinned,
             kv_events=self.kv_index.stats,
+            transport=self._transport,
         )
         self.metrics.bind_report(self.snapshot)
+        self.metrics.bind_settings(settings)
 
     def _on_drop(self, fate: HandleFate, handle: KVHandle) -> None:
         self.metrics.on_drop(fate)
@@ -253,6 +258,19 @@ class Sidecar:
         hashes = prefix_block_hashes(prompt_ids[: len(prompt_ids) - 1], block_size)
         return self.kv_index.held_prefix(hashes) * block_size
 
+    def _transport(self) -> tuple[str, str]:
+        s = self.settings
+        verdict = transport.classify(
+            transport.Evidence(
+                requested=s.requested_transport,
+                rdma_enabled=s.rdma_enabled,
+                ucx_tls=s.engine_ucx_tls,
+                ucx_net_devices=s.engine_ucx_net_devices,
+                rdma_devices=self.rdma_devices,
+            )
+        )
+        return verdict.transport, verdict.reason
+
     def record_turn(self, turn: TurnReport) -> None:
         """A finished turn: Prometheus series, the log line, the residency model."""
         self.metrics.record(turn)
@@ -321,6 +339,7 @@ class Sidecar:
         self.residency.engine_restarted()
 
     async def probe(self) -> None:
+        self.rdma_devices = transport.read_rdma_devices(self.settings.rdma_sysfs)
         if await self.local.probe():
             self.engine_restarted()
         self.residency.engine_healthy = self.local.ready

@@ -263,6 +263,23 @@ class TestRDMA:
         env = env_of(engine(rendered(server({"network": {"transport": "tcp"}})), "decode"))
         assert "ib" not in env["UCX_TLS"].split(",")
 
+    def test_sidecar_sees_the_engines_ucx_settings(self):
+        """The sidecar reports the transport from the engine's UCX_TLS and devices:
+        they must be the engine's, including a user's override in role.env."""
+        spec = {**RDMA_SPEC, "decode": {"env": [{"name": "UCX_TLS", "value": "tcp,self"}]}}
+        objs = rendered(server(spec))
+        for role, tls in (("prefill", "ib,"), ("decode", "tcp,self")):
+            env = env_of(sidecar(objs, role))
+            assert env["KVFERRY_ENGINE_UCX_TLS"] == env_of(engine(objs, role))["UCX_TLS"]
+            assert env["KVFERRY_ENGINE_UCX_TLS"].startswith(tls)
+            assert env["KVFERRY_ENGINE_UCX_NET_DEVICES"] == "mlx5_0,mlx5_1"
+        settings = json.loads(by_kind(objs, "ConfigMap")["data"]["sidecar.json"])
+        assert (settings["transport"], settings["rdmaEnabled"]) == ("rdma", True)
+
+    def test_no_ucx_settings_for_the_sidecar_when_ucx_picks(self):
+        env = env_of(sidecar(rendered(server()), "decode"))
+        assert not any(k.startswith("KVFERRY_ENGINE_UCX") for k in env)
+
     def test_shared_memory_volume_is_sized_from_the_spec(self):
         vols = pod_spec(rendered(server(RDMA_SPEC)), "decode")["volumes"]
         dshm = next(v for v in vols if v["name"] == "dshm")

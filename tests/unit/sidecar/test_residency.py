@@ -273,7 +273,11 @@ def test_snapshot_passes_the_operators_decode() -> None:
     snap = res.snapshot(STARTED + 60)
     decoded = report.decode(report.encode(snap))
     assert decoded == snap
-    assert (decoded.version, decoded.server, decoded.namespace) == (1, "llama", "serving")
+    assert (decoded.version, decoded.server, decoded.namespace) == (
+        report.REPORT_VERSION,
+        "llama",
+        "serving",
+    )
     assert (decoded.pod, decoded.role, decoded.started_at) == ("llama-decode-0", "decode", STARTED)
     assert decoded.generated_at == STARTED + 60
     assert decoded.kv_events.blocks_held == 5
