@@ -36,10 +36,11 @@ class Verdict:
 class BlockIndex:
     """Which blocks the local engine holds and for which sessions, from its events.
 
-    Sequence rules: the first batch sets the baseline (history before it is not
-    known); a jump forward is a gap (``missed``; ``repaired`` when the replay socket
-    filled it); a batch below the next expected one is a duplicate when it lies in
-    the range the last replay covered, else the engine restarted (state dropped).
+    Sequence rules: the first batch sets the baseline (the subscriber first replays
+    what the engine still buffers before it); a jump forward is a gap (``missed``;
+    ``repaired`` when the replay socket filled it); a batch below the next expected
+    one is a duplicate when it lies in the range the last replay covered, else the
+    engine restarted (state dropped).
     ``AllBlocksCleared`` drops the state too. Bounded: beyond ``cap`` blocks the
     oldest entries are forgotten.
     """
@@ -70,6 +71,11 @@ class BlockIndex:
     def note_gap(self, start: int) -> None:
         """A gap from ``start`` was seen; a replay from there may follow."""
         self.missed += 1
+        self.replaying(start)
+
+    def replaying(self, start: int) -> None:
+        """A replay from ``start`` is applied: live copies of its batches that arrive
+        afterwards are duplicates, not a restart."""
         self._replayed_from = start
 
     def note_repaired(self) -> None:

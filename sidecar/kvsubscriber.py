@@ -1,7 +1,11 @@
 """Follow the local engine's KV events over ZMQ and keep the block index gap-free.
 
 Live batches arrive on a SUB socket; a sequence gap is repaired through the
-engine's replay ROUTER socket (see ``kvevents`` for both wire formats). pyzmq is
+engine's replay ROUTER socket (see ``kvevents`` for both wire formats). The first
+live batch is preceded by a replay of what the engine still buffers (vLLM keeps
+``buffer_steps``, 10,000 batches): a sidecar that (re)starts next to a running engine
+learns what it holds, and the batches PUB drops until the subscription has
+propagated (ZMQ's slow joiner) are not lost. pyzmq is
 imported inside the socket methods, so this module loads without it.
 """
 
@@ -87,6 +91,10 @@ class Subscriber:
         if verdict == Verdict.RESTART:
             log.warning("kv event sequence went back; engine restarted seq=%s", seq)
             self.index.restart()
+        if self.index.next_seq is None and seq > 0:
+            await self.catch_up(seq)
+            if self.index.check(seq) == Verdict.DUPLICATE:
+                return  # the replay already carried it
         elif verdict == Verdict.GAP:
             start = self.index.next_seq
             assert start is not None
@@ -110,8 +118,22 @@ class Subscriber:
             batch = Batch(0.0, ())
         self.index.accept(seq, batch)
 
+    async def catch_up(self, until: int) -> None:
+        """Before the first live batch (``until``): apply what the engine's replay
+        buffer holds from its oldest batch on, so the index starts from there."""
+        if self.replay_endpoint is None:
+            return
+        self.index.replaying(0)
+        if await self.repair(0, until):
+            log.info("kv events caught up from the replay buffer batches=%s", self.index.batches)
+        elif self.index.next_seq is not None:
+            # Replayed, but not up to the live batch: what is between is unknown.
+            log.warning("kv event catch-up incomplete from=%s to=%s", self.index.next_seq, until)
+            self.index.skip_to(until)
+
     async def repair(self, start: int, until: int) -> bool:
-        """Replay from ``start``; True when every batch below ``until`` arrived."""
+        """Replay from ``start``; True when every batch below ``until`` arrived. With
+        no baseline yet (``catch_up``), the first batch replayed becomes it."""
         if self.replay_endpoint is None:
             return False
         import zmq
@@ -124,9 +146,9 @@ class Subscriber:
             await dealer.send_multipart((b"", seq_to_bytes(start)))
             async for seq, payload in self._replies(dealer):
                 expected = self.index.next_seq
-                if expected is None or seq < expected:
+                if expected is not None and seq < expected:
                     continue  # already applied
-                if seq > expected:
+                if expected is not None and seq > expected:
                     break  # the engine's buffer no longer holds what we need
                 self._apply(seq, payload)
         except (zmq.ZMQError, EventDecodeError) as exc:

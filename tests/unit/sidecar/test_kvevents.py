@@ -341,8 +341,34 @@ async def test_after_a_repair_a_lower_sequence_is_a_restart_again() -> None:
         await sub.handle(seq_to_bytes(0), payload(stored([0])))
         await sub.handle(seq_to_bytes(2), payload(stored([2])))  # repaired: 1 replayed
         await sub.handle(seq_to_bytes(3), payload(stored([3])))  # live again
-        await sub.handle(seq_to_bytes(1), payload(stored([9])))  # a new publisher
+        await sub.handle(seq_to_bytes(0), payload(stored([9])))  # a new publisher
         assert (index.repaired, index.cleared, len(index.blocks)) == (1, 1, 1)
+
+
+async def test_first_live_batch_is_preceded_by_the_replay_buffer() -> None:
+    """A sidecar that starts next to a running engine (or whose subscription
+    propagated late) learns what the engine's replay buffer still holds."""
+    async with publisher() as pub:
+        for seq in range(3, 7):  # the buffer's oldest is 3
+            pub.record(seq, payload(stored([seq], "before")))
+        index = BlockIndex()
+        sub = Subscriber(index, pub.endpoint, pub.replay_endpoint, replay_timeout_s=2.0)
+        await sub.handle(seq_to_bytes(6), pub.buffer[-1][1])  # the first live batch
+        await sub.handle(seq_to_bytes(7), payload(stored([7], "after")))
+        assert pub.replays == [0]
+        assert (index.batches, index.missed, index.next_seq) == (5, 0, 8)
+        assert (index.held_by("before"), index.held_by("after")) == (4, 1)
+
+
+async def test_first_live_batch_without_replay_is_the_baseline() -> None:
+    """The replay buffer answers nothing below the live batch: it is the baseline."""
+    async with publisher() as pub:
+        index = BlockIndex()
+        sub = Subscriber(index, pub.endpoint, pub.replay_endpoint, replay_timeout_s=2.0)
+        await sub.handle(seq_to_bytes(4), payload(stored([4])))
+        await sub.handle(seq_to_bytes(5), payload(stored([5])))
+        assert pub.replays == [0]
+        assert (index.batches, index.missed, len(index.blocks)) == (2, 0, 2)
 
 
 async def test_sequence_going_back_means_the_engine_restarted() -> None:
