@@ -19,12 +19,12 @@ non-streaming chat request with ``max_tokens: 1`` (vLLM 0.32 returns the bidirec
 handle only without streaming, so the first token *is* the response), timed at the
 client around the HTTP request to the sidecar.
 
-P's prefix cache is emptied before every turn in both runs: the turn lands on a P that
-does not hold the session (many P replicas, or its cache evicted under load), which is
-when pulling the history back from D pays. With ``--keep-prefill-cache`` it is emptied
-only before each run: one P that keeps every session's prompts then recomputes only
-what it has not seen itself (the previous answer and the new message) either way, and
-the pull is mostly below the recompute threshold. "pulled by P" is read from P's
+P runs without a prefix cache, so every turn lands on a P that does not hold the
+session (many P replicas, or its cache evicted under load), which is when pulling the
+history back from D pays. With ``--keep-prefill-cache`` P has one, emptied before each
+run: one P that keeps every session's prompts then recomputes only what it has not
+seen itself (the previous answer and the new message) either way, and the pull is
+mostly below the recompute threshold. "pulled by P" is read from P's
 /metrics (``prompt_tokens_cached_by_source{source="p2p"}``); "reused tok" is what the
 sidecar offered (``X-Kvferry-Reused-Tokens``).
 """
@@ -184,7 +184,9 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         model = build_tiny_model(py)
     server = tiny_server()
     with _step("starting P (core 0) and D (core 1), NIXL on loopback (~30-60 s)"):
-        pair = start_pair(py, model, logs, server=server)
+        pair = start_pair(
+            py, model, logs, server=server, prefill_prefix_caching=args.keep_prefill_cache
+        )
     with pair:
         P = pair.prefill
         on = start_sidecar(pair, server, logs, name="sidecar-reuse-on")
@@ -263,7 +265,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         f"TTFT = median of {args.repeat} runs of the client time of a non-streaming "
         "max_tokens=1 chat turn through the sidecar"
         + (
-            "; P's prefix cache emptied before every turn in both runs."
+            "; P has no prefix cache (it holds no session: pulls or recomputes)."
             if not args.keep_prefill_cache
             else "; P's prefix cache emptied before each run only."
         )

@@ -43,7 +43,6 @@ from .types import (
     K_DO_REMOTE_DECODE,
     K_REMOTE_BLOCK_IDS,
     K_REMOTE_NUM_TOKENS,
-    LOCAL_PREFILL_PARAMS,
     Api,
     KVHandle,
     PrefillPlan,
@@ -60,6 +59,7 @@ NOT_KEPT_NONE = "engine-returned-none"
 NOT_KEPT_NO_IDS = "no-token-ids"
 NOT_KEPT_ERROR = "error"
 NOT_KEPT_TRUNCATION = "truncation"  # the engine truncates: positions are not the ids'
+NOT_KEPT_LOCAL = "prefilled-on-decode"  # D computed it alone: vLLM 0.32 cannot track it
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,9 @@ def parse_turn(
 # ------------------------------------------------------------------ handles kept or not
 
 
-def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
-    """None when this turn can leave a handle; else the reason it cannot."""
+def handle_not_kept(turn: TurnInput, rules: Rules, route: Route) -> str | None:
+    """None when this turn can leave a handle; else the reason it cannot. ``route``:
+    where the turn was prefilled, once known (a turn D prefilled alone leaves none)."""
     if not rules.bidirectional:
         return NOT_KEPT_OFF
     if not turn.single_sequence:
@@ -124,14 +125,9 @@ def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
         return NOT_KEPT_TRUNCATION
     if turn.stream and not rules.streaming_handles:
         return NOT_KEPT_STREAMING
+    if route is not Route.REMOTE:
+        return NOT_KEPT_LOCAL
     return None
-
-
-def local_params(turn: TurnInput, rules: Rules) -> Mapping[str, Any] | None:
-    """kv_transfer_params for a turn D prefills itself: the no-transfer flags when a
-    handle can be captured (vLLM returns one only for requests that carried params),
-    none otherwise (no point pinning blocks nobody will learn about)."""
-    return None if handle_not_kept(turn, rules) else LOCAL_PREFILL_PARAMS
 
 
 # ------------------------------------------------------------------ 4. plan
@@ -285,7 +281,7 @@ def response_headers(
     headers[HDR_ROUTE] = report.route.value
     if ordinal is not None:
         headers[HDR_OWNER] = str(ordinal)
-    reason = handle_not_kept(turn, rules)
+    reason = handle_not_kept(turn, rules, report.route)
     if reason == NOT_KEPT_STREAMING:
         headers[HDR_HANDLE] = (
             f"not-kept; reason={reason}; engine={engine_version or 'unknown'}; "

@@ -121,7 +121,8 @@ async def run_prefill(
 ) -> PrefillResult:
     if planned.route is Route.SKIP:
         outcome, reused = plan.settle(planned, Route.SKIP, planned.outcome)
-        return PrefillResult(Route.SKIP, outcome, plan.local_params(turn, rules), reused)
+        # D prefills alone and carries no kv_transfer_params (types.py: no handle).
+        return PrefillResult(Route.SKIP, outcome, None, reused)
     s = sc.settings
     outcome = planned.outcome
     own = planned.taken if planned.handle_params is None else None
@@ -228,7 +229,7 @@ async def run_prefill(
     return PrefillResult(
         Route.FALLBACK,
         outcome,
-        plan.local_params(turn, rules),
+        None,
         reused,
         None,
         attempts,
@@ -325,7 +326,7 @@ async def run_decode(
                 upstream.status,
             )
             report.route = Route.FALLBACK
-            upstream = await _open_decode(sc, turn, plan.local_params(turn, rules))
+            upstream = await _open_decode(sc, turn, None)
     except EngineTimeout as exc:
         report.status, report.error = 504, exc.reason
         return timed_out(sc, turn.request_id, exc.reason)
@@ -365,7 +366,7 @@ async def run_decode(
         upstream.release()
     report.finish_reason = capture.finish_reason
     if report.error is None:
-        _keep_handle(sc, turn, capture, rules, report, prefill.decode_params)
+        _keep_handle(sc, turn, capture, rules, report)
     return response
 
 
@@ -430,11 +431,10 @@ def _keep_handle(
     capture: rewrite.Capture,
     rules: plan.Rules,
     report: TurnReport,
-    decode_params: Mapping[str, Any] | None,
 ) -> None:
     """Keep the handle D's answer left for the next turn; release one that cannot be
     kept (D pins it all the same)."""
-    reason = plan.handle_not_kept(turn, rules)
+    reason = plan.handle_not_kept(turn, rules, report.route)
     handle, why = plan.build_handle(
         turn,
         capture,
@@ -451,7 +451,7 @@ def _keep_handle(
     report.handle_not_kept_reason = reason or why
     if handle is not None:
         sc.release(handle)
-    elif decode_params is not None and reason == plan.NOT_KEPT_STREAMING:
+    elif report.route is Route.REMOTE and reason == plan.NOT_KEPT_STREAMING:
         # D was asked to keep its KV (it read P's) but streams no handle back: pinned
         # until its deadline, nobody knows where.
         tokens = (report.prompt_tokens or 0) + len(capture.output_ids)

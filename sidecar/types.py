@@ -71,13 +71,12 @@ PREFILL_REQUEST_PARAMS: Final[Mapping[str, Any]] = {
     K_REMOTE_PORT: None,
 }
 
-# A decode request that D prefills itself. vLLM only returns a handle for a request
-# that carried kv_transfer_params (NixlConnector.request_finished returns nothing for
-# an empty dict), so a locally prefilled turn still sends these "no transfer" flags.
-LOCAL_PREFILL_PARAMS: Final[Mapping[str, Any]] = {
-    K_DO_REMOTE_PREFILL: False,
-    K_DO_REMOTE_DECODE: False,
-}
+# A turn D prefills itself carries no kv_transfer_params and leaves no handle. With
+# the "no transfer" flags (both False) vLLM 0.32 would return one, but its NIXL worker
+# never tracks such a request (only do_remote_decode, or do_remote_prefill with
+# bidirectional, enter reqs_in_batch), so nothing ever reports those blocks sent: D
+# keeps them pinned until it restarts, and a P's read or release of them only makes D
+# log "unrecognized request". D's prefix cache still holds the turn (cached-on-decode).
 
 # ------------------------------------------------------------------ the handle
 

@@ -74,8 +74,9 @@ def send(
     reset: bool = True,
     **extra: Any,
 ) -> Turn:
-    """One turn through the sidecar; P's prefix cache emptied first (unless `reset` is
-    False), P's metrics read around it. ``extra``: more request fields (model, salt)."""
+    """One turn through the sidecar, P's metrics read around it. ``reset``: empty P's
+    prefix cache first (a no-op for the tier's P, which has none). ``extra``: more
+    request fields (model, salt)."""
     if reset:
         prefill.reset_prefix_cache()
     before = prefill.metrics()
@@ -110,7 +111,9 @@ def assert_pulled(turn: Turn, bytes_per_token: int) -> None:
     blocks = -(-reused // BLOCK_SIZE)
     assert turn.p.pull_bytes == blocks * BLOCK_SIZE * bytes_per_token, turn.why()
     assert turn.p.computed_tokens == turn.prompt - reused, turn.why()
-    assert turn.p.expired_reads == 0 and turn.p.failed_transfers == 0, turn.why()
+    # Not expired_reads: P counts there the lease of every release request it served
+    # (the one block it held for D's pull that never comes), whichever turn sent it.
+    assert turn.p.failed_transfers == 0, turn.why()
 
 
 def assert_recomputed(turn: Turn) -> None:

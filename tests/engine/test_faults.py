@@ -227,11 +227,11 @@ def test_prefill_engine_killed_mid_pull_falls_back_with_the_right_answer(
     correct answer (D computes it), the outcome says pull-failed, and the handle P
     may have read is kept in the pinned figures, not offered again. Restarts P."""
     session = "p-killed"
-    messages = [
-        {"role": "user", "content": filler_text("p-killed-0", 1200)},
-    ]
+    messages = [{"role": "user", "content": filler_text("p-killed-0", 1200)}]
     t1 = send(sidecar, prefill, messages, session)
-    messages += [assistant(t1.reply), user_message(45, 1)]
+    # A long new tail: P pulls the history, then computes for seconds; it dies then.
+    tail = {"role": "user", "content": filler_text("p-killed-1", 1500)}
+    messages += [assistant(t1.reply), tail]
     prefill.reset_prefix_cache()
     result: dict[str, Any] = {}
 
@@ -246,7 +246,7 @@ def test_prefill_engine_killed_mid_pull_falls_back_with_the_right_answer(
 
     thread = threading.Thread(target=turn)
     thread.start()
-    wait_until(lambda: running(prefill) >= 1, 30, "P to take the turn")
+    wait_until(lambda: running(prefill) >= 1, 30, "P to take the turn", interval=0.05)
     prefill.kill()
     thread.join(timeout=300)
     reply = result["reply"]

@@ -278,7 +278,6 @@ def test_expired_handle_recomputes_or_uses_what_decode_still_holds(
     ]
     t2 = send(sidecar, prefill, history[long_s], long_s)
     assert t2.reply.outcome == "expired", t2.why()
-    assert t2.p.expired_reads == 0, t2.why()  # never sent to P
     assert_recomputed(t2)
     assert t2.reply.token_ids == reference(prefill, history[long_s]), t2.why()
 

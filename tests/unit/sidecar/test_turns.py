@@ -14,7 +14,7 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
-from kvferry_sidecar.types import LOCAL_PREFILL_PARAMS, PREFILL_REQUEST_PARAMS
+from kvferry_sidecar.types import PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 
 from .conftest import Engines, MakeSidecar, sidecar_of
@@ -345,9 +345,12 @@ async def test_skip_prefill_short_tail_decodes_locally(
     resp, _ = await conv.ask("and you")  # 21 tokens, D holds 12 (3 blocks)
     assert outcome(resp) == "skipped-prefill"
     assert resp.headers["X-Kvferry-Reused-Tokens"] == "12"
-    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+    # D prefills alone, carrying no kv_transfer_params (vLLM 0.32 never frees blocks of
+    # a request with the "no transfer" flags), so the turn leaves no handle behind.
+    assert kv(engines.decode.last().body) is None
+    assert resp.headers["X-Kvferry-Handle"] == "not-kept; reason=prefilled-on-decode"
     # P computed nothing of the turn: its only other request is the one-token release
-    # of turn 1's handle, which D no longer needs (its new handle covers the prefix).
+    # of turn 1's handle, which D no longer needs (its prefix cache holds the turn).
     await releases_done(client)
     (release,) = prefill_bodies(engines)[1:]
     assert release["max_tokens"] == 1 and len(release["prompt"]) == 1
@@ -471,7 +474,7 @@ async def test_all_prefill_engines_failing_falls_back_to_decode(
     resp, _ = await conv.ask("hello")
     assert resp.status == 200
     assert resp.headers["X-Kvferry-Route"] == "fallback"
-    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+    assert kv(engines.decode.last().body) is None
 
 
 async def test_prefill_client_error_lets_decode_answer(
@@ -495,7 +498,7 @@ async def test_decode_failed_pull_from_prefill_recomputes_on_decode(
     resp, _ = await conv.ask("hello")
     assert resp.status == 200
     assert resp.headers["X-Kvferry-Route"] == "fallback"
-    assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+    assert kv(engines.decode.last().body) is None
 
 
 async def test_decode_client_error_is_passed_through(
