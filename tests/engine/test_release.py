@@ -82,7 +82,8 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
     """A misaligned turn releases the handle it could not read (riding on its own
     prefill), so D pins only the one kept for the next turn, exactly as many blocks as
     the residency reports say; a skip-prefill turn that keeps none (D prefilled it
-    alone) releases the last one with a release request: D pins nothing within 5 s."""
+    alone) releases the last one with a release request: D pins nothing within 5 s,
+    and nothing after a further short turn D serves from its prefix cache."""
     # Earlier tests' sessions may still pin handles on D until their retention ends.
     wait_until(lambda: pinned_on_decode(decode) == 0, 60, "D to pin nothing before the test")
     session = "release-1"
@@ -132,6 +133,12 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
 
     wait_until(none_pinned, 5, "D to pin nothing after the last turn")
     zero_after = time.monotonic() - started
+    # Another short one: no handle now, D's prefix cache serves it; still nothing pinned.
+    messages = [*copy.deepcopy(messages), assistant(last.reply), short_message(3)]
+    again = send(sidecar, prefill, messages, session)
+    assert again.reply.outcome == "cached-on-decode", again.why()
+    assert again.reply.token_ids == reference(prefill, messages)
+    wait_until(none_pinned, 5, "D to pin nothing after a cached-on-decode turn")
     rep = residency(sidecar)
     assert rep["pinned"]["handles"] == 0 and rep["pinned"]["blocks"] == 0, rep["pinned"]
     assert rep["releases"]["request"] >= 1, rep["releases"]
