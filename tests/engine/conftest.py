@@ -23,6 +23,7 @@ from kvferry_dev.configs import tiny_server
 from kvferry_dev.engines import Engine, EnginePair, build_tiny_model, engine_env, start_pair
 from kvferry_dev.procs import EngineError
 from kvferry_operator.api import Server
+from tests.progress import step
 
 T = TypeVar("T")
 
@@ -43,7 +44,8 @@ TIMINGS: dict[str, float] = {}
 @pytest.fixture(scope="session")
 def engine_python() -> Path:
     t0 = time.monotonic()
-    py, err = _attempt(engine_env)
+    with step("engine venv (hack/engine-env.sh; the first run on a machine builds it, ~3-5 min)"):
+        py, err = _attempt(engine_env)
     if err:
         pytest.fail(f"engine venv (hack/engine-env.sh) is unusable: {err}", pytrace=False)
     TIMINGS["engine_env_s"] = time.monotonic() - t0
