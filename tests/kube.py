@@ -64,6 +64,12 @@ class Kubectl:
             body = json.dumps(obj)
         return self.run("apply", "-f", "-", *args, input=body, check=check)
 
+    def delete(self, objs: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
+        return self.run(
+            "delete", "-f", "-", "--wait=false", "--ignore-not-found", input=body, check=False
+        )
+
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
     """Poll ``check`` until it returns something truthy; fail naming ``what``."""

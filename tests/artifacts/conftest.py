@@ -241,7 +241,7 @@ def http(method: str, url: str, body: Any = None, timeout: float = 10) -> tuple[
         return exc.code, dict(exc.headers), exc.read()
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
+def wait_http_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
     """/readyz answering 200; fail with the log as soon as the process exits."""
     deadline = time.monotonic() + timeout
     last: Any = None

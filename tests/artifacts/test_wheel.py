@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvferry_wire import extras
 from tests.artifacts.conftest import (
@@ -16,9 +17,10 @@ from tests.artifacts.conftest import (
     RoleVenv,
     rendered_sidecar,
     serve_one_turn,
-    wait_ready,
+    wait_http_ready,
 )
 from tests.artifacts.pods import local_argv
+from tests.cluster.test_operator import CHILDREN, wait_ready
 from tests.kube import Kubectl, Operator, free_port
 from tests.manifests import EXAMPLES, ROOT, load_example, server
 
@@ -133,7 +135,7 @@ def test_render_rejects_an_invalid_manifest_naming_the_field(
     manifest = load_example(EXAMPLES[0])
     manifest["spec"]["cacheTuning"] = {"mode": "Off"}
     path = tmp_path / "bad.yaml"
-    path.write_text(__import__("yaml").safe_dump(manifest))
+    path.write_text(yaml.safe_dump(manifest))
     proc = subprocess.run(
         [operator_venv.bin("kvferry-operator"), "render", str(path)],
         capture_output=True,
@@ -151,8 +153,6 @@ def test_operator_from_the_wheel_reconciles_a_server_to_ready(
     ns: str,
     tmp_path: Path,
 ):
-    from tests.cluster.test_operator import CHILDREN, wait_ready
-
     # The session's operator (this tree) must not do the work.
     operator.stop()
     try:
@@ -187,7 +187,7 @@ def test_sidecar_from_the_wheel_serves_a_turn_against_fake_engines(
             argv, env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        ready = wait_ready(f"http://127.0.0.1:{port}", proc, log)
+        ready = wait_http_ready(f"http://127.0.0.1:{port}", proc, log)
         assert ready["engine_version"] == fake_engines.decode.version, ready
         assert ready["prefill_engines_ready"] == 1, ready
         serve_one_turn(f"http://127.0.0.1:{port}", fake_engines)
