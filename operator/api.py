@@ -82,6 +82,15 @@ def iso_time(unix_seconds: float | None = None) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_time(value: Any) -> float | None:
+    """Unix seconds of a ``metav1.Time`` string; None when it is not one."""
+    try:
+        when = datetime.datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    return when.replace(tzinfo=datetime.UTC).timestamp()
+
+
 class SpecError(ValueError):
     """A spec that cannot be rendered; the message names the field and the fix."""
 
