@@ -7,10 +7,11 @@ import time
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.kube import wait_for_event
-from tests.manifests import INVALID, Invalid, load_example, merge, server
+from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, merge, server
 
 CHILDREN = [
     ("statefulset", "{n}-prefill"),
@@ -76,6 +77,24 @@ def test_sample_creates_children_and_becomes_ready(kubectl: Kubectl, operator: O
     kvcs = kubectl.get("kvcachestatus", name, ns)
     assert kvcs["status"]["phase"] == "NoReports"
     assert "no residency reports yet" in kvcs["status"]["message"]
+
+
+def test_a_server_with_only_a_model_name_loads_it_from_the_hub_and_becomes_ready(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    sample = load_example(next(p for p in EXAMPLES if p.name == "hub.yaml"))
+    assert set(sample["spec"]) == {"model"} and set(sample["spec"]["model"]) == {"name"}
+    sample["metadata"]["namespace"] = ns
+    name, model = sample["metadata"]["name"], sample["spec"]["model"]["name"]
+    kubectl.apply(sample, "--server-side")
+    wait_ready(kubectl, ns, name)
+    # What `kubectl get -o yaml` shows, and GitOps tools compare: the defaulted source.
+    shown = yaml.safe_load(kubectl.run("get", "dserver", name, "-n", ns, "-o", "yaml").stdout)
+    assert shown["spec"]["model"]["source"] == {"hub": {}}
+    for role in ("prefill", "decode"):
+        sts = kubectl.get("statefulset", f"{name}-{role}", ns)
+        engine = sts["spec"]["template"]["spec"]["containers"][0]
+        assert engine["command"] == ["vllm", "serve"] and engine["args"][0] == model
 
 
 @pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
