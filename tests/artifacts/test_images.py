@@ -67,7 +67,7 @@ def images(wheel: Path, image_context: Path) -> Images:
     }
     what = (
         "building the operator and sidecar images (hack/images.sh build; the first run on a "
-        "machine installs podman/buildah/runc/mmdebstrap and builds the base, ~2 min)"
+        "machine installs podman/buildah/runc/mmdebstrap and builds the base, ~3 min)"
     )
     with step(what):
         out = run(["bash", str(IMAGES_SH), "build", str(wheel)], env=env, timeout=1200)
