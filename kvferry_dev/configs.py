@@ -9,6 +9,9 @@ from kvferry_operator.api import Server, parse_server
 from kvferry_operator.engine_config import build_kv_transfer_config
 
 SERVED_MODEL_NAME = "tiny-llama"
+# A second name the engines serve the same weights under: to a client (and to the
+# sidecar's KV identity) another model, e.g. a LoRA adapter's name.
+SERVED_MODEL_ALIAS = "tiny-llama-b"
 
 # Defaults for local runs (see tests/engine/README.md for why).
 BLOCK_SIZE = 32
@@ -45,7 +48,11 @@ def tiny_server_manifest(
                 "leaseSeconds": lease_seconds,
                 "decodeRetentionSeconds": decode_retention_seconds,
             },
-            "routing": {"skipPrefillBelowTokens": skip_prefill_below_tokens},
+            # The harness reads the per-turn X-Kvferry-* headers (off by default).
+            "routing": {
+                "skipPrefillBelowTokens": skip_prefill_below_tokens,
+                "diagnosticHeaders": True,
+            },
         },
     }
 

@@ -31,7 +31,14 @@ from kvferry_operator.engine_config import build_kv_events_config
 from kvferry_wire import protocol
 
 from .client import HttpServer
-from .configs import BLOCK_SIZE, MAX_MODEL_LEN, SERVED_MODEL_NAME, kv_transfer_config, tiny_server
+from .configs import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    SERVED_MODEL_ALIAS,
+    SERVED_MODEL_NAME,
+    kv_transfer_config,
+    tiny_server,
+)
 from .procs import LIVE, EngineError, free_port, stop_group, tail
 
 START_TIMEOUT = 600.0  # s; a cold start on 2 busy cores takes 1-3 min
@@ -154,6 +161,7 @@ class Engine(HttpServer):
     kv_events_port: int = field(default_factory=free_port)
     kv_replay_port: int = field(default_factory=free_port)
     served_model_name: str = SERVED_MODEL_NAME
+    served_model_aliases: tuple[str, ...] = (SERVED_MODEL_ALIAS,)
     block_size: int = BLOCK_SIZE
     max_model_len: int = MAX_MODEL_LEN
     extra_args: list[str] = field(default_factory=list)
@@ -204,6 +212,7 @@ class Engine(HttpServer):
             str(self.model),
             "--served-model-name",
             self.served_model_name,
+            *self.served_model_aliases,
             "--host",
             "127.0.0.1",
             "--port",
@@ -334,17 +343,20 @@ class Engine(HttpServer):
         *,
         crash: bool = False,
         kv_transfer_config: dict[str, Any] | None = None,
+        extra_args: list[str] | None = None,
         timeout: float = START_TIMEOUT,
     ) -> float:
         """Stop (or SIGKILL, `crash`) and start again on the same ports, with the same
-        flags or another kv-transfer config, logging to ``<role>.restart<N>.log``;
-        returns seconds to healthy."""
+        flags or another kv-transfer config / other extra args, logging to
+        ``<role>.restart<N>.log``; returns seconds to healthy."""
         if crash:
             self.kill()
         else:
             self.stop()
         if kv_transfer_config is not None:
             self.kv_transfer_config = kv_transfer_config
+        if extra_args is not None:
+            self.extra_args = list(extra_args)
         self.restarts += 1
         stem = self.log_path.name.split(".")[0]
         self.log_path = self.log_path.with_name(f"{stem}.restart{self.restarts}.log")
@@ -373,10 +385,11 @@ class Engine(HttpServer):
         _, r = self.post("/tokenize", {"model": self.served_model_name, "messages": messages})
         return r["tokens"]
 
-    def reset_prefix_cache(self, timeout: float = 30.0) -> None:
+    def reset_prefix_cache(self, timeout: float = 45.0) -> None:
         """Empty the prefix cache. vLLM refuses while blocks are held (a P's blocks until
-        D has read them, a D's pinned handle blocks until read or expired): retried
-        until `timeout`, then EngineError."""
+        D has read them or its KV lease (30 s) ends: a sidecar's handle-release request
+        leaves one; a D's pinned handle blocks until read or expired): retried until
+        `timeout`, then EngineError."""
         deadline = time.monotonic() + timeout
         while True:
             _, r = self.post("/reset_prefix_cache")

@@ -6,7 +6,8 @@ stale) but not added into the server's figures, so a dead pod does not freeze
 the numbers. The status answers four questions:
 
 1. reuse: how much of each prompt is reused, by turn index;
-2. transfer: negotiated transport, GB/s, pull latency, break-even prefix;
+2. transfer: the transport the sidecars see (and why), GB/s measured from the
+   engines' NIXL bytes and seconds, pull latency, break-even prefix;
 3. retention: how long decode holds KV vs the gaps between turns, and what
    happened to handles (consumed, expired, misaligned, evicted);
 4. ttft: time to first token p50/p95/p99 with reuse vs without.
@@ -22,7 +23,9 @@ from typing import Any
 from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
+    TRANSPORT_UNKNOWN,
     Histogram,
+    Releases,
     Report,
     TurnBucket,
     merge_histograms,
@@ -64,8 +67,31 @@ def is_stale(item: Received, now: float, stale_after: float) -> bool:
 
 
 def majority_transport(reports: list[Report]) -> str:
-    known = Counter(r.transport for r in reports if r.transport != "Unknown")
-    return known.most_common(1)[0][0] if known else "Unknown"
+    known = Counter(r.transport for r in reports if r.transport != TRANSPORT_UNKNOWN)
+    return known.most_common(1)[0][0] if known else TRANSPORT_UNKNOWN
+
+
+def transport_reason(reports: list[Report], transport: str) -> str:
+    """The evidence of the first pod (by name) that reports ``transport``."""
+    for rep in sorted(reports, key=lambda r: r.pod):
+        if rep.transport == transport and rep.transport_reason:
+            return f"{rep.pod}: {rep.transport_reason}"
+    return ""
+
+
+def gigabytes_per_second(nbytes: float, seconds: float) -> float | None:
+    return round(nbytes / seconds / 1e9, 3) if nbytes > 0 and seconds > 0 else None
+
+
+def _gbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}GB/s"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:.0f}B"
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ class Aggregate:
     status: dict[str, Any]  # KVCacheStatus .status (without lastUpdateTime)
     tuning: tune.TuningInputs | None  # None when no fresh report
     transport: str
+    transport_reason: str = ""
 
 
 def aggregate(
@@ -81,7 +108,12 @@ def aggregate(
     now: float,
     applied_retention: int,
     stale_after: float = DEFAULT_STALE_SECONDS,
+    preemptions_delta: int = 0,
+    decode_kv_usage_peak: float | None = None,
 ) -> Aggregate:
+    """``preemptions_delta`` and ``decode_kv_usage_peak``: decode pressure of the
+    recent past, which only the caller can know (``pressure``: reports are
+    cumulative or instantaneous). Without a peak the tuner sees the latest usage."""
     spec = server.spec
     fresh = [r.report for r in received if not is_stale(r, now, stale_after)]
     pods = [
@@ -93,11 +125,16 @@ def aggregate(
             "ageSeconds": round(now - r.received_at, 1),
             "sessionsHeld": r.report.kv_events.sessions_held,
             "pinnedHandles": r.report.pinned.handles,
+            "unusedPinnedHandles": r.report.pinned.unused_handles,
             "pinnedBlocks": r.report.pinned.blocks,
             "pinnedBytes": r.report.pinned.bytes,
             "oldestPinnedSeconds": round(r.report.pinned.oldest_age_seconds, 1),
             "kvUsage": r.report.engine.kv_usage,
+            "preemptions": r.report.engine.preemptions,
             "transport": r.report.transport,
+            "gigabytesPerSecond": gigabytes_per_second(
+                r.report.transfer.bytes, r.report.transfer.seconds
+            ),
         }
         for r in sorted(received, key=lambda r: r.report.pod)
     ]
@@ -146,6 +183,7 @@ def aggregate(
     # 2. transfer
     pull_bytes = sum(r.transfer.bytes for r in fresh)
     pull_seconds = sum(r.transfer.seconds for r in fresh)
+    transfers = sum(r.transfer.transfers for r in fresh)
     pulls = sum(r.transfer.pulls for r in fresh)
     pull_latency = merge_histograms([r.transfer.pull_latency for r in fresh], LATENCY_BOUNDS)
     recompute_tokens = sum(r.transfer.recompute_tokens for r in fresh)
@@ -153,7 +191,9 @@ def aggregate(
     bpt = [r.transfer.bytes_per_token for r in fresh if r.transfer.bytes_per_token]
     bytes_per_token = max(bpt) if bpt else None
     bandwidth = pull_bytes / pull_seconds if pull_seconds > 0 and pull_bytes > 0 else None
+    gbps = gigabytes_per_second(pull_bytes, pull_seconds)
     transport = majority_transport(fresh)
+    reason = transport_reason(fresh, transport)
 
     # 3. retention vs gaps
     gaps = merge_histograms([r.gaps for r in fresh], GAP_BOUNDS)
@@ -169,8 +209,12 @@ def aggregate(
             coverage=spec.cache_tuning.coverage,
             min_retention=spec.cache_tuning.min_retention_seconds,
             max_retention=spec.cache_tuning.max_retention_seconds,
-            decode_kv_usage_max=max(usage) if usage else None,
-            preemptions_delta=0,
+            decode_kv_usage_max=(
+                decode_kv_usage_peak
+                if decode_kv_usage_peak is not None
+                else (max(usage) if usage else None)
+            ),
+            preemptions_delta=preemptions_delta,
             bytes_per_token=bytes_per_token,
             transfer_bytes_per_second=bandwidth,
             pull_fixed_latency_seconds=pull_p50,
@@ -187,6 +231,9 @@ def aggregate(
     r95, c95 = _q(ttft_reused, 0.95), _q(ttft_recomputed, 0.95)
 
     gap_q = quantiles(gaps)
+    fates = sum(handles.values())
+    pinned_handles = sum(r.pinned.handles for r in fresh)
+    pinned_bytes = sum(r.pinned.bytes for r in fresh)
     status: dict[str, Any] = {
         "phase": phase,
         "message": message,
@@ -197,7 +244,10 @@ def aggregate(
             "retention": f"{applied_retention}s",
             "recommendedRetention": "-",
             "ttftP95": f"{_secs(r95)}/{_secs(c95)}",
-            "transport": transport,
+            "transport": transport if gbps is None else f"{transport}@{_gbps(gbps)}",
+            "bandwidth": _gbps(gbps),
+            "expiredShare": _pct(handles.get("expired", 0), fates),
+            "pinnedKV": f"{pinned_handles}/{_bytes(pinned_bytes)}" if fresh else "-",
         },
         "reuse": {
             "turnsAfterFirst": later_turns,
@@ -209,9 +259,13 @@ def aggregate(
         },
         "transfer": {
             "transport": transport,
+            "transportReason": reason,
             "pulls": pulls,
             "bytes": pull_bytes,
-            "gigabytesPerSecond": round(bandwidth / 1e9, 3) if bandwidth else None,
+            "seconds": round(pull_seconds, 3),
+            "transfers": transfers,
+            "meanTransferSeconds": round(pull_seconds / transfers, 4) if transfers else None,
+            "gigabytesPerSecond": gbps,
             "pullLatencySeconds": quantiles(pull_latency),
             "bytesPerToken": bytes_per_token,
         },
@@ -219,9 +273,19 @@ def aggregate(
             "appliedSeconds": applied_retention,
             "gapSeconds": gap_q,
             "handles": dict(sorted(handles.items())),
-            "pinnedHandles": sum(r.pinned.handles for r in fresh),
-            "pinnedBytes": sum(r.pinned.bytes for r in fresh),
+            "expiredShare": _pct(handles.get("expired", 0), fates),
+            "pinnedHandles": pinned_handles,
+            "pinnedBytes": pinned_bytes,
+            # Of those, pinned although no turn will read them (release pending or
+            # impossible), and how handles dropped unread were let go.
+            "unusedPinnedHandles": sum(r.pinned.unused_handles for r in fresh),
+            "unusedPinnedBlocks": sum(r.pinned.unused_blocks for r in fresh),
+            "releases": {
+                name: sum(getattr(r.releases, name) for r in fresh)
+                for name in Releases.__struct_fields__
+            },
             "decodeKVUsageMax": max(usage) if usage else None,
+            "decodePreemptionsRecent": preemptions_delta,
         },
         "ttft": {
             "withReuseSeconds": quantiles(ttft_reused),
@@ -229,7 +293,7 @@ def aggregate(
         },
         "pods": pods,
     }
-    return Aggregate(status=status, tuning=tuning, transport=transport)
+    return Aggregate(status=status, tuning=tuning, transport=transport, transport_reason=reason)
 
 
 def with_recommendations(

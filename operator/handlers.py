@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from . import api, publisher, render, report_endpoint, status
+from . import api, metrics, publisher, render, report_endpoint, status
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
 from .settings import Settings
 
@@ -117,6 +117,17 @@ async def configure(
     memo.tasks.append(
         loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))
     )
+    memo.metrics_runner = None
+    if ours.metrics_port:
+        registry = metrics.registry_for(lambda: list(residency.decisions.values()))
+        try:
+            memo.metrics_runner = await report_endpoint.serve(
+                metrics.app_factory(registry), ours.metrics_host, ours.metrics_port, None
+            )
+        except OSError as exc:  # dashboards lose a panel; reconciling must go on
+            logger.error("metrics endpoint off: port %d: %s", ours.metrics_port, exc)
+        else:
+            logger.info("metrics on http://%s:%d/metrics", ours.metrics_host, ours.metrics_port)
 
 
 @kopf.on.cleanup()
@@ -125,6 +136,8 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
     if memo.report_runner is not None:
         await memo.report_runner.cleanup()
+    if memo.metrics_runner is not None:
+        await memo.metrics_runner.cleanup()
     memo.kube.close()
 
 
@@ -218,9 +231,12 @@ def refresh_status(
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
     old = body.get("status") or {}
-    # The transport is what the sidecars reported (written by reporting.py).
+    # The transport is what the sidecars reported (written by publisher.py).
     observed = status.Observed(
-        roles=roles, pods=list(pods.get(key, [])), transport=old.get("transport", "Unknown")
+        roles=roles,
+        pods=list(pods.get(key, [])),
+        transport=old.get("transport", "Unknown"),
+        transport_reason=old.get("transportReason", ""),
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):

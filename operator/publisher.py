@@ -1,15 +1,19 @@
 """Fold received reports into KVCacheStatus and the server's retention status.
 
 Runs on a timer inside the operator. Per server with reports:
-  1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``);
+  1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``), with the
+     decode preemptions of the last minutes (``pressure.PreemptionWindow``: the
+     one piece of state kept between aggregations, in memory);
   2. run the tuner (pure, ``tune``) unless the mode is Observe;
   3. write KVCacheStatus status when a figure changed, at most once per
      ``min_write_seconds`` (``lastUpdateTime`` alone never triggers a write);
      an unknown figure is left out rather than written as null (a merge patch
      deletes a null's key: it would read back as a change on every pass);
   4. write the server's ``status.retention`` when the recommendation changed,
-     with an Event in Recommend and Auto modes; Auto also applies it
-     (``tune.plan_apply``), which re-renders the decode pods.
+     with an Event (reason and inputs) in Recommend and Auto modes; Auto also
+     applies it (``tune.plan_apply``), which re-renders the decode pods; and the
+     server's ``status.transport`` / ``transportReason`` (the KVTransport
+     condition is computed from them by the status handler).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import aggregate, api, tune
+from . import aggregate, api, pressure, tune
 from .kube import Kube
+from .metrics import Decision
 from .report_endpoint import ReportStore
 
 EVENT_RECOMMENDED = "RetentionRecommended"
@@ -78,6 +83,10 @@ class Publisher:
         self.apply_children = apply_children
         self.clock = clock
         self._last_write: dict[tuple[str, str], float] = {}
+        self._preemptions: dict[tuple[str, str], pressure.PreemptionWindow] = {}
+        self._usage: dict[tuple[str, str], pressure.UsagePeak] = {}
+        # The last pass per server, for the operator's /metrics.
+        self.decisions: dict[tuple[str, str], Decision] = {}
 
     def publish_all(self, logger: logging.Logger) -> None:
         for namespace, name in self.store.servers():
@@ -90,23 +99,47 @@ class Publisher:
         obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
         if obj is None:
             self.store.forget(namespace, name)
+            self._preemptions.pop((namespace, name), None)
+            self._usage.pop((namespace, name), None)
+            self.decisions.pop((namespace, name), None)
             return
         server = api.parse_server(obj)
         now = self.clock()
         mode = server.spec.cache_tuning.mode
         applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
+        received = self.store.get(namespace, name)
+        fresh = [r.report for r in received if not aggregate.is_stale(r, now, self.stale_after)]
+        key = (namespace, name)
+        preemptions = self._preemptions.setdefault(key, pressure.PreemptionWindow())
+        usage = self._usage.setdefault(key, pressure.UsagePeak())
         agg = aggregate.aggregate(
-            server, self.store.get(namespace, name), now, applied, self.stale_after
+            server,
+            received,
+            now,
+            applied,
+            self.stale_after,
+            preemptions_delta=preemptions.observe(fresh, now),
+            decode_kv_usage_peak=usage.observe(fresh, now),
         )
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))
+        shown = mode != "Observe"
+        self.decisions[(namespace, name)] = Decision(
+            namespace=namespace,
+            server=name,
+            applied_retention=applied,
+            recommended_retention=rec.value if rec and shown else None,
+            recommended_threshold=threshold.value if threshold and shown else None,
+            preemptions_recent=agg.tuning.preemptions_delta if agg.tuning else 0,
+            transport=agg.transport,
+            reporting_pods=len(fresh),
+        )
 
         current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
         old = {
             k: v for k, v in ((current or {}).get("status") or {}).items() if k != "lastUpdateTime"
         }
-        key = (namespace, name)
         if (
             current is not None
             and old != status
@@ -165,20 +198,22 @@ class Publisher:
                 new["applied"] = rec.value
                 recent = [t for t in restarts if now - t < tune.DAY_SECONDS]
                 new["restarts"] = [api.iso_time(t) for t in [*recent, now]]
-        transport_changed = st.get("transport") != agg.transport
+        transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
+            agg.transport,
+            agg.transport_reason,
+        )
         if new == old and not transport_changed:
             return
-        patch: dict[str, Any] = {"retention": new, "transport": agg.transport}
+        patch: dict[str, Any] = {
+            "retention": new,
+            "transport": agg.transport,
+            "transportReason": agg.transport_reason or None,
+        }
         self.kube.patch_status(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, patch
         )
         if rec is not None and mode != "Observe" and old.get("recommended") != rec.value:
-            self.emit(
-                obj,
-                "Normal",
-                EVENT_RECOMMENDED,
-                f"decodeRetentionSeconds {rec.value}s recommended: {rec.reason}",
-            )
+            self.emit(obj, "Normal", EVENT_RECOMMENDED, recommendation_message(rec))
         if new.get("applied") != old.get("applied", applied):
             self.emit(
                 obj,
@@ -188,6 +223,12 @@ class Publisher:
             )
             obj = {**obj, "status": {**st, "retention": new}}
             self.apply_children(obj)
+
+
+def recommendation_message(rec: tune.Recommendation) -> str:
+    """What `kubectl describe dserver` shows: the value, why, and every input."""
+    inputs = ", ".join(f"{k}={v}" for k, v in rec.inputs.items() if v is not None)
+    return f"decodeRetentionSeconds {rec.value}s recommended: {rec.reason} (inputs: {inputs})"
 
 
 def _nulls_for_removed(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

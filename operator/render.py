@@ -163,6 +163,26 @@ def build_engine_container(server: Server, role: Role) -> Obj:
     }
 
 
+# The engine's UCX settings the sidecar reports the transport from, and the sidecar
+# variables that carry them (kvferry_sidecar.transport).
+SIDECAR_UCX_ENV = {
+    "UCX_TLS": "KVFERRY_ENGINE_UCX_TLS",
+    "UCX_NET_DEVICES": "KVFERRY_ENGINE_UCX_NET_DEVICES",
+}
+
+
+def build_sidecar_ucx_env(spec: ServerSpec, role: Role) -> list[Obj]:
+    """The engine container's UCX_TLS / UCX_NET_DEVICES, as the sidecar's
+    KVFERRY_ENGINE_* variables: same value or same source (a user's role.env wins
+    on the engine, so it does here too)."""
+    out = []
+    for entry in build_engine_env(spec, role):
+        name = SIDECAR_UCX_ENV.get(entry["name"])
+        if name is not None:
+            out.append({**entry, "name": name})
+    return out
+
+
 def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: Context) -> Obj:
     def field_env(name: str, path: str) -> Obj:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -187,8 +207,14 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             field_env("POD_IP", "status.podIP"),
             {"name": "KVFERRY_SERVER", "value": server.name},
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
+            *build_sidecar_ucx_env(spec, role),
         ],
-        "ports": [{"name": "http", "containerPort": protocol.SIDECAR_PORT}],
+        "ports": [
+            {"name": "http", "containerPort": protocol.SIDECAR_PORT},
+            # Peers' relayed turns, /metrics and /v1/residency: never behind the entry
+            # Service (clients must not read other sessions' figures or pose as peers).
+            {"name": "internal", "containerPort": protocol.SIDECAR_INTERNAL_PORT},
+        ],
         "resources": {
             "requests": {"cpu": "100m", "memory": "128Mi"},
             "limits": {"memory": "512Mi"},
@@ -309,12 +335,15 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
         "engineBuild": engine_build_hash(spec),
         "enginePort": protocol.ENGINE_PORT,
         "listenPort": protocol.SIDECAR_PORT,
+        "internalPort": protocol.SIDECAR_INTERNAL_PORT,
         "bidirectional": spec.kv_transfer.bidirectional,
         "recomputeThreshold": spec.kv_transfer.recompute_threshold,
         "decodeRetentionSeconds": server.decode_retention_seconds,
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
+        "diagnosticHeaders": spec.routing.diagnostic_headers,
         "transport": spec.network.transport,
+        "rdmaEnabled": spec.network.rdma.enabled,
         "kvEvents": f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
         "kvEventsReplay": f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",
     }
@@ -326,6 +355,7 @@ DECODE_ONLY_SETTINGS = (
     "sessionKeys",
     "skipPrefillBelowTokens",
     "recomputeThreshold",
+    "diagnosticHeaders",
 )
 
 
@@ -342,7 +372,8 @@ def build_topology(server: Server) -> Obj:
     return {
         "version": 1,
         "prefillEngines": peer_urls(server, api.ROLE_PREFILL, protocol.ENGINE_PORT),
-        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, protocol.SIDECAR_PORT),
+        # Peers relay turns to the owner's internal port (a client cannot reach it).
+        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, protocol.SIDECAR_INTERNAL_PORT),
     }
 
 
@@ -397,6 +428,11 @@ def build_headless_service(server: Server, role: Role) -> Obj:
             "selector": selector_labels(server, role.name),
             "ports": [
                 {"name": "http", "port": protocol.SIDECAR_PORT, "targetPort": "http"},
+                {
+                    "name": "internal",
+                    "port": protocol.SIDECAR_INTERNAL_PORT,
+                    "targetPort": "internal",
+                },
                 {"name": "engine", "port": protocol.ENGINE_PORT, "targetPort": "engine"},
                 {"name": "nixl", "port": protocol.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
             ],

@@ -38,6 +38,9 @@ class Settings:
     # between two status writes of one KVCacheStatus.
     publish_seconds: float = 10.0
     min_status_write_seconds: float = 10.0
+    # Plain-HTTP /metrics (what the operator decided, per server); 0 = off.
+    metrics_port: int = 8080
+    metrics_host: str = "0.0.0.0"
 
     def render_context(self) -> Context:
         return render_context_of(self)
@@ -55,6 +58,8 @@ def from_env() -> Settings:
         report_stale_seconds=float(env("KVFERRY_REPORT_STALE_SECONDS", "90")),
         publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
         min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
+        metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
+        metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
         child_event_debounce_seconds=float(os.environ.get("KVFERRY_DEBOUNCE_SECONDS", "0.5")),

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
+
 from . import api
 from .api import Server
 from .render import entry_url, selector_labels
@@ -29,6 +31,7 @@ REASON_COMPLETE = "Complete"
 REASON_HEALTHY = "Healthy"
 REASON_CRASHING = "ContainersCrashing"
 REASON_NO_REPORTS = "NoReports"
+# KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
 # Container waiting reasons that will not clear by themselves.
@@ -66,7 +69,8 @@ class RoleObserved:
 class Observed:
     roles: dict[str, RoleObserved]
     pods: list[PodState] = field(default_factory=list)
-    transport: str = "Unknown"
+    transport: str = TRANSPORT_UNKNOWN
+    transport_reason: str = ""  # the sidecars' evidence (the publisher writes both)
 
 
 @dataclass(frozen=True)
@@ -281,11 +285,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     else:
         degraded = ("False", REASON_HEALTHY, "no unschedulable or crashing pods")
 
-    transport = (
-        ("Unknown", REASON_NO_REPORTS, "no sidecar has reported a negotiated transport yet")
-        if observed.transport == "Unknown"
-        else ("True", observed.transport, f"sidecars negotiated {observed.transport}")
-    )
+    transport = transport_condition(server, observed)
     out = []
     for ctype, (status, reason, message) in (
         (api.COND_READY, ready),
@@ -303,6 +303,36 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
             }
         )
     return out
+
+
+def rdma_asked(server: Server) -> str | None:
+    """The spec field that asks for RDMA, or None."""
+    net = server.spec.network
+    if net.transport == "rdma":
+        return "network.transport: rdma"
+    if net.rdma.enabled:
+        return "network.rdma.enabled: true"
+    return None
+
+
+def transport_condition(server: Server, observed: Observed) -> tuple[str, str, str]:
+    """KVTransport: True when the sidecars see the transport the spec allows for;
+    False (a Warning Event) when RDMA was asked for and TCP carries the KV."""
+    value, evidence = observed.transport, observed.transport_reason
+    if value == TRANSPORT_UNKNOWN:
+        if not evidence:
+            return ("Unknown", REASON_NO_REPORTS, "no sidecar has reported a transport yet")
+        return ("Unknown", TRANSPORT_UNKNOWN, evidence)
+    asked = rdma_asked(server)
+    if value == TRANSPORT_TCP_FALLBACK and asked:
+        return (
+            "False",
+            value,
+            f"{asked} asks for RDMA, but KV moves over TCP: {evidence}. Check that the pods "
+            "get the RDMA resource (network.rdma.resourceName), the Multus networks and a UCX "
+            "build with verbs",
+        )
+    return ("True", value, evidence or f"sidecars see {value}")
 
 
 def merge_conditions(
@@ -337,6 +367,7 @@ def compute_status(
         "observedGeneration": server.generation,
         "endpoint": entry_url(server),
         "transport": observed.transport,
+        **({"transportReason": observed.transport_reason} if observed.transport_reason else {}),
         "prefill": _role_status(
             server, api.ROLE_PREFILL, observed.roles.get(api.ROLE_PREFILL, RoleObserved())
         ),

@@ -11,8 +11,9 @@ The algorithm, per DisaggregatedServer:
    vLLM declining reads in the last 5 s). The result is clamped to
    ``[minRetentionSeconds, maxRetentionSeconds]``.
 2. **Pressure.** Pinned KV is taken from the decode cache. When the decode
-   pods' KV usage passes the high-water mark or preemptions rose since the
-   last report, retention is lowered (halved, never above what runs now, never
+   pods' KV usage passes the high-water mark or their engines preempted
+   requests within the last minutes (``pressure.PreemptionWindow``), retention is
+   lowered (halved, never above what runs now, never
    below the minimum): fewer pinned handles, more room for running requests.
 3. **Too little data.** With fewer than ``MIN_GAP_SAMPLES`` gaps the tuner
    recommends what runs now: it never raises retention on a handful of turns.
@@ -62,7 +63,7 @@ class TuningInputs:
     min_retention: int
     max_retention: int
     decode_kv_usage_max: float | None = None  # 0..1, highest among decode pods
-    preemptions_delta: int = 0  # since the previous aggregation
+    preemptions_delta: int = 0  # decode preemptions within pressure.WINDOW_SECONDS
     # For the recompute threshold:
     bytes_per_token: float | None = None
     transfer_bytes_per_second: float | None = None

@@ -7,7 +7,7 @@ gap, a duplicate of a replay, or from a restarted engine.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvferry_wire.report import KVEvents
@@ -53,6 +53,8 @@ class BlockIndex:
     repaired: int = 0
     cleared: int = 0
     _replayed_from: int | None = None
+    # Storage tiers seen in events (GPU, CPU, ...): a prefix lookup tries each.
+    _media: set[str | None] = field(default_factory=set)
 
     # -------------------------------------------------------------- sequence
 
@@ -122,6 +124,7 @@ class BlockIndex:
         self.session_blocks.clear()
 
     def _put(self, key: BlockKey, session: str | None, tokens: int) -> None:
+        self._media.add(key[0])
         old = self.blocks.pop(key, None)
         if old is not None:
             self._unref(old.session)
@@ -150,6 +153,16 @@ class BlockIndex:
 
     def held_by(self, session: str) -> int:
         return self.session_blocks.get(session, 0)
+
+    def held_prefix(self, hashes: Sequence[Hashable]) -> int:
+        """How many of ``hashes`` (a prompt's block hashes, first block first) the
+        engine holds as an unbroken prefix: what its prefix cache would find."""
+        held = 0
+        for h in hashes:
+            if not any((m, 0, h) in self.blocks for m in self._media):
+                break
+            held += 1
+        return held
 
     def stats(self) -> KVEvents:
         return KVEvents(

@@ -47,6 +47,9 @@ class Settings:
     role: str = ROLE_DECODE
     listen_host: str = "0.0.0.0"
     listen_port: int = protocol.SIDECAR_PORT
+    # Peers, metrics and the residency report; 0 = serve them on listen_port too (a
+    # single-port run by hand; the operator always renders both).
+    internal_port: int = protocol.SIDECAR_INTERNAL_PORT
     # The engine in this pod. The operator sets enginePort; engineUrl overrides.
     engine_url: str = f"http://127.0.0.1:{protocol.ENGINE_PORT}"
     # Prefill engines (vLLM, not sidecars), any order.
@@ -57,6 +60,8 @@ class Settings:
     model: str | None = None
     engine_build: str | None = None  # operator's build hash; handles of another are void
     bidirectional: bool = True
+    # X-Kvferry-Outcome/-Route/-Reused-Tokens/-Owner/-Handle on turn responses.
+    diagnostic_headers: bool = False
     session_keys: tuple[str, ...] = DEFAULT_SESSION_KEYS
     skip_prefill_below_tokens: int = 256
     recompute_threshold: int = 64  # same as vLLM's kv_recompute_threshold
@@ -64,6 +69,10 @@ class Settings:
     # Drop a handle this long before D frees it (the tuner assumes the same margin).
     expiry_margin_seconds: float = float(protocol.HANDLE_EXPIRY_MARGIN_SECONDS)
     handle_store_cap: int = 1024
+    # A handle dropped unread waits this long for a ride on a prefill this sidecar
+    # sends anyway (free) before a release request of its own (costs P one block for
+    # its KV lease). D pins it meanwhile.
+    release_after_seconds: float = 2.0
     # KV block size in tokens; None = read vllm:cache_config_info from the engine.
     # Without it only handles the prompt fully extends are used (no partial prefix).
     block_size: int | None = None
@@ -77,6 +86,12 @@ class Settings:
     # A prefill that takes longer is treated as failed (a pull can hang under
     # kv_load_failure_policy=recompute); long prompts on a busy P need minutes.
     prefill_timeout_seconds: float = 300.0
+    # The decode leg as a whole (a non-streamed answer arrives in one piece at the
+    # end): long generations need many minutes; a wedged D must not hold a client
+    # forever.
+    decode_timeout_seconds: float = 1800.0
+    # Longest silence between two chunks of a streamed answer.
+    stream_idle_timeout_seconds: float = 300.0
     # Residency reporting (both roles). Identity for the report: the operator sets
     # KVFERRY_SERVER; POD_NAME / POD_NAMESPACE come from the downward API.
     server: str | None = None
@@ -91,6 +106,15 @@ class Settings:
     # The local engine's KV-event PUB and replay ROUTER sockets; "" = off.
     kv_events: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}"
     kv_events_replay: str = f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
+    # What the transport report rests on (kvferry_sidecar.transport): the spec's
+    # network.transport and network.rdma.enabled (settings file), the engine
+    # container's UCX_TLS / UCX_NET_DEVICES (the operator copies them into this
+    # container's environment; None = unset) and where RDMA devices show.
+    requested_transport: str = "auto"
+    rdma_enabled: bool = False
+    engine_ucx_tls: str | None = None
+    engine_ucx_net_devices: str | None = None
+    rdma_sysfs: str = "/sys/class/infiniband"
     settings_path: str | None = None
     topology_path: str | None = None
     topology_reload_seconds: float = 5.0
@@ -106,6 +130,7 @@ _FILE_KEYS: dict[str, str] = {
     "role": "role",
     "listenHost": "listen_host",
     "listenPort": "listen_port",
+    "internalPort": "internal_port",
     "engineUrl": "engine_url",
     "prefillEngines": "prefill_engines",
     "decodeSidecars": "decode_sidecars",
@@ -113,6 +138,7 @@ _FILE_KEYS: dict[str, str] = {
     "model": "model",
     "engineBuild": "engine_build",
     "bidirectional": "bidirectional",
+    "diagnosticHeaders": "diagnostic_headers",
     "sessionKeys": "session_keys",
     "skipPrefillBelowTokens": "skip_prefill_below_tokens",
     "recomputeThreshold": "recompute_threshold",
@@ -120,12 +146,15 @@ _FILE_KEYS: dict[str, str] = {
     "retentionSeconds": "retention_seconds",
     "expiryMarginSeconds": "expiry_margin_seconds",
     "handleStoreCap": "handle_store_cap",
+    "releaseAfterSeconds": "release_after_seconds",
     "blockSize": "block_size",
     "streamingHandles": "streaming_handles",
     "tagSessionId": "tag_session_id",
     "probeIntervalSeconds": "probe_interval_seconds",
     "connectTimeoutSeconds": "connect_timeout_seconds",
     "prefillTimeoutSeconds": "prefill_timeout_seconds",
+    "decodeTimeoutSeconds": "decode_timeout_seconds",
+    "streamIdleTimeoutSeconds": "stream_idle_timeout_seconds",
     "topologyReloadSeconds": "topology_reload_seconds",
     "logLevel": "log_level",
     "server": "server",
@@ -135,9 +164,14 @@ _FILE_KEYS: dict[str, str] = {
     "reportIntervalSeconds": "report_interval_seconds",
     "kvEvents": "kv_events",
     "kvEventsReplay": "kv_events_replay",
+    "transport": "requested_transport",
+    "rdmaEnabled": "rdma_enabled",
+    "engineUcxTls": "engine_ucx_tls",
+    "engineUcxNetDevices": "engine_ucx_net_devices",
+    "rdmaSysfs": "rdma_sysfs",
 }
 # Keys the operator writes that the proxy path does not use (yet).
-_KNOWN_UNUSED = {"version", "transport", "enginePort"}
+_KNOWN_UNUSED = {"version", "enginePort"}
 _FIELD_TYPES = {f.name: f.type for f in fields(Settings)}
 
 
@@ -254,16 +288,35 @@ def validate(settings: Settings) -> Settings:
     for name in ("skip_prefill_below_tokens", "recompute_threshold"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name} must be >= 0")
+    if settings.internal_port and settings.internal_port == settings.listen_port:
+        raise ConfigError(
+            "internal_port must differ from listen_port (or be 0 to serve internal "
+            "routes on listen_port)"
+        )
     if settings.handle_store_cap < 1:
         raise ConfigError("handle_store_cap must be >= 1")
     if settings.block_size is not None and settings.block_size < 1:
         raise ConfigError("block_size must be >= 1")
     if settings.retention_seconds <= 0:
         raise ConfigError("retention_seconds must be > 0")
+    for name in (
+        "connect_timeout_seconds",
+        "prefill_timeout_seconds",
+        "decode_timeout_seconds",
+        "stream_idle_timeout_seconds",
+    ):
+        if getattr(settings, name) <= 0:
+            raise ConfigError(f"{name} must be > 0")
+    if settings.release_after_seconds < 0:
+        raise ConfigError("release_after_seconds must be >= 0")
     if settings.expiry_margin_seconds < 0:
         raise ConfigError("expiry_margin_seconds must be >= 0")
     if settings.report_interval_seconds <= 0:
         raise ConfigError("report_interval_seconds must be > 0")
+    if settings.requested_transport not in ("auto", "rdma", "tcp"):
+        raise ConfigError(
+            f"transport must be auto, rdma or tcp, got {settings.requested_transport!r}"
+        )
     if settings.operator_url and not settings.operator_url.startswith(("https://", "http://")):
         raise ConfigError(f"operator_url must be an http(s) URL, got {settings.operator_url!r}")
     ring = len(settings.decode_sidecars)

@@ -11,7 +11,7 @@ Names as vLLM 0.32 registers them (``v1/metrics/loggers.py``,
 - ``vllm:nixl_num_kv_expired_reqs``, ``vllm:nixl_num_failed_transfers`` (counters)
 - ``vllm:prompt_tokens_cached_by_source{source="p2p"}`` (counter: prompt tokens this
   engine received from another vLLM instance, i.e. NIXL pulls)
-- ``vllm:cache_config_info{block_size=...}`` (info gauge)
+- ``vllm:cache_config_info{block_size=..., prefix_caching_hash_algo=...}`` (info gauge)
 
 Every series is summed over its label sets (engines, models), except the KV usage
 fraction, where the highest engine counts (the pressure the tuner must see).
@@ -35,6 +35,9 @@ NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs"
 NIXL_FAILED = "vllm:nixl_num_failed_transfers"
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 CACHE_CONFIG = "vllm:cache_config_info"
+# prometheus_client's process collector in the API server: it changes when the engine
+# restarts, and only then (a slow /health is not a restart).
+PROCESS_START = "process_start_time_seconds"
 P2P_SOURCE = "p2p"
 
 
@@ -51,6 +54,8 @@ class EngineFigures:
     nixl_failed: float = 0.0
     p2p_tokens: float = 0.0
     block_size: int | None = None
+    prefix_hash_algo: str | None = None  # e.g. sha256_cbor (reproducible block hashes)
+    started_at: float | None = None  # the engine process's start (its identity)
 
 
 def parse(text: str) -> EngineFigures:
@@ -60,6 +65,8 @@ def parse(text: str) -> EngineFigures:
         ("pre", "bytes", "bytes_plain", "secs", "xfers", "expired", "failed", "p2p"), 0.0
     )
     block_size: int | None = None
+    hash_algo: str | None = None
+    started_at: float | None = None
     for s in samples(text):
         name, value = s.name, s.value
         if value != value:  # NaN: an engine with nothing observed yet
@@ -82,9 +89,12 @@ def parse(text: str) -> EngineFigures:
             sums["failed"] += value
         elif is_sample_of(CACHED_BY_SOURCE, name) and s.labels.get("source") == P2P_SOURCE:
             sums["p2p"] += value
+        elif name == PROCESS_START and started_at is None:
+            started_at = value
         elif name == CACHE_CONFIG and block_size is None:
             raw = s.labels.get("block_size", "")
             block_size = int(raw) if raw.isdigit() else None
+            hash_algo = s.labels.get("prefix_caching_hash_algo") or None
     return EngineFigures(
         kv_usage=kv,
         preemptions=sums["pre"],
@@ -95,6 +105,8 @@ def parse(text: str) -> EngineFigures:
         nixl_failed=sums["failed"],
         p2p_tokens=sums["p2p"],
         block_size=block_size,
+        prefix_hash_algo=hash_algo,
+        started_at=started_at,
     )
 
 

@@ -9,13 +9,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
+from .config import ROLE_DECODE, Settings
 from .types import HandleFate, Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
@@ -32,6 +40,14 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: the
+        # sidecar's own cost, next to the time it adds to a turn (stage "queue").
+        ProcessCollector(registry=r)
+        self.retention = Gauge(
+            "kvferry_retention_seconds",
+            "decodeRetentionSeconds this decode pod's engine runs with (decoder_kv_blocks_ttl).",
+            registry=r,
+        )
         self.turns = Counter(
             "kvferry_turns",
             "Turns served, by handle outcome and prefill route.",
@@ -103,6 +119,16 @@ class Metrics:
         self.prefill_ready = Gauge(
             "kvferry_prefill_engines_ready", "Prefill engines answering /health.", registry=r
         )
+        self.releases = Counter(
+            "kvferry_handle_releases",
+            "Handles no turn read, by how D was told to free them: rider (on a turn's own "
+            "prefill), request (a release request), failed, unreleasable (pinned until "
+            "D's deadline).",
+            ["method"],
+            registry=r,
+        )
+        for method in ("rider", "request", "failed", "unreleasable"):
+            self.releases.labels(method)
         self.report_pushes = Counter(
             "kvferry_report_pushes",
             "Residency report pushes to the operator, by result (ok, error).",
@@ -120,6 +146,10 @@ class Metrics:
     def bind_store(self, size: Callable[[], int], ages: Callable[[], list[float]]) -> None:
         self.pinned.set_function(lambda: float(size()))
         self.oldest.set_function(lambda: max(ages(), default=0.0))
+
+    def bind_settings(self, settings: Settings) -> None:
+        if settings.role == ROLE_DECODE:
+            self.retention.set(settings.retention_seconds)
 
     def bind_report(self, snapshot: Callable[[], rpt.Report]) -> None:
         """Serve the residency report's figures as series, read at scrape time."""
@@ -219,6 +249,12 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+def _info(name: str, doc: str, labels: dict[str, str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name + "_info", doc, labels=list(labels))
+    family.add_metric(list(labels.values()), 1.0)
+    return family
+
+
 def _labelled_counter(name: str, doc: str, label: str, values: dict[str, float]):
     family = CounterMetricFamily(name, doc, labels=[label])
     for key, value in sorted(values.items()):
@@ -280,6 +316,16 @@ def report_families(r: rpt.Report) -> list:
             r.pinned.bytes,
         ),
         _gauge(
+            "kvferry_pinned_unused_handles",
+            "Pinned handles no turn will read (release pending, failed or impossible).",
+            r.pinned.unused_handles,
+        ),
+        _gauge(
+            "kvferry_pinned_unused_blocks",
+            "KV blocks pinned by handles no turn will read.",
+            r.pinned.unused_blocks,
+        ),
+        _gauge(
             "kvferry_pinned_oldest_age_seconds",
             "Age of the oldest held handle.",
             r.pinned.oldest_age_seconds,
@@ -292,6 +338,13 @@ def report_families(r: rpt.Report) -> list:
             "kvferry_transfer_seconds",
             "NIXL transfer time of the local engine.",
             r.transfer.seconds,
+        ),
+        _counter("kvferry_transfers", "NIXL transfers of the local engine.", r.transfer.transfers),
+        _info(
+            "kvferry_transport",
+            "What the P<->D KV path uses as this sidecar sees it (RDMA, TCP, TCPFallback, "
+            "Unknown); the evidence is the report's transportReason.",
+            {"transport": r.transport},
         ),
         _counter(
             "kvferry_recompute_tokens",

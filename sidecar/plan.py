@@ -8,8 +8,9 @@ without aiohttp:
   sequence or several);
 - ``handle_not_kept``: whether this turn can leave a handle for the next one;
 - ``plan_turn``: with the session's handle (already taken from the store), the
-  prompt's ids and the engine's block size: use the handle or not, prefill on P
-  or let D prefill alone;
+  prompt's ids, the engine's block size and what D's prefix cache holds: use the
+  handle or not (KV identity, alignment, threshold), prefill on P or let D prefill
+  alone;
 - ``settle``: the turn's final outcome once the prefill leg ran (a handle offered
   to no P is not "reused");
 - ``build_handle``: D's answer -> the ``KVHandle`` kept for the next turn;
@@ -18,7 +19,7 @@ without aiohttp:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,8 @@ from kvferry_wire.protocol import (
 from . import rewrite
 from .align import align, held_by_decode
 from .handles import Lookup, local_deadline
-from .session import session_key, session_tag
+from .identity import compatible, kv_identity
+from .session import handle_slot, next_handle_slot, session_key, session_tag
 from .types import (
     K_DO_REMOTE_DECODE,
     K_REMOTE_BLOCK_IDS,
@@ -57,6 +59,7 @@ NOT_KEPT_OFF = "bidirectional-off"
 NOT_KEPT_NONE = "engine-returned-none"
 NOT_KEPT_NO_IDS = "no-token-ids"
 NOT_KEPT_ERROR = "error"
+NOT_KEPT_TRUNCATION = "truncation"  # the engine truncates: positions are not the ids'
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Rules:
     block_size: int | None
     recompute_threshold: int
     skip_prefill_below_tokens: int
+    diagnostic_headers: bool = False  # X-Kvferry-* on responses (routing.diagnosticHeaders)
 
 
 # ------------------------------------------------------------------ 1. parse
@@ -98,6 +102,8 @@ def parse_turn(
         request_id=request_id,
         session_key=key,
         session=session_tag(key),
+        slot=handle_slot(key, body),
+        identity=kv_identity(body),
         stream=bool(body.get("stream")),
         wants_token_ids=bool(body.get("return_token_ids")),
         single_sequence=single,
@@ -114,6 +120,8 @@ def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
         return NOT_KEPT_OFF
     if not turn.single_sequence:
         return NOT_KEPT_MULTI
+    if turn.identity.truncates:
+        return NOT_KEPT_TRUNCATION
     if turn.stream and not rules.streaming_handles:
         return NOT_KEPT_STREAMING
     return None
@@ -130,23 +138,33 @@ def local_params(turn: TurnInput, rules: Rules) -> Mapping[str, Any] | None:
 
 
 def plan_turn(
-    turn: TurnInput, prompt_ids: list[int] | None, lookup: Lookup | None, rules: Rules
+    turn: TurnInput,
+    prompt_ids: list[int] | None,
+    lookup: Lookup | None,
+    rules: Rules,
+    cached_on_decode: Callable[[], int] = lambda: 0,
 ) -> PrefillPlan:
     """Use the session's handle or not, and where the prompt is prefilled.
 
     ``lookup`` is the store's answer for the session (the handle is already taken:
     single use); None for a turn of several sequences, which never uses one.
+    ``cached_on_decode`` says how many prompt tokens D's prefix cache holds (from its
+    KV events); asked only when a handle cannot show D holds enough.
     """
     prompt_len = None if prompt_ids is None else len(prompt_ids)
     if lookup is None or not turn.single_sequence:
         # vLLM's P/D transfer and the handle both describe one sequence.
         return PrefillPlan(Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, 0, 0, None)
     handle = lookup.handle
+    alignment, held = None, 0
     if handle is None:
-        outcome, alignment, held = lookup.outcome, None, 0
+        outcome = lookup.outcome
+    elif compatible(handle.identity, turn.identity) is not None:
+        # Same ids, other KV: never offered to P (it rides along only to be released).
+        outcome = Outcome.KV_MISMATCH
     elif prompt_ids is None:
         # Cannot prove the prompt extends the handle: do not use it.
-        outcome, alignment, held = Outcome.MISALIGNED, None, 0
+        outcome = Outcome.MISALIGNED
     else:
         alignment = align(
             prompt_ids, handle, block_size=rules.block_size, threshold=rules.recompute_threshold
@@ -154,13 +172,37 @@ def plan_turn(
         outcome = alignment.outcome
         held = held_by_decode(alignment, handle, rules.block_size)
     aligned = alignment.aligned_tokens if alignment else 0
-    if prompt_len is not None and prompt_len - held < rules.skip_prefill_below_tokens:
-        return PrefillPlan(
-            Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, aligned, held, lookup.age_s
-        )
+    if prompt_len is not None:
+        skip = rules.skip_prefill_below_tokens
+        if prompt_len - held < skip:
+            return PrefillPlan(
+                Route.SKIP,
+                Outcome.SKIPPED_PREFILL,
+                None,
+                prompt_len,
+                aligned,
+                held,
+                lookup.age_s,
+                taken=handle,
+            )
+        cached = cached_on_decode() if prompt_len - skip > 0 else 0
+        if cached > held and prompt_len - cached < skip:
+            # No usable handle says so, but D's prefix cache holds the prefix.
+            return PrefillPlan(
+                Route.SKIP,
+                Outcome.CACHED_ON_DECODE,
+                None,
+                prompt_len,
+                aligned,
+                cached,
+                lookup.age_s,
+                taken=handle,
+            )
     params = alignment.params if alignment else None
     reused = alignment.usable_tokens if alignment else 0
-    return PrefillPlan(Route.REMOTE, outcome, params, prompt_len, aligned, reused, lookup.age_s)
+    return PrefillPlan(
+        Route.REMOTE, outcome, params, prompt_len, aligned, reused, lookup.age_s, taken=handle
+    )
 
 
 def settle(plan: PrefillPlan, route: Route, outcome: Outcome) -> tuple[Outcome, int]:
@@ -190,22 +232,26 @@ def build_handle(
     engine_build: str | None,
     retention_s: float,
 ) -> tuple[KVHandle | None, str | None]:
-    """The handle D's answer left for the next turn, or why there is none.
+    """The handle D's answer left, and why it cannot be kept for the next turn (None:
+    it can). No handle means D returned none; a handle that cannot be kept still pins
+    D's blocks and must be released.
 
-    ``now`` is on the handle store's clock; ``received_wall`` the wall clock then."""
+    ``now`` is on the handle store's clock; ``received_wall`` the wall clock then.
+    The handle is filed under the slot the conversation's next turn will look up."""
     params = capture.params
     if not params or not params.get(K_DO_REMOTE_DECODE) or not params.get(K_REMOTE_BLOCK_IDS):
         return None, NOT_KEPT_NONE
-    if capture.prompt_ids is None or not capture.output_ids:
-        return None, NOT_KEPT_NO_IDS
+    why = None
     try:
-        ids = token_array([*capture.prompt_ids, *capture.output_ids])
+        ids = token_array([*(capture.prompt_ids or ()), *capture.output_ids])
     except (OverflowError, TypeError):
-        return None, NOT_KEPT_NO_IDS
+        ids = token_array(())
+    if capture.prompt_ids is None or not capture.output_ids or not ids:
+        why = NOT_KEPT_NO_IDS
     num = params.get(K_REMOTE_NUM_TOKENS)
     num_tokens = num if isinstance(num, int) and num > 0 else len(ids) - 1
     handle = KVHandle(
-        session=turn.session,
+        session=next_handle_slot(turn.session_key, turn.body, capture.text),
         params=dict(params),
         token_ids=ids,
         num_tokens=min(num_tokens, len(ids)),
@@ -215,8 +261,9 @@ def build_handle(
             params, received_at=now, received_wall=received_wall, retention_s=retention_s
         ),
         request_id=turn.request_id,
+        identity=turn.identity,
     )
-    return handle, None
+    return handle, why
 
 
 # ------------------------------------------------------------------ response headers
@@ -230,12 +277,12 @@ def response_headers(
     ordinal: int | None,
     engine_version: str | None,
 ) -> dict[str, str]:
-    headers = {
-        HDR_REQUEST_ID: turn.request_id,
-        HDR_OUTCOME: report.outcome.value,
-        HDR_REUSED_TOKENS: str(report.reused_tokens),
-        HDR_ROUTE: report.route.value,
-    }
+    headers = {HDR_REQUEST_ID: turn.request_id}
+    if not rules.diagnostic_headers:
+        return headers
+    headers[HDR_OUTCOME] = report.outcome.value
+    headers[HDR_REUSED_TOKENS] = str(report.reused_tokens)
+    headers[HDR_ROUTE] = report.route.value
     if ordinal is not None:
         headers[HDR_OWNER] = str(ordinal)
     reason = handle_not_kept(turn, rules)

@@ -23,23 +23,28 @@ is invalid (the engine's own 4xx).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from kvferry_wire.protocol import HDR_REQUEST_ID, Outcome, Route
+from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
 
 from . import forward, plan, rewrite
+from .release import PINNED_PULL_FAILED, release_params
 from .runtime import Sidecar
 from .types import (
     F_KV_PARAMS,
     JSON,
     Api,
+    KVHandle,
     PrefillPlan,
     PrefillResult,
     TurnInput,
@@ -82,6 +87,35 @@ def _valid_prefill_params(data: Any) -> Mapping[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
+@dataclass
+class _Carried:
+    """What the prefill requests carry besides the prompt: the session's handle to
+    pull, or a handle riding along only to be released (release.py): the turn's own
+    unread one, or one the sidecar was waiting to release (``queued``)."""
+
+    pull: Mapping[str, Any] | None
+    rider: KVHandle | None
+    queued: bool
+    taken_unknown: bool = False  # an attempt that carried the taken handle broke off
+
+    def params(self) -> Mapping[str, Any] | None:
+        if self.pull is not None:
+            return self.pull
+        return release_params(self.rider.params) if self.rider is not None else None
+
+    def broke_off(self, sc: Sidecar) -> bool:
+        """An attempt that carried something got no clear answer: P may have read or
+        released it, or not. Nothing is sent twice (a completed read frees D's blocks:
+        a second one could read freed memory). True when the pull was dropped."""
+        pulled = self.pull is not None
+        if self.rider is not None and self.queued:
+            sc.rider_done(self.rider, freed=False)
+        elif self.rider is not None or pulled:
+            self.taken_unknown = True
+        self.pull, self.rider = None, None
+        return pulled
+
+
 async def run_prefill(
     sc: Sidecar, turn: TurnInput, planned: PrefillPlan, rules: plan.Rules, timings: TurnTimings
 ) -> PrefillResult:
@@ -89,93 +123,134 @@ async def run_prefill(
         outcome, reused = plan.settle(planned, Route.SKIP, planned.outcome)
         return PrefillResult(Route.SKIP, outcome, plan.local_params(turn, rules), reused)
     s = sc.settings
-    handle = planned.handle_params
     outcome = planned.outcome
+    own = planned.taken if planned.handle_params is None else None
+    queued = sc.take_rider() if planned.handle_params is None and own is None else None
+    carried = _Carried(planned.handle_params, own or queued, queued is not None)
     tried: set[str] = set()
     attempts = 0
     started = time.monotonic()
     # Each engine once, plus one retry without the handle after a failed pull.
     budget = len(sc.pool.engines) + 1
-    while attempts < budget:
-        engine = sc.pool.choose(tried)
-        if engine is None:
-            break
-        attempts += 1
-        if timings.queue_s is None:
-            timings.queue_s = time.monotonic() - turn.received_at
-        body = rewrite.prefill_body(turn.body, handle, _session_id(sc, turn))
-        try:
-            with sc.pool.in_flight(engine):
-                status, data = await engine.client.post_json(
-                    turn.api.path,
-                    body,
-                    request_id=turn.request_id,
-                    timeout=s.prefill_timeout_seconds,
+    try:
+        while attempts < budget:
+            engine = sc.pool.choose(tried)
+            if engine is None:
+                break
+            attempts += 1
+            if timings.queue_s is None:
+                timings.queue_s = time.monotonic() - turn.received_at
+            body = rewrite.prefill_body(turn.body, carried.params(), _session_id(sc, turn))
+            try:
+                with sc.pool.in_flight(engine):
+                    status, data = await engine.client.post_json(
+                        turn.api.path,
+                        body,
+                        request_id=turn.request_id,
+                        timeout=s.prefill_timeout_seconds,
+                    )
+            except asyncio.CancelledError:
+                carried.broke_off(sc)  # the client left while P had the request
+                raise
+            except EngineUnavailable as exc:
+                sc.metrics.prefill_attempts.labels("unavailable").inc()
+                sc.pool.mark_down(engine.url)
+                tried.add(engine.url)
+                log.warning("prefill engine unavailable request_id=%s err=%s", turn.request_id, exc)
+                # Never connected: what it carried is untouched, the next engine gets it.
+                if not isinstance(exc, EngineUnreachable) and carried.broke_off(sc):
+                    outcome = Outcome.PULL_FAILED
+                continue
+            except EngineTimeout as exc:
+                sc.metrics.prefill_attempts.labels("timeout").inc()
+                tried.add(engine.url)
+                log.warning("prefill timed out request_id=%s err=%s", turn.request_id, exc)
+                if carried.broke_off(sc):
+                    outcome = Outcome.PULL_FAILED
+                continue
+            params = _valid_prefill_params(data) if status == 200 else None
+            if params is not None:
+                sc.metrics.prefill_attempts.labels("ok").inc()
+                outcome, reused = plan.settle(planned, Route.REMOTE, outcome)
+                freed = carried.pull is not None or (carried.rider is own and own is not None)
+                if queued is not None and carried.rider is queued:
+                    sc.rider_done(queued, freed=True)
+                carried.rider = None
+                return PrefillResult(
+                    Route.REMOTE,
+                    outcome,
+                    params,
+                    reused,
+                    engine.url,
+                    attempts,
+                    time.monotonic() - started,
+                    handle_freed=freed,
+                    handle_unknown=carried.taken_unknown,
                 )
-        except EngineUnavailable as exc:
-            sc.metrics.prefill_attempts.labels("unavailable").inc()
-            sc.pool.mark_down(engine.url)
+            if status == 200:
+                sc.metrics.prefill_attempts.labels("no-params").inc()
+                log.warning(
+                    "prefill engine returned no kv_transfer_params (is it running the "
+                    "NixlConnector?) request_id=%s engine=%s",
+                    turn.request_id,
+                    engine.url,
+                )
+                carried.broke_off(sc)
+                break
+            if carried.params() is not None:
+                # A failed pull (handle expired, D gone) under kv_load_failure_policy=
+                # fail is an immediate 500: retry at once without the handle = recompute.
+                sc.metrics.prefill_attempts.labels("pull-failed").inc()
+                log.warning(
+                    "prefill failed with a handle; recomputing request_id=%s status=%s",
+                    turn.request_id,
+                    status,
+                )
+                if carried.broke_off(sc):
+                    outcome = Outcome.PULL_FAILED
+                continue
+            sc.metrics.prefill_attempts.labels("error").inc()
+            if 400 <= status < 500:
+                # Let D answer: if the request is invalid, D's error is the canonical one.
+                break
             tried.add(engine.url)
-            log.warning("prefill engine unavailable request_id=%s err=%s", turn.request_id, exc)
-            if handle is not None and not isinstance(exc, EngineUnreachable):
-                # P may have read D's blocks before it broke off, and a completed read
-                # frees them: sending the handle again could read freed memory.
-                handle, outcome = None, Outcome.PULL_FAILED
-            # Never connected: the handle is untouched, the next engine gets it.
-            continue
-        except EngineTimeout as exc:
-            sc.metrics.prefill_attempts.labels("timeout").inc()
-            tried.add(engine.url)
-            log.warning("prefill timed out request_id=%s err=%s", turn.request_id, exc)
-            if handle is not None:
-                handle, outcome = None, Outcome.PULL_FAILED
-            continue
-        params = _valid_prefill_params(data) if status == 200 else None
-        if params is not None:
-            sc.metrics.prefill_attempts.labels("ok").inc()
-            outcome, reused = plan.settle(planned, Route.REMOTE, outcome)
-            return PrefillResult(
-                Route.REMOTE,
-                outcome,
-                params,
-                reused,
-                engine.url,
-                attempts,
-                time.monotonic() - started,
-            )
-        if status == 200:
-            sc.metrics.prefill_attempts.labels("no-params").inc()
             log.warning(
-                "prefill engine returned no kv_transfer_params (is it running the "
-                "NixlConnector?) request_id=%s engine=%s",
+                "prefill failed request_id=%s engine=%s status=%s",
                 turn.request_id,
                 engine.url,
-            )
-            break
-        if handle is not None:
-            # A failed pull (handle expired, D gone) under kv_load_failure_policy=fail
-            # is an immediate 500: retry at once without the handle = recompute.
-            sc.metrics.prefill_attempts.labels("pull-failed").inc()
-            log.warning(
-                "prefill failed with the handle; recomputing request_id=%s status=%s",
-                turn.request_id,
                 status,
             )
-            handle, outcome = None, Outcome.PULL_FAILED
-            continue
-        sc.metrics.prefill_attempts.labels("error").inc()
-        if 400 <= status < 500:
-            # Let D answer: if the request is invalid, D's error is the canonical one.
-            break
-        tried.add(engine.url)
-        log.warning(
-            "prefill failed request_id=%s engine=%s status=%s", turn.request_id, engine.url, status
-        )
+    finally:
+        if carried.rider is not None and queued is not None and carried.rider is queued:
+            sc.release(queued)  # never sent: back to waiting for a ride or a request
     elapsed = time.monotonic() - started if attempts else None
     outcome, reused = plan.settle(planned, Route.FALLBACK, outcome)
     return PrefillResult(
-        Route.FALLBACK, outcome, plan.local_params(turn, rules), reused, None, attempts, elapsed
+        Route.FALLBACK,
+        outcome,
+        plan.local_params(turn, rules),
+        reused,
+        None,
+        attempts,
+        elapsed,
+        handle_unknown=carried.taken_unknown,
     )
+
+
+def settle_taken(sc: Sidecar, planned: PrefillPlan, prefill: PrefillResult) -> None:
+    """The session's taken handle, if P neither read nor released it: release it, or
+    keep it in the pinned figures until D's deadline when its state is unknown."""
+    taken = planned.taken
+    if taken is None:
+        return
+    if prefill.handle_freed:
+        if prefill.outcome is not Outcome.REUSED:
+            sc.released_by_rider()
+        return
+    if prefill.handle_unknown:
+        sc.pin_until_expiry(taken, PINNED_PULL_FAILED)
+    else:
+        sc.release(taken)
 
 
 # ------------------------------------------------------------------ 6. decode
@@ -202,7 +277,28 @@ async def _open_decode(
     sc: Sidecar, turn: TurnInput, params: Mapping[str, Any] | None
 ) -> aiohttp.ClientResponse:
     body = rewrite.decode_body(turn.body, params, _session_id(sc, turn))
-    return await sc.local.client.open(turn.api.path, body, request_id=turn.request_id)
+    s = sc.settings
+    return await sc.local.client.open(
+        turn.api.path,
+        body,
+        request_id=turn.request_id,
+        total=s.decode_timeout_seconds,
+        # A non-streamed answer comes in one piece at the end: only the total applies.
+        idle=s.stream_idle_timeout_seconds if turn.stream else None,
+    )
+
+
+def timed_out(sc: Sidecar, request_id: str, detail: str) -> web.Response:
+    message = (
+        f"the decode engine did not answer within the sidecar's budget ({detail}); "
+        "the request was aborted"
+    )
+    log.warning("decode timed out request_id=%s detail=%s", request_id, detail)
+    return web.json_response(
+        error_body(message, "upstream_timeout", 504),
+        status=504,
+        headers={HDR_REQUEST_ID: request_id},
+    )
 
 
 async def run_decode(
@@ -230,6 +326,9 @@ async def run_decode(
             )
             report.route = Route.FALLBACK
             upstream = await _open_decode(sc, turn, plan.local_params(turn, rules))
+    except EngineTimeout as exc:
+        report.status, report.error = 504, exc.reason
+        return timed_out(sc, turn.request_id, exc.reason)
     except UpstreamError as exc:
         report.status, report.error = 502, exc.reason
         return not_ready(sc, turn.request_id, exc.reason)
@@ -257,11 +356,16 @@ async def run_decode(
             response, capture = await _relay_stream(request, upstream, turn, headers, report)
         else:
             response, capture = await _relay_body(upstream, turn, headers)
+    except TimeoutError:
+        # The answer did not finish within the budget: closing D's connection aborts it.
+        upstream.close()
+        report.status, report.error = 504, "decode answer timed out"
+        return timed_out(sc, turn.request_id, f"{sc.settings.decode_timeout_seconds}s in all")
     finally:
         upstream.release()
     report.finish_reason = capture.finish_reason
     if report.error is None:
-        _keep_handle(sc, turn, capture, rules, report)
+        _keep_handle(sc, turn, capture, rules, report, prefill.decode_params)
     return response
 
 
@@ -305,45 +409,74 @@ async def _relay_stream(
         if tail:
             await response.write(tail)
         await response.write_eof()
-    except (aiohttp.ClientError, ConnectionResetError) as exc:
-        # D broke off, or the client left (closing D's stream aborts the request).
+    except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
+        # D broke off or fell silent past the idle budget, or the client left (closing
+        # D's stream aborts the request). The client already has the headers: it gets
+        # an error event, as vLLM sends one when a stream fails, and the stream ends.
         upstream.close()
-        report.error = f"stream broken: {exc}"
-        log.warning("stream broken request_id=%s err=%s", turn.request_id, exc)
+        report.error = f"stream broken: {type(exc).__name__}: {exc}"
+        log.warning("stream broken request_id=%s err=%r", turn.request_id, exc)
+        why = "timed out" if isinstance(exc, TimeoutError) else "broke off"
+        event = error_body(f"the decode engine {why} mid-answer", "upstream_error", 502)
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientError, RuntimeError):
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            await response.write_eof()
     return response, sse.capture
 
 
 def _keep_handle(
-    sc: Sidecar, turn: TurnInput, capture: rewrite.Capture, rules: plan.Rules, report: TurnReport
+    sc: Sidecar,
+    turn: TurnInput,
+    capture: rewrite.Capture,
+    rules: plan.Rules,
+    report: TurnReport,
+    decode_params: Mapping[str, Any] | None,
 ) -> None:
+    """Keep the handle D's answer left for the next turn; release one that cannot be
+    kept (D pins it all the same)."""
     reason = plan.handle_not_kept(turn, rules)
-    if reason is None:
-        handle, reason = plan.build_handle(
-            turn,
-            capture,
-            now=sc.store.now(),
-            received_wall=time.time(),
-            engine_build=sc.settings.engine_build,
-            retention_s=sc.settings.retention_seconds,
-        )
-        if handle is not None:
-            sc.store.put(handle)
-            report.handle_kept = True
-            return
-    report.handle_not_kept_reason = reason
+    handle, why = plan.build_handle(
+        turn,
+        capture,
+        now=sc.store.now(),
+        received_wall=time.time(),
+        engine_build=sc.settings.engine_build,
+        retention_s=sc.settings.retention_seconds,
+    )
+    if handle is not None and reason is None and why is None:
+        sc.store.put(handle)
+        report.handle_kept = True
+        report.next_session = handle.session
+        return
+    report.handle_not_kept_reason = reason or why
+    if handle is not None:
+        sc.release(handle)
+    elif decode_params is not None and reason == plan.NOT_KEPT_STREAMING:
+        # D was asked to keep its KV (it read P's) but streams no handle back: pinned
+        # until its deadline, nobody knows where.
+        tokens = (report.prompt_tokens or 0) + len(capture.output_ids)
+        sc.pin_unreturned(turn.request_id, tokens)
 
 
 # ------------------------------------------------------------------ the turn
 
 
+def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
+    report.status, report.error = 499, "client went away"
+    report.timings.total_s = time.monotonic() - received_at
+    sc.record_turn(report)
+
+
 async def serve_turn(
-    sc: Sidecar, request: web.Request, api: Api, request_id: str
+    sc: Sidecar, request: web.Request, api: Api, request_id: str, *, from_peer: bool = True
 ) -> web.StreamResponse:
+    """One turn. ``from_peer``: the request came in on the internal port, so an
+    ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a client's."""
     received_at = time.monotonic()
     raw = await request.read()
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
         body = None
     if not isinstance(body, dict):
         return web.json_response(
@@ -354,7 +487,7 @@ async def serve_turn(
         api, body, request.headers, request_id, received_at, sc.settings.session_keys
     )
 
-    owner = forward.target(sc, turn, request.headers)
+    owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:
         relayed = await forward.forward(sc, request, raw, turn, owner)
         if relayed is not None:
@@ -366,11 +499,13 @@ async def serve_turn(
     rules = sc.rules()
     prompt_ids = await prompt_tokens(sc, turn)
     # Taken now, before any await: single use even when two turns of a session race.
-    lookup = sc.store.take(turn.session) if turn.single_sequence else None
-    planned = plan.plan_turn(turn, prompt_ids, lookup, rules)
+    lookup = sc.store.take(turn.slot) if turn.single_sequence else None
+    planned = plan.plan_turn(
+        turn, prompt_ids, lookup, rules, lambda: sc.cached_on_decode(turn, prompt_ids)
+    )
     report = TurnReport(
         request_id=request_id,
-        session=turn.session,
+        session=turn.slot,
         api=api,
         stream=turn.stream,
         outcome=planned.outcome,
@@ -380,12 +515,25 @@ async def serve_turn(
         reused_tokens=planned.reused_tokens,
         handle_age_s=planned.handle_age_s,
     )
-    prefill = await run_prefill(sc, turn, planned, rules, report.timings)
+    try:
+        prefill = await run_prefill(sc, turn, planned, rules, report.timings)
+    except asyncio.CancelledError:
+        # The client went away mid-prefill (aiohttp cancels the handler, which closes
+        # P's connection: P aborts). The taken handle may have reached P: unknown.
+        if planned.taken is not None:
+            sc.pin_until_expiry(planned.taken, PINNED_PULL_FAILED)
+        _client_gone(sc, report, received_at)
+        raise
+    settle_taken(sc, planned, prefill)
     report.outcome, report.route = prefill.outcome, prefill.route
     report.reused_tokens = prefill.reused_tokens
     report.prefill_engine, report.prefill_attempts = prefill.engine, prefill.attempts
     report.timings.prefill_s = prefill.prefill_s if prefill.route is Route.REMOTE else None
-    response = await run_decode(sc, request, turn, prefill, rules, report)
+    try:
+        response = await run_decode(sc, request, turn, prefill, rules, report)
+    except asyncio.CancelledError:
+        _client_gone(sc, report, received_at)  # D's connection closed: D aborts
+        raise
     report.timings.total_s = time.monotonic() - received_at
     sc.record_turn(report)
     return response

@@ -19,6 +19,7 @@ Pure (no aiohttp, no zmq). Fed by the owner (``runtime.Sidecar``):
 5. engine figures (``observe_engine``, from ``enginemetrics``): counters made
    monotonic across engine restarts; bytes per token = NIXL bytes / p2p tokens.
 6. KV-event state (a source callable returning ``report.KVEvents``).
+7. the transport verdict (a source callable, see ``kvferry_sidecar.transport``).
 
 TTFT: a streamed turn's TTFT is arrival -> first byte written to the client
 (``timings.first_token_s``). A non-streamed answer has no first byte before the
@@ -35,15 +36,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .enginemetrics import Cumulative, EngineFigures
-from .types import K_REMOTE_BLOCK_IDS, HandleFate, SessionTag, TurnReport
+from .types import HandleFate, SessionTag, TurnReport
 
 Clock = Callable[[], float]
 
@@ -59,7 +59,9 @@ _TAKEN_BY_OUTCOME = {
     Outcome.MISALIGNED: Outcome.MISALIGNED.value,
     Outcome.BELOW_THRESHOLD: Outcome.BELOW_THRESHOLD.value,
     Outcome.PULL_FAILED: Outcome.PULL_FAILED.value,
+    Outcome.KV_MISMATCH: Outcome.KV_MISMATCH.value,
     Outcome.SKIPPED_PREFILL: FATE_SKIPPED,
+    Outcome.CACHED_ON_DECODE: FATE_SKIPPED,
 }
 
 
@@ -79,17 +81,8 @@ class PinnedFigures:
     blocks: int = 0
     oldest_age_seconds: float = 0.0
     block_size: int | None = None
-
-
-def handle_blocks(params: Mapping[str, Any]) -> int:
-    """Blocks a handle pins on D: ``remote_block_ids`` is one flat list or one list
-    per KV cache group (the longest group spans the prefix)."""
-    ids = params.get(K_REMOTE_BLOCK_IDS)
-    if not isinstance(ids, (list, tuple)) or not ids:
-        return 0
-    if all(isinstance(b, int) for b in ids):
-        return len(ids)
-    return max((len(g) for g in ids if isinstance(g, (list, tuple))), default=0)
+    unused_handles: int = 0  # of the above, pinned although no turn will read them
+    unused_blocks: int = 0
 
 
 def turn_bucket(index: int) -> str:
@@ -123,6 +116,7 @@ class Residency:
         pending_cap: int = PENDING_CAP,
         pinned: Callable[[], PinnedFigures] | None = None,
         kv_events: Callable[[], rpt.KVEvents] | None = None,
+        transport: Callable[[], tuple[str, str]] | None = None,
     ) -> None:
         self.ident = ident
         self.started_at = time.time() if started_at is None else started_at
@@ -131,11 +125,14 @@ class Residency:
         self._pending_cap = pending_cap
         self.pinned_source = pinned
         self.kv_events_source = kv_events
+        self.transport_source = transport
         self.engine_healthy = False
         self.transport = ident.transport
 
         self.outcomes: dict[str, int] = {}
         self.handles: dict[str, int] = {}
+        # Handles dropped unread, by how D was told to free them (release.py).
+        self.releases: dict[str, int] = dict.fromkeys(rpt.Releases.__struct_fields__, 0)
         self.by_turn: dict[str, rpt.TurnBucket] = {}
         self.gaps = rpt.Histogram.empty(rpt.GAP_BOUNDS)
         self.ttft_reused = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
@@ -163,6 +160,10 @@ class Residency:
         if report.session in self._taken:
             del self._taken[report.session]
             self._count(self.handles, _TAKEN_BY_OUTCOME.get(report.outcome, FATE_TAKEN))
+        if report.next_session and report.next_session != report.session:
+            # The conversation's next turn looks up another slot (session.handle_slot):
+            # its gap and turn index continue there.
+            self._sessions[report.next_session] = self._sessions.pop(report.session)
         if report.status != 200 or report.error is not None:
             return  # timings of a failed turn describe the failure, not the cache
         ttft = ttft_of(report)
@@ -193,6 +194,9 @@ class Residency:
 
     # -------------------------------------------------------------- handles
 
+    def on_release(self, kind: str) -> None:
+        self._count(self.releases, kind)
+
     def on_handle_drop(self, fate: HandleFate, session: SessionTag) -> None:
         if fate is HandleFate.TAKEN:
             # Its fate is the outcome of the turn that took it (observe_turn).
@@ -211,6 +215,7 @@ class Residency:
         acc.update("preemptions", figures.preemptions)
         acc.update("nixl_bytes", figures.nixl_bytes)
         acc.update("nixl_seconds", figures.nixl_seconds)
+        acc.update("nixl_transfers", figures.nixl_transfers)
         acc.update("nixl_expired", figures.nixl_expired)
         acc.update("nixl_failed", figures.nixl_failed)
         acc.update("p2p_tokens", figures.p2p_tokens)
@@ -219,6 +224,12 @@ class Residency:
     def engine_restarted(self) -> None:
         """The engine is back from a restart: its usage figure is stale."""
         self._kv_usage = None
+
+    def transport_verdict(self) -> tuple[str, str]:
+        """(transport, reason) as of now."""
+        if self.transport_source is None:
+            return self.transport, ""
+        return self.transport_source()
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -238,10 +249,12 @@ class Residency:
             else 0
         )
         acc = self._engine
+        transport, transport_reason = self.transport_verdict()
         transfer = rpt.Transfer(
             pulls=self.transfer.pulls,
             bytes=int(acc.get("nixl_bytes")),
             seconds=acc.get("nixl_seconds"),
+            transfers=int(acc.get("nixl_transfers")),
             pull_latency=self.transfer.pull_latency.copy(),
             recompute_tokens=self.transfer.recompute_tokens,
             recompute_seconds=self.transfer.recompute_seconds,
@@ -256,7 +269,8 @@ class Residency:
             engine_build=self.ident.engine_build,
             started_at=self.started_at,
             generated_at=now_unix,
-            transport=self.transport if self.transport in rpt.TRANSPORTS else "Unknown",
+            transport=transport if transport in rpt.TRANSPORTS else rpt.TRANSPORT_UNKNOWN,
+            transport_reason=transport_reason,
             outcomes=dict(self.outcomes),
             handles=dict(self.handles),
             by_turn={
@@ -271,7 +285,10 @@ class Residency:
                 blocks=pinned.blocks,
                 bytes=nbytes,
                 oldest_age_seconds=pinned.oldest_age_seconds,
+                unused_handles=pinned.unused_handles,
+                unused_blocks=pinned.unused_blocks,
             ),
+            releases=rpt.Releases(**self.releases),
             transfer=transfer,
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,

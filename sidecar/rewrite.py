@@ -143,6 +143,9 @@ class Capture:
     output_ids: list[int] = field(default_factory=list)
     params: JSON | None = None
     finish_reason: str | None = None
+    # The answer's text as the client got it: the next turn echoes it in its history
+    # (session.next_handle_slot).
+    text: str = ""
 
     def add(self, obj: Mapping[str, Any]) -> None:
         params = obj.get(F_KV_PARAMS)
@@ -161,6 +164,11 @@ class Capture:
             ids = choice.get(F_TOKEN_IDS)
             if isinstance(ids, list):
                 self.output_ids.extend(ids)
+            for part in (choice.get("message"), choice.get("delta")):
+                if isinstance(part, dict) and isinstance(part.get("content"), str):
+                    self.text += part["content"]
+            if isinstance(choice.get("text"), str):
+                self.text += choice["text"]
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 

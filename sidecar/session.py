@@ -8,6 +8,17 @@ the prompt), so a client that resends its growing history still lands on one own
 The owner is chosen by rendezvous (highest-random-weight) hashing over the decode
 StatefulSet's ordinals: stable across processes and restarts (no Python ``hash()``),
 and scaling from n to n+1 pods moves only the sessions the new pod wins (~1/(n+1)).
+
+Handle slots. A key from ``session_id``, ``conversation_id`` or a header names one
+conversation, and its handle is kept under the key. ``user`` and the fallback key
+name a person or a shared preamble: several conversations run under them at once,
+and with one handle slot each turn would take (and misalign) another conversation's
+handle. Under those keys the slot is refined by the conversation so far: a turn looks
+up the slot of its history up to the last assistant message, and its answer is kept
+under the slot of its messages plus that answer, which is exactly the history the
+next turn of the same conversation sends (agent loops with tool results included).
+Routing still uses the key, so a conversation keeps its decode pod (and sessions
+sharing a preamble share D's prefix cache).
 """
 
 from __future__ import annotations
@@ -71,6 +82,64 @@ def session_key(
         if value is not None:
             return f"{source}={value}"
     return fallback_key(body)
+
+
+def refines_slot(key: SessionKey) -> bool:
+    """Keys that name a person or a shared preamble rather than one conversation."""
+    return key.startswith(("user=", "auto:"))
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the slot digest sees it: text with its whitespace
+    collapsed, media parts by digest, tool calls and other fields ignored (clients
+    echo answers in many shapes, stripped or not; the alignment guard checks the
+    tokens anyway)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return " ".join(content.split())
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                out.append(" ".join(part["text"].split()))
+            else:
+                out.append("\x02" + _digest(json.dumps(part, sort_keys=True, default=str)))
+        return "\x03".join(out)
+    return json.dumps(content, sort_keys=True, default=str)
+
+
+def _history_digest(messages: Iterable[Any]) -> str:
+    parts = []
+    for m in messages:
+        if isinstance(m, dict):
+            parts += [str(m.get("role") or ""), _content_text(m.get("content"))]
+    return _digest(*parts)
+
+
+def _until_last_assistant(messages: list[Any]) -> list[Any]:
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            return messages[: i + 1]
+    return []
+
+
+def handle_slot(key: SessionKey, body: Mapping[str, Any]) -> SessionTag:
+    """Where this turn looks for its conversation's handle."""
+    messages = body.get("messages")
+    if not refines_slot(key) or not isinstance(messages, list):
+        return session_tag(key)
+    return session_tag(f"{key}|{_history_digest(_until_last_assistant(messages))}")
+
+
+def next_handle_slot(key: SessionKey, body: Mapping[str, Any], answer: str) -> SessionTag:
+    """Where this turn's handle is kept: the slot the next turn will look up."""
+    messages = body.get("messages")
+    if not refines_slot(key) or not isinstance(messages, list):
+        return session_tag(key)
+    history = [*messages, {"role": "assistant", "content": answer}]
+    return session_tag(f"{key}|{_history_digest(history)}")
 
 
 def session_tag(key: SessionKey) -> SessionTag:

@@ -14,6 +14,8 @@ from typing import Any, Final
 
 from kvferry_wire.protocol import Outcome, Route
 
+from .identity import KVIdentity
+
 # ------------------------------------------------------------------ ids
 
 RequestId = str  # the X-Request-Id shared by both legs of a turn
@@ -83,11 +85,23 @@ LOCAL_PREFILL_PARAMS: Final[Mapping[str, Any]] = {
 # peer that reads another's handles (debug dumps, a future ownership hand-off) fails
 # with a clear HandleFormatError instead of misreading KV coordinates.
 #   1: kv_transfer_params as D returned them + token ids + build + expiry deadline.
-HANDLE_FORMAT: Final = 1
+#   2: + identity (model, cache_salt, media digests, media options, truncation).
+HANDLE_FORMAT: Final = 2
 
 
 class HandleFormatError(ValueError):
     """A serialised handle of another format version, or malformed."""
+
+
+def handle_blocks(params: Mapping[str, Any]) -> int:
+    """Blocks a handle pins on D: ``remote_block_ids`` is one flat list or one list
+    per KV cache group (the longest group spans the prefix)."""
+    ids = params.get(K_REMOTE_BLOCK_IDS)
+    if not isinstance(ids, (list, tuple)) or not ids:
+        return 0
+    if all(isinstance(b, int) for b in ids):
+        return len(ids)
+    return max((len(g) for g in ids if isinstance(g, (list, tuple))), default=0)
 
 
 def token_array(ids: Any) -> array:
@@ -114,7 +128,13 @@ class KVHandle:
     # Monotonic deadline after which D frees the blocks; None when unknown.
     expires_at: float | None
     request_id: RequestId = ""
+    # What the KV depends on besides the token ids (identity.compatible decides).
+    identity: KVIdentity = field(default_factory=KVIdentity)
     format: int = HANDLE_FORMAT
+
+    @property
+    def blocks(self) -> int:
+        return handle_blocks(self.params)
 
     def to_wire(self) -> JSON:
         return {
@@ -127,6 +147,7 @@ class KVHandle:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "request_id": self.request_id,
+            "identity": self.identity.to_wire(),
         }
 
     @classmethod
@@ -147,6 +168,7 @@ class KVHandle:
                 created_at=float(data["created_at"]),
                 expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
                 request_id=str(data.get("request_id", "")),
+                identity=KVIdentity.from_wire(data.get("identity") or {}),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise HandleFormatError(f"malformed handle: {exc}") from exc
@@ -202,7 +224,9 @@ class TurnInput:
     body: Mapping[str, Any]  # client's body minus fields it may not set (kv params)
     request_id: RequestId
     session_key: SessionKey
-    session: SessionTag
+    session: SessionTag  # tag of the key: routing, engine session_id
+    slot: SessionTag  # where this turn's handle is looked up (session.handle_slot)
+    identity: KVIdentity  # what the prompt's KV depends on besides its ids
     stream: bool
     wants_token_ids: bool  # the client itself asked for return_token_ids
     # False for n > 1, beam search or batched prompts: P/D and handles need one sequence.
@@ -221,6 +245,9 @@ class PrefillPlan:
     aligned_tokens: int  # common prefix of the prompt and the handle's tokens
     reused_tokens: int  # tokens P is told to pull (or D already holds, when skipping)
     handle_age_s: float | None  # inter-turn gap, when a handle was found
+    # The session's handle, taken from the store (single use) whether or not this turn
+    # reads it: one nobody reads still pins D's blocks and must be released.
+    taken: KVHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +261,12 @@ class PrefillResult:
     engine: str | None = None
     attempts: int = 0
     prefill_s: float | None = None
+    # The taken handle left D's pin list: P read it, or P registered an empty pull
+    # for it (a release riding on this prefill).
+    handle_freed: bool = False
+    # A prefill attempt that carried the taken handle broke off: read, released or
+    # neither, nobody knows (pinned in the figures until D's deadline).
+    handle_unknown: bool = False
 
 
 @dataclass
@@ -250,12 +283,14 @@ class TurnReport:
     """Everything one turn did; metrics.record() turns it into series and a log line."""
 
     request_id: RequestId
-    session: SessionTag
+    session: SessionTag  # the handle slot of this turn
     api: Api
     stream: bool
     outcome: Outcome
     route: Route
     status: int = 200
+    # The slot this turn's handle was kept under (the next turn's); None = session.
+    next_session: SessionTag | None = None
     prefill_engine: str | None = None
     prefill_attempts: int = 0
     prompt_tokens: int | None = None

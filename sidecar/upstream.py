@@ -6,8 +6,9 @@ Endpoints used, all present in both versions: ``/health`` (readiness), ``/versio
 ``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``.
 
 Timeouts: connecting is bounded (``connect_timeout_seconds``); a prefill is bounded
-as a whole (``prefill_timeout_seconds``); decode streams have no total limit, since a
-long generation is legitimate.
+as a whole (``prefill_timeout_seconds``); the decode leg too, generously
+(``decode_timeout_seconds``: long generations are legitimate), and a stream may not
+fall silent longer than ``stream_idle_timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .types import JSON, PATH_HEALTH, PATH_METRICS, PATH_TOKENIZE, PATH_VERSION
 
 log = logging.getLogger(__name__)
 
+# Failed /health probes in a row before an engine counts as not ready.
+FAILURES_BEFORE_NOT_READY = 3
 # vLLM 0.33 added kv_transfer_params to the final streamed chunk.
 STREAMING_HANDLES_SINCE = (0, 33)
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)")
@@ -74,6 +77,10 @@ class EngineInfo:
     version: str | None = None
     streaming_handles: bool = False
     block_size: int | None = None
+    # The engine's prefix-cache hash algorithm: only sha256_cbor hashes can be
+    # recomputed by the sidecar (blockhash.py).
+    prefix_hash_algo: str | None = None
+    started_at: float | None = None  # process start: a new value is a new engine
 
 
 class EngineClient:
@@ -122,6 +129,8 @@ class EngineClient:
             figures = enginemetrics.parse_or_none(body.decode("utf-8", "replace"))
             if status == 200 and figures is not None:
                 info.block_size = figures.block_size
+                info.prefix_hash_algo = figures.prefix_hash_algo
+                info.started_at = figures.started_at
         return info
 
     async def post_json(
@@ -156,18 +165,26 @@ class EngineClient:
         return [int(t) for t in data["tokens"]]
 
     async def open(
-        self, path: str, body: JSON, *, request_id: str | None
+        self,
+        path: str,
+        body: JSON,
+        *,
+        request_id: str | None,
+        total: float | None = None,
+        idle: float | None = None,
     ) -> aiohttp.ClientResponse:
-        """Start a request whose body the caller reads (streams); caller releases it."""
+        """Start a request whose body the caller reads (streams); caller releases it.
+        ``total`` bounds it all, ``idle`` each wait for more bytes (a read past either
+        raises ``TimeoutError``)."""
+        timeout = aiohttp.ClientTimeout(
+            total=total, connect=self._connect, sock_connect=self._connect, sock_read=idle
+        )
         try:
             return await self._session.post(
-                self.url + path,
-                json=body,
-                headers=self._headers(request_id),
-                timeout=self._timeout(None),
+                self.url + path, json=body, headers=self._headers(request_id), timeout=timeout
             )
         except TimeoutError as exc:
-            raise EngineTimeout(self.url, f"POST {path}: connect timed out") from exc
+            raise EngineTimeout(self.url, f"POST {path}: no answer within {total}s") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(self.url, f"POST {path}: {exc}") from exc
 
@@ -178,8 +195,12 @@ class EngineClient:
 class LocalEngine:
     """The engine in this pod: readiness, capabilities, and restarts.
 
-    A ready -> not ready -> ready sequence is a restart (or a hang): D's pinned
-    blocks are gone and ``probe`` reports it so the handle store can be cleared.
+    Readiness: one failed ``/health`` is not enough to stop serving (a busy engine
+    answers slowly); ``FAILURES_BEFORE_NOT_READY`` in a row are. A restart is told by
+    the engine's identity (its process start time, from ``/metrics``), not by a missed
+    probe: a restarted engine's pinned blocks are gone, a slow one's are not. Without
+    an identity (no process metrics), coming back after being not ready counts as a
+    restart, the safe side.
     """
 
     def __init__(
@@ -193,6 +214,7 @@ class LocalEngine:
         self.ready = False
         self.info = EngineInfo()
         self._was_ready = False
+        self._failures = 0
         self._streaming_override = streaming_override
         self._block_size_override = block_size_override
         self.last_error: str | None = "not probed yet"
@@ -207,34 +229,49 @@ class LocalEngine:
     def block_size(self) -> int | None:
         return self._block_size_override or self.info.block_size
 
+    def observe_identity(self, started_at: float | None) -> bool:
+        """The engine's process start as last seen; True when it changed (a restart)."""
+        if started_at is None:
+            return False
+        changed = self.info.started_at is not None and started_at != self.info.started_at
+        self.info.started_at = started_at
+        return changed
+
     async def probe(self) -> bool:
-        """Refresh readiness; True when this probe saw the engine come back."""
+        """Refresh readiness; True when this probe found a restarted engine."""
         healthy = await self.client.healthy()
-        restarted = False
-        if healthy and not self.ready:
-            self.info = await self.client.info()
-            restarted = self._was_ready
-            self._was_ready = True
-            self.last_error = None
-            log.info(
-                "engine ready url=%s version=%s streaming_handles=%s block_size=%s",
+        if not healthy:
+            self._failures += 1
+            self.last_error = f"health check failed ({self._failures} in a row)"
+            if self.ready and self._failures >= FAILURES_BEFORE_NOT_READY:
+                self.ready = False
+                log.warning("engine not ready url=%s err=%s", self.client.url, self.last_error)
+            return False
+        self._failures = 0
+        if self.ready:
+            return False
+        previous = self.info.started_at
+        self.info = await self.client.info()
+        restarted = self._was_ready and (
+            previous is None or self.info.started_at is None or self.info.started_at != previous
+        )
+        self._was_ready = True
+        self.ready = True
+        self.last_error = None
+        log.info(
+            "engine ready url=%s version=%s streaming_handles=%s block_size=%s restarted=%s",
+            self.client.url,
+            self.info.version,
+            self.streaming_handles,
+            self.block_size,
+            restarted,
+        )
+        if not self.streaming_handles:
+            log.warning(
+                "engine does not stream kv_transfer_params (vLLM < 0.33): streaming "
+                "turns keep no handle and their next turn recomputes url=%s",
                 self.client.url,
-                self.info.version,
-                self.streaming_handles,
-                self.block_size,
             )
-            if not self.streaming_handles:
-                log.warning(
-                    "engine does not stream kv_transfer_params (vLLM < 0.33): streaming "
-                    "turns keep no handle and their next turn recomputes url=%s",
-                    self.client.url,
-                )
-        elif not healthy and self.ready:
-            self.last_error = "health check failed"
-            log.warning("engine not ready url=%s", self.client.url)
-        elif not healthy:
-            self.last_error = "health check failed"
-        self.ready = healthy
         return restarted
 
 
@@ -247,6 +284,8 @@ class PrefillEngine:
     ready: bool = True  # optimistic until a probe or a request says otherwise
     outstanding: int = 0
     chosen: int = 0
+    failures: int = 0  # failed probes in a row
+    seen_healthy: bool = False  # an engine never seen healthy gets no benefit of doubt
 
     @property
     def url(self) -> str:
@@ -291,12 +330,21 @@ class PrefillPool:
             log.warning("prefill engine marked not ready url=%s", url)
 
     async def probe(self) -> None:
+        """A healthy probe makes an engine ready at once; it takes
+        ``FAILURES_BEFORE_NOT_READY`` failed ones in a row to stop choosing it (a busy
+        engine answers /health late; a refused connection on a request marks it down
+        at once, ``mark_down``)."""
         engines = list(self.engines.values())
         results = await asyncio.gather(*(e.client.healthy() for e in engines))
         for engine, healthy in zip(engines, results, strict=True):
-            if healthy != engine.ready:
-                log.info("prefill engine ready=%s url=%s", healthy, engine.url)
-            engine.ready = healthy
+            engine.failures = 0 if healthy else engine.failures + 1
+            engine.seen_healthy = engine.seen_healthy or healthy
+            ready = healthy or (
+                engine.seen_healthy and engine.ready and engine.failures < FAILURES_BEFORE_NOT_READY
+            )
+            if ready != engine.ready:
+                log.info("prefill engine ready=%s url=%s", ready, engine.url)
+            engine.ready = ready
 
     @contextlib.contextmanager
     def in_flight(self, engine: PrefillEngine) -> Iterator[None]:

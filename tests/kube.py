@@ -157,6 +157,8 @@ class Operator:
         self.cert, self.key = self_signed_cert(log_path.parent)
         self.report_port = free_port()
         self.report_url = f"https://127.0.0.1:{self.report_port}/v1/reports"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self) -> None:
         env = {
@@ -167,6 +169,8 @@ class Operator:
             "KVFERRY_TLS_KEY_FILE": str(self.key),
             "KVFERRY_REPORT_HOST": "127.0.0.1",
             "KVFERRY_REPORT_PORT": str(self.report_port),
+            "KVFERRY_METRICS_HOST": "127.0.0.1",
+            "KVFERRY_METRICS_PORT": str(self.metrics_port),
             "KVFERRY_PUBLISH_SECONDS": "1",
             "KVFERRY_MIN_STATUS_WRITE_SECONDS": "1",
             # What the rendered ConfigMaps tell sidecars (the chart sets the Service URL).

@@ -10,6 +10,10 @@ from typing import Final
 # Clients and peers only ever talk to the sidecar; the engine is reached on localhost
 # (and by prefill peers for the P->D request).
 SIDECAR_PORT: Final = 8000
+# The sidecar's internal port: peers' forwarded turns, Prometheus (/metrics) and the
+# residency report (/v1/residency). The entry Service never exposes it, so clients
+# cannot read another session's figures or pose as a peer.
+SIDECAR_INTERNAL_PORT: Final = 8001
 ENGINE_PORT: Final = 8200
 NIXL_SIDE_CHANNEL_PORT: Final = 5600
 # The engine's KV-event PUB socket and its replay ROUTER socket.
@@ -37,7 +41,10 @@ HDR_SESSION_ID: Final = "X-Session-Id"
 # Set by a sidecar that forwards a request to the session's owner. Its presence makes
 # the receiver serve the request itself, so one request is forwarded at most once.
 HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
-# Diagnostics on every turn's response.
+# Diagnostics on a turn's response, only when the server enables them
+# (routing.diagnosticHeaders): they tell, at block granularity, how much of a prompt
+# matched the session's previous turn, which a client guessing another's session key
+# must not learn.
 HDR_OUTCOME: Final = "X-Kvferry-Outcome"
 HDR_REUSED_TOKENS: Final = "X-Kvferry-Reused-Tokens"
 HDR_OWNER: Final = "X-Kvferry-Owner"
@@ -59,6 +66,12 @@ class Outcome(enum.StrEnum):
     BELOW_THRESHOLD = "below-threshold"  # usable prefix shorter than the recompute threshold
     PULL_FAILED = "pull-failed"  # P failed with the handle; retried without it
     SKIPPED_PREFILL = "skipped-prefill"  # D prefilled the short tail itself
+    # The handle's KV was computed under another model or adapter, cache_salt, media or
+    # media options, or either turn truncates its prompt: same ids, other KV.
+    KV_MISMATCH = "kv-mismatch"
+    # No usable handle, but D's prefix cache (seen through its KV events) still held
+    # the prompt's prefix: D prefilled the short tail itself.
+    CACHED_ON_DECODE = "cached-on-decode"
 
 
 class Route(enum.StrEnum):

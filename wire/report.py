@@ -7,9 +7,15 @@ push loses nothing and the operator can difference two reports.
 
 REPORT_VERSION history:
   1 - first version.
+  2 - transport value ``TCP`` (TCP because the spec asked for it, not a fallback);
+      ``transportReason`` (the evidence behind ``transport``); ``transfer.transfers``
+      (NIXL transfers, the count behind ``bytes`` and ``seconds``). The operator
+      reads 1 and 2: a version-1 report decodes with those fields empty.
+      Also added in 2, with defaults: ``pinned.unusedHandles``/``unusedBlocks`` (pinned
+      KV no turn will read) and ``releases`` (how handles dropped unread were freed).
 
-A peer that sends another version is refused with a message naming both
-versions, rather than being half understood.
+A peer that sends a version outside ``READABLE_VERSIONS`` is refused with a
+message naming both, rather than being half understood.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any
 
 import msgspec
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 # Reports are small (a few KiB); anything near this is malformed or hostile.
 MAX_REPORT_BYTES = 256 * 1024
 
@@ -34,7 +41,14 @@ LATENCY_BOUNDS: tuple[float, ...] = (
 # Turn index buckets for "reuse by turn": 1, 2, ..., 7, and 8 for 8 and later.
 MAX_TURN_BUCKET = 8
 
-TRANSPORTS = ("RDMA", "TCPFallback", "Unknown")
+# What the P<->D KV path uses, as the sidecar can tell (see kvferry_sidecar.transport):
+# RDMA; TCP because network.transport asked for tcp; TCPFallback: TCP although RDMA was
+# asked for or could have been used; Unknown: not enough evidence yet.
+TRANSPORT_RDMA = "RDMA"
+TRANSPORT_TCP = "TCP"
+TRANSPORT_TCP_FALLBACK = "TCPFallback"
+TRANSPORT_UNKNOWN = "Unknown"
+TRANSPORTS = (TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN)
 
 
 class Histogram(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
@@ -114,19 +128,33 @@ class TurnBucket(msgspec.Struct, rename="camel"):
 
 
 class Pinned(msgspec.Struct, rename="camel"):
-    """Handles this decode pod keeps pinned for a next turn (vLLM 0.32 also spins
-    a core while any is pinned)."""
+    """KV this decode pod's engine keeps pinned for a next turn (vLLM 0.32 also spins
+    a core while any is pinned): handles the sidecar holds for sessions, plus the
+    ``unused`` ones no turn will read that D has not freed yet (release pending,
+    impossible, or failed: they go at D's deadline)."""
 
     handles: int = 0
     blocks: int = 0
     bytes: int = 0
     oldest_age_seconds: float = 0.0
+    unused_handles: int = 0
+    unused_blocks: int = 0
+
+
+class Releases(msgspec.Struct, rename="camel"):
+    """Handles dropped unread, by how D was told to free them (cumulative)."""
+
+    rider: int = 0  # on the turn's own prefill request
+    request: int = 0  # by a release request of their own
+    failed: int = 0  # a release request failed: pinned until D's deadline
+    unreleasable: int = 0  # no prefill engine, a failed pull, not returned by D
 
 
 class Transfer(msgspec.Struct, rename="camel"):
     pulls: int = 0  # turns served with pulled KV
     bytes: int = 0  # NIXL bytes (engine metric where available)
     seconds: float = 0.0  # NIXL transfer time (engine metric)
+    transfers: int = 0  # NIXL transfers behind bytes and seconds (version 2)
     pull_latency: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(LATENCY_BOUNDS))
     # Cost of computing instead: prefill tokens and seconds of recomputed turns.
     recompute_tokens: int = 0
@@ -160,7 +188,10 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
     engine_build: str | None = None
     started_at: float  # unix seconds
     generated_at: float  # unix seconds
-    transport: str = "Unknown"
+    transport: str = TRANSPORT_UNKNOWN
+    # One line of evidence for ``transport``: configured UCX_TLS and devices, RDMA
+    # devices seen in the pod, measured GB/s (version 2).
+    transport_reason: str = ""
     outcomes: dict[str, int] = msgspec.field(default_factory=dict)
     # Handle fates: consumed, expired, misaligned, evicted, ...
     handles: dict[str, int] = msgspec.field(default_factory=dict)
@@ -172,6 +203,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
         default_factory=lambda: Histogram.empty(LATENCY_BOUNDS)
     )
     pinned: Pinned = msgspec.field(default_factory=Pinned)
+    releases: Releases = msgspec.field(default_factory=Releases)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)
@@ -195,8 +227,9 @@ def decode(raw: bytes) -> Report:
         version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")
     except msgspec.DecodeError as exc:
         raise ReportError(f"not JSON: {exc}") from exc
-    if version != REPORT_VERSION:
-        raise ReportError(f"report version {version!r}; this operator reads {REPORT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+        raise ReportError(f"report version {version!r}; this operator reads {readable}")
     try:
         report = msgspec.json.decode(raw, type=Report)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -4,14 +4,16 @@ pods' bound tokens, refusals, and `kubectl get kv-cache-status` showing the figu
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import time
 import urllib.error
 import urllib.request
 
+from kvferry_sidecar.promtext import Scrape
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import make, wait_ready
+from tests.cluster.test_operator import condition, make, wait_ready
 from tests.kube import wait_for_event
 
 GAPS = [30.0] * 40 + [50.0] * 10  # p95 interpolates inside (45, 60]
@@ -37,16 +39,27 @@ def bound_token(kubectl: Kubectl, ns: str, pod: str) -> str:
     ).stdout.strip()
 
 
-def decode_report(ns: str, server: str, pod: str) -> bytes:
+EVIDENCE = "TCP: no RDMA device in the pod (/sys/class/infiniband is empty); UCX_TLS=tcp,self"
+
+
+STARTED = time.time() - 60
+
+
+def decode_report(ns: str, server: str, pod: str, preemptions: int = 0) -> bytes:
     rep = wire.Report(
-        version=1,
+        version=wire.REPORT_VERSION,
         server=server,
         namespace=ns,
         pod=pod,
         role="decode",
-        started_at=time.time() - 60,
+        started_at=STARTED,
         generated_at=time.time(),
         transport="TCPFallback",
+        transport_reason=EVIDENCE,
+        handles={"consumed": 9, "expired": 1},
+        pinned=wire.Pinned(handles=2, blocks=40, bytes=3 * 2**20),
+        transfer=wire.Transfer(pulls=9, bytes=2_400_000_000, seconds=2.0, transfers=30),
+        engine=wire.Engine(preemptions=preemptions),
     )
     rep.by_turn = {"1": wire.TurnBucket(10, 0, 5000, 0), "2": wire.TurnBucket(10, 9, 6000, 5100)}
     rep.outcomes = {"no-handle": 10, "reused": 9, "expired": 1}
@@ -98,15 +111,103 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     assert figures["RETENTION"] == "480s"
     recommended = float(figures["RECOMMENDED"].rstrip("s"))
     assert recommended >= gap  # covers the configured coverage
-    assert figures["TRANSPORT"] == "TCPFallback"
+    assert figures["TRANSPORT"] == "TCPFallback@1.20GB/s"
+    wide = kubectl.run("get", "kvcs", "tiny", "-n", ns, "-o", "wide").stdout.splitlines()
+    wide_figures = dict(zip(wide[0].split(), wide[1].split(), strict=True))
+    assert (wide_figures["GB/S"], wide_figures["EXPIRED"], wide_figures["PINNED"]) == (
+        "1.20GB/s",
+        "10%",
+        "2/3.0MiB",
+    )
+    # Every field the operator wrote came back from the API server (nothing pruned).
     kvcs = kubectl.get("kvcachestatus", "tiny", ns)["status"]
     assert kvcs["phase"] == "Reporting"
     assert kvcs["retention"]["reason"].startswith("p95 of 50 inter-turn gaps")
-    assert [p["name"] for p in kvcs["pods"]] == ["tiny-decode-0"]
+    assert (kvcs["retention"]["expiredShare"], kvcs["retention"]["pinnedBytes"]) == ("10%", 3 << 20)
+    assert kvcs["retention"]["decodePreemptionsRecent"] == 0
+    assert kvcs["transfer"]["transportReason"] == f"tiny-decode-0: {EVIDENCE}"
+    assert (kvcs["transfer"]["gigabytesPerSecond"], kvcs["transfer"]["transfers"]) == (1.2, 30)
+    assert kvcs["transfer"]["meanTransferSeconds"] == 0.0667
+    assert [(p["name"], p["gigabytesPerSecond"], p["preemptions"]) for p in kvcs["pods"]] == [
+        ("tiny-decode-0", 1.2, 0)
+    ]
     server = kubectl.get("dserver", "tiny", ns)["status"]
     assert server["retention"]["recommended"] == int(recommended)
-    assert server["transport"] == "TCPFallback"
-    wait_for_event(kubectl, ns, "tiny", "RetentionRecommended")
+    assert (server["transport"], server["transportReason"]) == (
+        "TCPFallback",
+        f"tiny-decode-0: {EVIDENCE}",
+    )
+    (event,) = wait_for_event(kubectl, ns, "tiny", "RetentionRecommended")
+    assert "gapSamples=50" in event["message"] and "preemptionsDelta=0" in event["message"]
+    # No RDMA asked for: the fallback is reported, not warned about.
+    cond = wait_until(
+        lambda: (
+            (c := condition(kubectl, ns, "tiny", "KVTransport")).get("reason") == "TCPFallback"
+            and c
+        ),
+        30,
+        "KVTransport=TCPFallback",
+    )
+    assert (cond["status"], cond["message"]) == ("True", f"tiny-decode-0: {EVIDENCE}")
+
+    # Decode starts preempting: the next report's counter rose, the recommendation drops.
+    assert (
+        push(operator, decode_report(ns, "tiny", "tiny-decode-0", preemptions=4), token)[0] == 202
+    )
+    lowered = wait_until(
+        lambda: (
+            (r := kubectl.get("dserver", "tiny", ns)["status"]["retention"])["recommended"]
+            < recommended
+            and r
+        ),
+        30,
+        "a lower recommendation",
+    )
+    assert "preemptions +4" in lowered["reason"]
+    events = wait_until(
+        lambda: len(e := wait_for_event(kubectl, ns, "tiny", "RetentionRecommended")) == 2 and e,
+        30,
+        "a second RetentionRecommended event",
+    )
+    assert any("preemptionsDelta=4" in e["message"] for e in events)
+    kvcs = kubectl.get("kvcachestatus", "tiny", ns)["status"]
+    assert kvcs["retention"]["decodePreemptionsRecent"] == 4
+
+    # The operator's /metrics carry the same decision (the dashboard's history panel).
+    with urllib.request.urlopen(operator.metrics_url, timeout=10) as resp:
+        scraped = Scrape(resp.read().decode())
+    labels = {"namespace": ns, "server": "tiny"}
+    assert (
+        scraped.total("kvferry_operator_retention_recommended_seconds", **labels)
+        == (lowered["recommended"])
+    )
+    assert scraped.total("kvferry_operator_retention_applied_seconds", **labels) == 480
+    assert scraped.total("kvferry_operator_decode_preemptions_recent", **labels) == 4
+    assert scraped.total("kvferry_operator_transport_info", transport="TCPFallback", **labels) == 1
+
+
+def test_tcp_when_rdma_was_asked_for_is_a_warning(kubectl: Kubectl, operator: Operator, ns: str):
+    rdma = {
+        "network": {
+            "transport": "rdma",
+            "rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"},
+        }
+    }
+    kubectl.apply(make(ns, spec=rdma), "--server-side")
+    wait_ready(kubectl, ns)
+    token = bound_token(kubectl, ns, "tiny-decode-0")
+    assert push(operator, decode_report(ns, "tiny", "tiny-decode-0"), token)[0] == 202
+    cond = wait_until(
+        lambda: (c := condition(kubectl, ns, "tiny", "KVTransport")).get("status") == "False" and c,
+        30,
+        "KVTransport=False",
+    )
+    assert cond["reason"] == "TCPFallback"
+    assert "network.transport: rdma asks for RDMA, but KV moves over TCP" in cond["message"]
+    (event,) = wait_for_event(kubectl, ns, "tiny", "TCPFallback")
+    assert event["type"] == "Warning" and EVIDENCE in event["message"]
+    described = kubectl.run("describe", "dserver", "tiny", "-n", ns).stdout
+    assert re.search(r"Warning\s+TCPFallback", described), described
 
 
 def test_forged_and_foreign_reports_are_refused(kubectl: Kubectl, operator: Operator, ns: str):

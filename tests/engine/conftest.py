@@ -22,7 +22,9 @@ import pytest
 from kvferry_dev.configs import tiny_server
 from kvferry_dev.engines import Engine, EnginePair, build_tiny_model, engine_env, start_pair
 from kvferry_dev.procs import EngineError
+from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
+from tests.engine.helpers import kv_bytes_per_token
 from tests.progress import step
 
 T = TypeVar("T")
@@ -104,6 +106,35 @@ def prefill(engine_pair: EnginePair) -> Engine:
 @pytest.fixture(scope="session")
 def decode(engine_pair: EnginePair) -> Engine:
     return engine_pair.decode
+
+
+@pytest.fixture(scope="session")
+def bytes_per_token(tiny_model: Path) -> int:
+    return kv_bytes_per_token(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def sidecar(
+    engine_pair: EnginePair, server: Server, engine_log_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[SidecarProcess]:
+    """The decode sidecar for ``server`` in front of the pair (one per test module)."""
+    name = f"sidecar-{request.module.__name__.rsplit('.', 1)[-1]}"
+    sc = start_sidecar(engine_pair, server, engine_log_dir, name=name)
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar_off(
+    engine_pair: EnginePair, engine_log_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[SidecarProcess]:
+    """The same, for a server with ``kvTransfer.bidirectional: false`` (the engines keep
+    theirs on: D still pins a handle, which this sidecar releases unread)."""
+    off = tiny_server(bidirectional=False)
+    name = f"sidecar-off-{request.module.__name__.rsplit('.', 1)[-1]}"
+    sc = start_sidecar(engine_pair, off, engine_log_dir, name=name)
+    yield sc
+    sc.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -27,153 +27,76 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import threading
 import time
-import uuid
-from collections.abc import Iterator
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvferry_dev.client import Reply, filler_text
+from kvferry_dev.client import chat_body, filler_text
 from kvferry_dev.configs import BLOCK_SIZE, kv_transfer_config, tiny_server
 from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.figures import PrefillFigures
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
 from kvferry_sidecar.config import Settings
+from tests.engine.helpers import (
+    ANSWER_TOKENS,
+    LONG_RETENTION_S,
+    TURNS,
+    Turn,
+    assert_pulled,
+    assert_recomputed,
+    assistant,
+    reference,
+    round_down,
+    send,
+    user_message,
+)
 
 pytestmark = pytest.mark.engine
 
-TURNS = 5
-USER_WORDS = 330  # ~365 tokens a user message: above skipPrefillBelowTokens (256)
-ANSWER_TOKENS = 32
-# Long enough for a handle to outlive a restart of D (40-60 s here).
-LONG_RETENTION_S = 300
+
+class BackgroundStream:
+    """A streamed turn read on its own thread: when it started, its text, when it ended."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.text = ""
+        self.ended_at: float | None = None
 
 
-def user_message(seed: int, turn: int) -> dict[str, str]:
-    return {"role": "user", "content": filler_text(seed * 1000 + turn, USER_WORDS)}
+def stream_in_background(
+    sc: SidecarProcess, messages: list[dict[str, Any]], session: str
+) -> BackgroundStream:
+    out = BackgroundStream()
+    body = chat_body(messages, max_tokens=2000, session_id=session)
+    body["stream"] = True
 
-
-def assistant(reply: Reply) -> dict[str, str]:
-    return {"role": "assistant", "content": reply.text}
-
-
-def rid(tag: str) -> str:
-    return f"kvferry-{tag}-{uuid.uuid4().hex[:8]}"
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    """K and V of every layer, float32: what NIXL moves per token."""
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
-
-
-def round_down(n: int) -> int:
-    return n // BLOCK_SIZE * BLOCK_SIZE
-
-
-@dataclass
-class Turn:
-    messages: list[dict[str, Any]]
-    reply: Reply
-    p: PrefillFigures  # what P's /metrics saw during the turn
-
-    @property
-    def prompt(self) -> int:
-        return self.reply.prompt_tokens
-
-    def why(self) -> str:
-        r = self.reply
-        return (
-            f"status={r.status} outcome={r.outcome} route={r.route} "
-            f"reused={r.reused_tokens} prompt={self.prompt if r.status == 200 else '?'} "
-            f"handle={r.headers.get('X-Kvferry-Handle')} P={self.p}"
+    def read() -> None:
+        req = urllib.request.Request(
+            f"{sc.url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                while chunk := resp.read1(4096):
+                    out.text += chunk.decode(errors="replace")
+                    out.started.set()
+        except OSError as exc:
+            out.text += f"\n(client error: {exc})"
+        finally:
+            out.ended_at = time.monotonic()
+            out.started.set()
+            out.done.set()
 
-
-def send(
-    sc: SidecarProcess,
-    prefill: Engine,
-    messages: list[dict[str, Any]],
-    session: str,
-    *,
-    reset: bool = True,
-) -> Turn:
-    """One turn through the sidecar; P's prefix cache emptied first (unless `reset` is
-    False), P's metrics read around it."""
-    if reset:
-        prefill.reset_prefix_cache()
-    before = prefill.metrics()
-    reply = sc.chat(
-        messages,
-        max_tokens=ANSWER_TOKENS,
-        session_id=session,
-        request_id=rid(session),
-        check=False,
-    )
-    turn = Turn(copy.deepcopy(messages), reply, PrefillFigures.between(before, prefill.metrics()))
-    assert reply.status == 200, f"the client saw an error: {reply.body} ({turn.why()})"
-    assert reply.token_ids and len(reply.token_ids) == ANSWER_TOKENS, turn.why()
-    return turn
-
-
-def reference(prefill: Engine, messages: list[dict[str, Any]]) -> list[int]:
-    """The answer of one engine computing everything itself."""
-    prefill.reset_prefix_cache()
-    r = prefill.chat(messages, max_tokens=ANSWER_TOKENS, request_id=rid("reference"))
-    assert r.token_ids and len(r.token_ids) == ANSWER_TOKENS, r.body
-    return r.token_ids
-
-
-def assert_pulled(turn: Turn, bytes_per_token: int) -> None:
-    """P read exactly the reused tokens from D over NIXL and computed only the rest."""
-    reused = turn.reply.reused_tokens
-    assert turn.reply.outcome == "reused" and turn.reply.route == "remote", turn.why()
-    assert reused >= 64, turn.why()  # the recompute threshold
-    assert turn.p.pulled_tokens == reused, turn.why()
-    blocks = -(-reused // BLOCK_SIZE)
-    assert turn.p.pull_bytes == blocks * BLOCK_SIZE * bytes_per_token, turn.why()
-    assert turn.p.computed_tokens == turn.prompt - reused, turn.why()
-    assert turn.p.expired_reads == 0 and turn.p.failed_transfers == 0, turn.why()
-
-
-def assert_recomputed(turn: Turn) -> None:
-    """Nothing came from D: P computed the whole prompt."""
-    assert turn.reply.reused_tokens == 0, turn.why()
-    assert turn.p.pulled_tokens == 0 and turn.p.pull_bytes == 0, turn.why()
-    assert turn.p.computed_tokens == turn.prompt, turn.why()
-
-
-# --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def bytes_per_token(tiny_model: Path) -> int:
-    return kv_bytes_per_token(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def sidecar(
-    engine_pair: EnginePair, server: Server, engine_log_dir: Path
-) -> Iterator[SidecarProcess]:
-    sc = start_sidecar(engine_pair, server, engine_log_dir, name="sidecar")
-    yield sc
-    sc.stop()
-
-
-@pytest.fixture(scope="module")
-def sidecar_off(engine_pair: EnginePair, engine_log_dir: Path) -> Iterator[SidecarProcess]:
-    """The same, for a server with ``kvTransfer.bidirectional: false`` (the engines keep
-    theirs on: D still pins a handle, nobody uses it)."""
-    off = tiny_server(bidirectional=False)
-    sc = start_sidecar(engine_pair, off, engine_log_dir, name="sidecar-off")
-    yield sc
-    sc.stop()
+    threading.Thread(target=read, daemon=True).start()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +144,7 @@ def test_sidecar_follows_decode_kv_events(
 ) -> None:
     """D's KV events (the operator's --kv-events-config) reach the sidecar's residency
     model: blocks and sessions held, no sequence gaps."""
-    _, report = sidecar.get("/v1/residency")
+    report = sidecar.residency()
     events = report["kvEvents"]
     assert events["batches"] > 0 and events["missed"] == 0, events
     # At least the last turn's prompt is in D's cache (blocks of the session's prefix).
@@ -334,24 +257,39 @@ def test_concurrent_sessions_do_not_cross(
     assert a != b  # crossed KV would show
 
 
-def test_expired_handle_recomputes(
-    sidecar: SidecarProcess, prefill: Engine, server: Server
+def test_expired_handle_recomputes_or_uses_what_decode_still_holds(
+    sidecar: SidecarProcess, sidecar_off: SidecarProcess, prefill: Engine, server: Server
 ) -> None:
-    """A turn after the handle's retention (less the sidecar's margin) recomputes:
-    outcome expired, nothing asked of D, a correct answer."""
-    session = "expire-1"
-    messages = [user_message(9, 0)]
-    t1 = send(sidecar, prefill, messages, session)
+    """Turns after the handle's retention (less the sidecar's margin): with a long new
+    message P recomputes (outcome expired, nothing asked of D); with a short one D
+    still holds the prefix in its prefix cache (its KV events say so), so D prefills
+    the tail alone (outcome cached-on-decode, P not asked). Both answers are right."""
+    long_s, short_s = "expire-1", "expire-2"
+    history = {long_s: [user_message(9, 0)], short_s: [user_message(10, 0)]}
+    firsts = {s: send(sidecar, prefill, m, s) for s, m in history.items()}
     # The sidecar stops offering a handle `expiry_margin_seconds` before D frees it
     # (D's decoder_kv_blocks_ttl = the server's decodeRetentionSeconds).
     usable_s = server.decode_retention_seconds - Settings().expiry_margin_seconds
-    time.sleep(usable_s + 2)  # from the handle's arrival (t1 just returned)
-    messages += [assistant(t1.reply), user_message(9, 1)]
-    t2 = send(sidecar, prefill, messages, session)
+    time.sleep(usable_s + 2)  # from the handles' arrival (the turns just returned)
+    history[long_s] += [assistant(firsts[long_s].reply), user_message(9, 1)]
+    history[short_s] += [
+        assistant(firsts[short_s].reply),
+        {"role": "user", "content": filler_text("expire-short", 40)},
+    ]
+    t2 = send(sidecar, prefill, history[long_s], long_s)
     assert t2.reply.outcome == "expired", t2.why()
     assert t2.p.expired_reads == 0, t2.why()  # never sent to P
     assert_recomputed(t2)
-    assert t2.reply.token_ids == reference(prefill, messages), t2.why()
+    assert t2.reply.token_ids == reference(prefill, history[long_s]), t2.why()
+
+    t2 = send(sidecar, prefill, history[short_s], short_s)
+    assert t2.reply.outcome == "cached-on-decode", t2.why()
+    assert t2.reply.route == "skip", t2.why()
+    assert t2.p.pulled_tokens == 0 and t2.p.computed_tokens == 0, t2.why()  # P not asked
+    assert t2.reply.reused_tokens >= round_down(firsts[short_s].prompt - 1), t2.why()
+    off = send(sidecar_off, prefill, history[short_s], f"{short_s}-off")
+    assert t2.reply.token_ids == off.reply.token_ids, t2.why()
+    assert t2.reply.token_ids == reference(prefill, history[short_s]), t2.why()
 
 
 def test_decode_engine_killed_between_turns(
@@ -386,8 +324,16 @@ def test_decode_engine_killed_between_turns(
             messages += [assistant(t1.reply), user_message(11 if s == "killed-a" else 12, 1)]
             assert sc.readyz()[1]["handles"] == 1, sc.log_tail()
 
+        # A streaming answer is under way when D dies: the client's stream ends at
+        # once with an error event (no hang), and the sidecar serves on afterwards.
+        stream = stream_in_background(watching, [user_message(13, 0)], "killed-stream")
+        stream.started.wait(120)
+        killed_at = time.monotonic()
         # Crash D; the new one runs the session's usual config.
         decode.restart(crash=True, kv_transfer_config=kv_transfer_config("decode", server))
+        stream.done.wait(30)
+        assert stream.ended_at is not None and stream.ended_at - killed_at < 10, stream.text
+        assert '"upstream_error"' in stream.text.strip().splitlines()[-1], stream.text[-500:]
 
         deadline = time.monotonic() + 20
         while True:

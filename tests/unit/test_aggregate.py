@@ -12,7 +12,7 @@ NOW = 1000.0
 
 def rep(pod: str, role: str = "decode", gaps: list[float] = (), **kw) -> wire.Report:
     r = wire.Report(
-        version=1,
+        version=wire.REPORT_VERSION,
         server="tiny",
         namespace="ns",
         pod=pod,
@@ -101,3 +101,75 @@ def test_recommendations_are_hidden_in_observe_mode():
     shown = aggregate.with_recommendations(agg.status, "Recommend", rec, None)
     assert shown["summary"]["recommendedRetention"] == f"{rec.value}s"
     assert shown["retention"]["reason"] == rec.reason
+
+
+def test_unused_pinned_handles_and_releases_are_summed():
+    """Handles pinned for nothing and how unread ones were released reach status."""
+    a = rep("a", pinned=wire.Pinned(handles=3, blocks=30, unused_handles=1, unused_blocks=10))
+    b = rep("b", pinned=wire.Pinned(handles=1, blocks=5), releases=wire.Releases(rider=2))
+    a.releases.request = 4
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
+    retention = agg.status["retention"]
+    assert retention["pinnedHandles"] == 4 and retention["unusedPinnedHandles"] == 1
+    assert retention["unusedPinnedBlocks"] == 10
+    assert retention["releases"] == {"rider": 2, "request": 4, "failed": 0, "unreleasable": 0}
+    assert [p["unusedPinnedHandles"] for p in agg.status["pods"]] == [1, 0]
+
+
+def test_transport_column_shows_the_measured_bandwidth_and_the_evidence():
+    a = rep(
+        "tiny-decode-0",
+        transport="TCPFallback",
+        transport_reason="TCP: no RDMA device in the pod; UCX_TLS=tcp,self",
+        transfer=wire.Transfer(bytes=3_000_000_000, seconds=2.0, transfers=40),
+    )
+    b = rep("tiny-prefill-0", role="prefill", transport="TCPFallback", transport_reason="x")
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
+    assert agg.status["summary"]["transport"] == "TCPFallback@1.50GB/s"
+    assert agg.status["summary"]["bandwidth"] == "1.50GB/s"
+    t = agg.status["transfer"]
+    assert (t["gigabytesPerSecond"], t["transfers"], t["meanTransferSeconds"]) == (1.5, 40, 0.05)
+    # The first pod by name that reports the majority transport explains it.
+    assert agg.transport_reason == "tiny-decode-0: TCP: no RDMA device in the pod; UCX_TLS=tcp,self"
+    assert t["transportReason"] == agg.transport_reason
+    rows = {p["name"]: p["gigabytesPerSecond"] for p in agg.status["pods"]}
+    assert rows == {"tiny-decode-0": 1.5, "tiny-prefill-0": None}
+
+
+def test_no_transfer_measured_leaves_the_bandwidth_out():
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(rep("a", transport="TCP"), NOW)], NOW, 480
+    )
+    assert (agg.status["summary"]["transport"], agg.status["summary"]["bandwidth"]) == ("TCP", "-")
+
+
+def test_expired_share_and_pinned_kv_for_kubectl_wide():
+    a = rep(
+        "tiny-decode-0",
+        handles={"consumed": 6, "expired": 3, "superseded": 1},
+        pinned=wire.Pinned(handles=2, blocks=10, bytes=5 * 2**20),
+    )
+    b = rep("tiny-decode-1", handles={"expired": 2}, pinned=wire.Pinned(handles=1, bytes=2**20))
+    agg = aggregate.aggregate(
+        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+    )
+    assert agg.status["summary"]["expiredShare"] == "42%"  # 5 of 12 handles
+    assert agg.status["summary"]["pinnedKV"] == "3/6.0MiB"
+    assert agg.status["retention"]["expiredShare"] == "42%"
+
+
+def test_recent_preemptions_reach_the_tuner_and_lower_retention():
+    gaps = [40.0] * 50
+    calm = aggregate.aggregate(SERVER, [aggregate.Received(rep("a", gaps=gaps), NOW)], NOW, 480)
+    busy = aggregate.aggregate(
+        SERVER, [aggregate.Received(rep("a", gaps=gaps), NOW)], NOW, 480, preemptions_delta=3
+    )
+    assert busy.tuning.preemptions_delta == 3
+    assert busy.status["retention"]["decodePreemptionsRecent"] == 3
+    lowered = tune.recommend_retention(busy.tuning)
+    assert lowered.value < tune.recommend_retention(calm.tuning).value
+    assert "preemptions +3" in lowered.reason

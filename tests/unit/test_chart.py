@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import functools
 import inspect
+import json
 import os
 import subprocess
 import tempfile
@@ -39,9 +40,12 @@ NAMESPACE = "kvferry-system"
 ALL_OPTIONS = [
     "watchNamespaces={team-a,team-b}",
     "serviceMonitor.enabled=true",
+    "podMonitor.enabled=true",
+    "grafanaDashboard.enabled=true",
     "networkPolicy.enabled=true",
     "networkPolicy.serverNamespaces={team-a}",
     "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
+    "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
 ]
 
 
@@ -436,8 +440,12 @@ class TestOperatorDeployment:
             "KVFERRY_RESYNC_SECONDS": "30",
             "KVFERRY_REPORT_STALE_SECONDS": "45",
             "KVFERRY_PUBLISH_SECONDS": "5",
+            "KVFERRY_METRICS_PORT": "8080",
         }
-        assert c["ports"] == [{"name": "reports", "containerPort": 9443, "protocol": "TCP"}]
+        assert c["ports"] == [
+            {"name": "reports", "containerPort": 9443, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": 8080, "protocol": "TCP"},
+        ]
 
     def test_probes_hit_the_report_endpoint_health_over_https(self):
         c = operator_container(template())
@@ -449,7 +457,8 @@ class TestOperatorDeployment:
         objs = template("reportEndpoint.containerPort=9443")
         svc = one(objs, "Service")
         assert svc["spec"]["ports"] == [
-            {"name": "reports", "port": 8443, "targetPort": "reports", "protocol": "TCP"}
+            {"name": "reports", "port": 8443, "targetPort": "reports", "protocol": "TCP"},
+            {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"},
         ]
         labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
         assert svc["spec"]["selector"].items() <= labels.items()
@@ -498,7 +507,7 @@ class TestTls:
 
 class TestOptionalObjects:
     def test_service_monitor_scrapes_the_role_services_metrics(self):
-        sm = one(template("serviceMonitor.enabled=true"), "ServiceMonitor")
+        sm = one(template("serviceMonitor.enabled=true"), "ServiceMonitor", f"{RELEASE}-sidecars")
         assert sm["apiVersion"] == "monitoring.coreos.com/v1"
         assert sm["spec"]["namespaceSelector"] == {"any": True}
         # It selects the headless per-role Services the operator renders, not the client one.
@@ -515,11 +524,96 @@ class TestOptionalObjects:
             s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") == "None"
         )
         assert all(
-            "http" in [p["name"] for p in s["spec"]["ports"]]
+            "internal" in [p["name"] for p in s["spec"]["ports"]]
             for s in services
             if s["metadata"]["name"] in picked
         )
-        assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+        # The sidecar's /metrics answer on its internal port only.
+        assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [
+            ("internal", "/metrics"),
+            ("engine", "/metrics"),
+        ]
+        assert all(
+            {"internal", "engine"} <= {p["name"] for p in s["spec"]["ports"]}
+            for s in services
+            if s["metadata"]["name"] in picked
+        )
+
+    def test_operator_metrics_are_scraped_with_their_own_labels(self):
+        for kind, sets, key in (
+            ("ServiceMonitor", "serviceMonitor.enabled=true", "endpoints"),
+            ("PodMonitor", "podMonitor.enabled=true", "podMetricsEndpoints"),
+        ):
+            objs = template(sets)
+            mon = one(objs, kind, f"{RELEASE}-operator")
+            (endpoint,) = mon["spec"][key]
+            # The operator's series carry namespace/server of the servers they describe.
+            assert (endpoint["port"], endpoint["honorLabels"]) == ("metrics", True)
+            target = one(objs, "Service" if kind == "ServiceMonitor" else "Deployment")
+            labels = (
+                target["metadata"]["labels"]
+                if kind == "ServiceMonitor"
+                else target["spec"]["template"]["metadata"]["labels"]
+            )
+            assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    def test_pod_monitor_scrapes_the_ports_the_operator_renders(self):
+        pm = one(template("podMonitor.enabled=true"), "PodMonitor", f"{RELEASE}-servers")
+        assert pm["spec"]["namespaceSelector"] == {"any": True}
+        objs = render.render(api.parse_server(load_example(EXAMPLES[0])))
+        for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+            pod = sts["spec"]["template"]
+            labels = pod["metadata"]["labels"]
+            assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            containers = pod["spec"]["containers"] + pod["spec"]["initContainers"]
+            ports = {p["name"]: p["containerPort"] for c in containers for p in c["ports"]}
+            endpoints = pm["spec"]["podMetricsEndpoints"]
+            assert [ports[e["port"]] for e in endpoints] == [
+                protocol.SIDECAR_INTERNAL_PORT,
+                protocol.ENGINE_PORT,
+            ]
+            # The dashboard's server and role labels come from labels the pods carry.
+            for e in endpoints:
+                sources = {r["sourceLabels"][0]: r["targetLabel"] for r in e["relabelings"]}
+                assert sources == {
+                    "__meta_kubernetes_pod_label_kvferry_io_role": "role",
+                    "__meta_kubernetes_pod_label_kvferry_io_server": "server",
+                }
+                assert {api.LABEL_ROLE, api.LABEL_SERVER} <= labels.keys()
+
+    def test_dashboard_configmap_carries_the_generated_dashboard(self):
+        cm = one(template("grafanaDashboard.enabled=true"), "ConfigMap")
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        shipped = (CHART / "dashboards" / "kvferry.json").read_text()
+        assert cm["data"]["kvferry.json"] == shipped.rstrip("\n")
+        assert json.loads(cm["data"]["kvferry.json"])["uid"] == "kvferry-reuse"
+        elsewhere = template("grafanaDashboard.enabled=true", "grafanaDashboard.namespace=grafana")
+        assert one(elsewhere, "ConfigMap")["metadata"]["namespace"] == "grafana"
+
+    def test_dashboard_json_is_generated_from_code(self):
+        from kvferry_dev import dashboard
+
+        assert dashboard.render() == (CHART / "dashboards" / "kvferry.json").read_text(), (
+            "run python -m kvferry_dev.dashboard"
+        )
+
+    def test_network_policy_lets_metrics_clients_scrape(self):
+        objs = template(
+            "networkPolicy.enabled=true",
+            "networkPolicy.serverNamespaces={team-a}",
+            "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
+        )
+        monitoring = [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+        _, metrics = one(objs, "NetworkPolicy", RELEASE)["spec"]["ingress"]
+        assert metrics == {"from": monitoring, "ports": [{"port": "metrics", "protocol": "TCP"}]}
+        *_, scrape = one(objs, "NetworkPolicy", f"{RELEASE}-servers")["spec"]["ingress"]
+        assert scrape == {
+            "from": monitoring,
+            "ports": [
+                {"port": protocol.SIDECAR_INTERNAL_PORT, "protocol": "TCP"},
+                {"port": protocol.ENGINE_PORT, "protocol": "TCP"},
+            ],
+        }
 
     def test_network_policy_report_endpoint_only_from_kvferry_pods(self):
         objs = template("networkPolicy.enabled=true")

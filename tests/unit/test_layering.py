@@ -41,6 +41,7 @@ PURE = {
         "status",
         "tune",
         "aggregate",
+        "pressure",
         "validation",
     ],
     "kvferry_sidecar": [
@@ -56,6 +57,7 @@ PURE = {
         "blockindex",
         "promtext",
         "enginemetrics",
+        "transport",
     ],
 }
 

@@ -263,6 +263,23 @@ class TestRDMA:
         env = env_of(engine(rendered(server({"network": {"transport": "tcp"}})), "decode"))
         assert "ib" not in env["UCX_TLS"].split(",")
 
+    def test_sidecar_sees_the_engines_ucx_settings(self):
+        """The sidecar reports the transport from the engine's UCX_TLS and devices:
+        they must be the engine's, including a user's override in role.env."""
+        spec = {**RDMA_SPEC, "decode": {"env": [{"name": "UCX_TLS", "value": "tcp,self"}]}}
+        objs = rendered(server(spec))
+        for role, tls in (("prefill", "ib,"), ("decode", "tcp,self")):
+            env = env_of(sidecar(objs, role))
+            assert env["KVFERRY_ENGINE_UCX_TLS"] == env_of(engine(objs, role))["UCX_TLS"]
+            assert env["KVFERRY_ENGINE_UCX_TLS"].startswith(tls)
+            assert env["KVFERRY_ENGINE_UCX_NET_DEVICES"] == "mlx5_0,mlx5_1"
+        settings = json.loads(by_kind(objs, "ConfigMap")["data"]["sidecar.json"])
+        assert (settings["transport"], settings["rdmaEnabled"]) == ("rdma", True)
+
+    def test_no_ucx_settings_for_the_sidecar_when_ucx_picks(self):
+        env = env_of(sidecar(rendered(server()), "decode"))
+        assert not any(k.startswith("KVFERRY_ENGINE_UCX") for k in env)
+
     def test_shared_memory_volume_is_sized_from_the_spec(self):
         vols = pod_spec(rendered(server(RDMA_SPEC)), "decode")["volumes"]
         dshm = next(v for v in vols if v["name"] == "dshm")
@@ -332,12 +349,28 @@ class TestServices:
         assert svc["spec"]["publishNotReadyAddresses"] is True
 
     def test_topology_lists_stable_peer_addresses(self):
+        """Peers relay turns to the owner's internal port, which the entry Service does
+        not expose (a client cannot pose as a peer)."""
         cm = by_kind(rendered(server({"decode": {"replicas": 2}})), "ConfigMap")
         topo = json.loads(cm["data"]["topology.json"])
         assert topo["decodeSidecars"] == [
-            "http://tiny-decode-0.tiny-decode.default.svc:8000",
-            "http://tiny-decode-1.tiny-decode.default.svc:8000",
+            "http://tiny-decode-0.tiny-decode.default.svc:8001",
+            "http://tiny-decode-1.tiny-decode.default.svc:8001",
         ]
+
+    def test_entry_service_exposes_the_public_port_only(self):
+        svc = by_kind(rendered(server()), "Service", "tiny")
+        assert [p["port"] for p in svc["spec"]["ports"]] == [protocol.SIDECAR_PORT]
+        headless = by_kind(rendered(server()), "Service", "tiny-decode")
+        assert protocol.SIDECAR_INTERNAL_PORT in [p["port"] for p in headless["spec"]["ports"]]
+
+    def test_diagnostic_headers_are_off_unless_asked_for(self):
+        def settings(spec: dict) -> dict:
+            cm = by_kind(rendered(server(spec)), "ConfigMap")
+            return json.loads(cm["data"]["sidecar.json"])
+
+        assert settings({})["diagnosticHeaders"] is False
+        assert settings({"routing": {"diagnosticHeaders": True}})["diagnosticHeaders"] is True
 
 
 class TestPDB:

@@ -49,7 +49,7 @@ def get_pod(namespace: str, name: str) -> dict | None:
 
 def body(**overrides) -> bytes:
     rep = wire.Report(
-        version=1,
+        version=wire.REPORT_VERSION,
         server=SERVER,
         namespace=NS,
         pod=POD,
@@ -126,7 +126,8 @@ async def test_a_replaced_pods_token_is_refused(client):
     ("data", "fragment"),
     [
         (b"{not json", "not JSON"),
-        (body(version=2), "report version 2"),
+        (body(version=3), "report version 3; this operator reads 1 and 2"),
+        (body(transport="Infiniband"), "transport 'Infiniband' is not one of"),
         (body(role="router"), "neither prefill nor decode"),
         (body(gaps={"bounds": [1, 2], "counts": [0, 0, 0]}), "gaps.bounds differ"),
         (body(startedAt="yesterday"), "malformed report"),
@@ -136,6 +137,16 @@ async def test_malformed_reports_get_400(client, data, fragment):
     status, out = await post(client, data)
     assert status == 400 and fragment in out["error"]
     assert client.store.servers() == []
+
+
+async def test_a_version_1_report_is_still_read(client):
+    """Sidecars of the previous release keep reporting during an operator upgrade."""
+    raw = msgspec.json.decode(body(version=1))
+    del raw["transportReason"], raw["transfer"]["transfers"]
+    status, _ = await post(client, msgspec.json.encode(raw))
+    assert status == 202
+    (received,) = client.store.get(NS, SERVER)
+    assert (received.report.transport_reason, received.report.transfer.transfers) == ("", 0)
 
 
 async def test_oversized_reports_get_413(client):

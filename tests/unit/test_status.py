@@ -30,8 +30,9 @@ def observed(
     prefill: RoleObserved = SETTLED,
     decode: RoleObserved = SETTLED,
     pods: list[PodState] | None = None,
+    **kw: str,
 ) -> Observed:
-    return Observed(roles={"prefill": prefill, "decode": decode}, pods=pods or [])
+    return Observed(roles={"prefill": prefill, "decode": decode}, pods=pods or [], **kw)
 
 
 def cond(conditions: list[dict], ctype: str) -> dict:
@@ -114,7 +115,7 @@ def test_unschedulable_message_names_the_resource_and_the_field():
 
 # As kube-scheduler 1.37 words them (seen on the local control plane).
 PREEMPTION = " preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling."
-RDMA_SERVER = api.parse_server(
+SHORT_SERVER = api.parse_server(
     {
         **server(
             {
@@ -221,7 +222,7 @@ RDMA_SERVER = api.parse_server(
     ids=lambda v: v if isinstance(v, str) and len(v) < 80 and "pod(s)" not in v else None,
 )
 def test_unschedulable_summary(name: str, pods: list[PodState], message: str):
-    assert status.unschedulable_summary(RDMA_SERVER, pods) == message
+    assert status.unschedulable_summary(SHORT_SERVER, pods) == message
 
 
 def test_zero_decode_replicas_is_never_ready():
@@ -243,6 +244,50 @@ def test_crashing_containers_degrade():
 def test_transport_is_unknown_until_reported():
     c = cond(status.compute_conditions(SERVER, observed()), api.COND_KV_TRANSPORT)
     assert (c["status"], c["reason"]) == ("Unknown", status.REASON_NO_REPORTS)
+
+
+RDMA_SERVER = api.parse_server(
+    server({"network": {"transport": "rdma", "rdma": {"enabled": True, "resourceName": "r/x"}}})
+)
+TCP_EVIDENCE = "tiny-decode-0: TCP: no RDMA device in the pod; UCX_TLS=tcp,self"
+
+
+def test_tcp_when_rdma_was_asked_for_is_a_false_condition_naming_the_fix():
+    # The silent fallback: RDMA requested, KV over TCP. False -> a Warning Event.
+    obs = observed(transport="TCPFallback", transport_reason=TCP_EVIDENCE)
+    c = cond(status.compute_conditions(RDMA_SERVER, obs), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"]) == ("False", "TCPFallback")
+    assert "network.transport: rdma asks for RDMA" in c["message"]
+    assert TCP_EVIDENCE in c["message"] and "resourceName" in c["message"]
+
+
+def test_tcp_fallback_without_an_rdma_request_is_true_with_the_evidence():
+    obs = observed(transport="TCPFallback", transport_reason=TCP_EVIDENCE)
+    c = cond(status.compute_conditions(SERVER, obs), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"], c["message"]) == ("True", "TCPFallback", TCP_EVIDENCE)
+
+
+@pytest.mark.parametrize("value", ["RDMA", "TCP"])
+def test_the_transport_asked_for_is_true(value: str):
+    obs = observed(transport=value, transport_reason="evidence")
+    c = cond(status.compute_conditions(RDMA_SERVER, obs), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"]) == ("True", value)
+
+
+def test_unknown_with_evidence_says_why():
+    obs = observed(transport="Unknown", transport_reason="cannot read /sys/class/infiniband")
+    c = cond(status.compute_conditions(SERVER, obs), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"], c["message"]) == (
+        "Unknown",
+        "Unknown",
+        "cannot read /sys/class/infiniband",
+    )
+
+
+def test_transport_reason_is_kept_in_status():
+    obs = observed(transport="TCP", transport_reason="evidence")
+    st, _ = status.compute_status(SERVER, obs, None, NOW)
+    assert (st["transport"], st["transportReason"]) == ("TCP", "evidence")
 
 
 def test_transition_time_is_kept_while_status_holds():

@@ -227,3 +227,18 @@ def test_plan_apply(name, kw, apply, reason):
     decision = tune.plan_apply(**{**base, **kw})
     assert decision.apply is apply
     assert reason in decision.reason
+
+
+def test_the_recommendation_event_carries_its_inputs():
+    """`kubectl describe dserver` shows this message: the value, why, and the inputs."""
+    from kvferry_operator.publisher import recommendation_message
+
+    rec = tune.Recommendation(
+        12,
+        "p95 of 20 inter-turn gaps is 9.5s",
+        {"gapSamples": 20, "preemptionsDelta": 4, "x": None},
+    )
+    assert recommendation_message(rec) == (
+        "decodeRetentionSeconds 12s recommended: p95 of 20 inter-turn gaps is 9.5s "
+        "(inputs: gapSamples=20, preemptionsDelta=4)"
+    )

@@ -51,9 +51,18 @@ def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
     return ids(chat_words(messages))
 
 
+class BadRequest(ValueError):
+    """A body vLLM would refuse with a 400 (the fake does the same)."""
+
+
 def prompt_words(body: dict[str, Any]) -> list[str]:
     if "messages" in body:
-        return chat_words(body["messages"], body.get("add_generation_prompt", True))
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise BadRequest("messages must be a list of objects with a role")
+        return chat_words(messages, body.get("add_generation_prompt", True))
     return str(body.get("prompt", "")).split()
 
 
@@ -80,6 +89,9 @@ class FakeEngine:
     name: str
     version: str = "0.33.0"
     block_size: int = 4
+    hash_algo: str = "sha256_cbor"
+    # process_start_time_seconds: the engine's identity (a restart changes it).
+    started_at: float = field(default_factory=time.time)
     reply: str = "fine thanks"
     ttl: float = 480.0
     healthy: bool = True
@@ -93,6 +105,10 @@ class FakeEngine:
     # Completion requests to answer by closing the connection (an engine dying).
     drop_connections: int = 0
     delay: float = 0.0
+    # Streams: silence before the last chunk (a wedged engine).
+    stall: float = 0.0
+    # Requests whose caller went away before the answer was done.
+    aborted: int = 0
     # More /metrics text (vLLM series), appended after cache_config_info.
     metrics_text: str = ""
     seen: list[Seen] = field(default_factory=list)
@@ -100,6 +116,10 @@ class FakeEngine:
     handles: list[dict[str, Any] | None] = field(default_factory=list)
     url: str = ""
     _count: int = 0
+
+    def restart(self) -> None:
+        """A new engine process on the same port (its pinned blocks are gone)."""
+        self.started_at += 1.0
 
     # -------------------------------------------------------------- inspection
 
@@ -133,7 +153,9 @@ class FakeEngine:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
-            'enable_prefix_caching="True"} 1.0\n'
+            f'enable_prefix_caching="True",prefix_caching_hash_algo="{self.hash_algo}"}} 1.0\n'
+            "# TYPE process_start_time_seconds gauge\n"
+            f"process_start_time_seconds {self.started_at}\n"
         )
         return web.Response(text=text + self.metrics_text)
 
@@ -143,10 +165,23 @@ class FakeEngine:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
-        tokens = ids(prompt_words(body))
+        try:
+            tokens = ids(prompt_words(body))
+        except BadRequest as exc:
+            return _error(400, str(exc))
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._complete_request(request)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except asyncio.CancelledError:
+            # The caller closed the connection: vLLM aborts the request here.
+            self.aborted += 1
+            raise
+
+    async def _complete_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
         self._count += 1
@@ -261,7 +296,9 @@ class FakeEngine:
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
             chunks.append({**base, "choices": [], "usage": usage})
-        for obj in chunks:
+        for i, obj in enumerate(chunks):
+            if self.stall and i == len(chunks) - 1:
+                await asyncio.sleep(self.stall)
             event = f"data: {json.dumps(obj)}\n\n".encode()
             # Split every event across two writes: the relay must reassemble them.
             half = len(event) // 2

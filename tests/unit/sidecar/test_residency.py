@@ -9,10 +9,9 @@ from kvferry_sidecar.residency import (
     Identity,
     PinnedFigures,
     Residency,
-    handle_blocks,
     ttft_of,
 )
-from kvferry_sidecar.types import Api, HandleFate, TurnReport, TurnTimings
+from kvferry_sidecar.types import Api, HandleFate, TurnReport, TurnTimings, handle_blocks
 from kvferry_wire import report
 from kvferry_wire.protocol import Outcome, Route
 
@@ -274,7 +273,11 @@ def test_snapshot_passes_the_operators_decode() -> None:
     snap = res.snapshot(STARTED + 60)
     decoded = report.decode(report.encode(snap))
     assert decoded == snap
-    assert (decoded.version, decoded.server, decoded.namespace) == (1, "llama", "serving")
+    assert (decoded.version, decoded.server, decoded.namespace) == (
+        report.REPORT_VERSION,
+        "llama",
+        "serving",
+    )
     assert (decoded.pod, decoded.role, decoded.started_at) == ("llama-decode-0", "decode", STARTED)
     assert decoded.generated_at == STARTED + 60
     assert decoded.kv_events.blocks_held == 5

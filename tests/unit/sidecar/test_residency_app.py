@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 from kvferry_wire import report
 
 from .conftest import Engines, MakeSidecar, sidecar_of
@@ -109,7 +110,9 @@ async def test_engine_restart_drops_kv_event_state(
     sc = sidecar_of(client)
     sc.kv_index.next_seq = 10
     engines.decode.healthy = False
-    await sc.probe()
+    for _ in range(FAILURES_BEFORE_NOT_READY):
+        await sc.probe()
+    engines.decode.restart()
     engines.decode.healthy = True
     await sc.probe()
     assert sc.kv_index.cleared == 1

@@ -7,7 +7,14 @@ from collections import Counter
 import pytest
 
 from kvferry_sidecar.config import DEFAULT_SESSION_KEYS
-from kvferry_sidecar.session import owner, session_key, session_tag
+from kvferry_sidecar.session import (
+    handle_slot,
+    next_handle_slot,
+    owner,
+    refines_slot,
+    session_key,
+    session_tag,
+)
 
 SYSTEM = {"role": "system", "content": "be brief"}
 Q1 = {"role": "user", "content": "hello"}
@@ -117,3 +124,37 @@ def test_owner_spreads_sessions_evenly() -> None:
     counts = Counter(owner(f"user={i}", 4) for i in range(4000))
     assert set(counts) == {0, 1, 2, 3}
     assert all(800 < c < 1200 for c in counts.values())
+
+
+# ------------------------------------------------------------------ handle slots
+
+
+def test_conversation_keys_are_their_own_slot() -> None:
+    """A session_id names one conversation: its handle is kept under the key."""
+    key = "session_id=s"
+    assert not refines_slot(key)
+    body = {"messages": [SYSTEM, Q1, A1, Q2]}
+    assert handle_slot(key, body) == session_tag(key) == next_handle_slot(key, body, "x")
+
+
+@pytest.mark.parametrize("key", ["user=u", "auto:abc"])
+def test_next_turn_finds_the_slot_its_predecessor_filled(key: str) -> None:
+    """Under user and fallback keys the slot follows the conversation: turn N files its
+    handle where turn N+1 (its messages + the echoed answer + a new message) looks."""
+    turn1 = {"messages": [SYSTEM, Q1]}
+    filed = next_handle_slot(key, turn1, "hi there ")
+    turn2 = {"messages": [SYSTEM, Q1, {"role": "assistant", "content": "hi there"}, Q2]}
+    assert handle_slot(key, turn2) == filed
+    # An agent loop: the next request ends with a tool result, not a user message.
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    result = {"role": "tool", "content": "42", "tool_call_id": "1"}
+    filed = next_handle_slot(key, turn2, "")
+    assert handle_slot(key, {"messages": [*turn2["messages"], call, result]}) == filed
+
+
+def test_parallel_conversations_of_one_user_have_their_own_slots() -> None:
+    """Two conversations of one user (one routing key) keep separate handles."""
+    a = next_handle_slot("user=u", {"messages": [Q1]}, "answer a")
+    b = next_handle_slot("user=u", {"messages": [Q2]}, "answer b")
+    assert a != b
+    assert session_key({"user": "u", "messages": [Q1]}, {}, DEFAULT_SESSION_KEYS) == "user=u"

@@ -6,6 +6,7 @@ received and what the client got back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from kvferry_sidecar.types import LOCAL_PREFILL_PARAMS, PREFILL_REQUEST_PARAMS
+from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 
 from .conftest import Engines, MakeSidecar, sidecar_of
 from .fakes import EOS, chat_ids, ids
@@ -57,6 +59,22 @@ def kv(seen_body: dict[str, Any]) -> dict[str, Any] | None:
 
 def outcome(resp: ClientResponse) -> str:
     return resp.headers["X-Kvferry-Outcome"]
+
+
+def rider(handle: dict[str, Any]) -> dict[str, Any]:
+    """kv_transfer_params that release ``handle``: its coordinates, nothing to pull."""
+    return {**PREFILL_REQUEST_PARAMS, **handle, "remote_num_tokens": 0}
+
+
+async def releases_done(client: TestClient) -> None:
+    """Wait for the release requests the sidecar sends in the background."""
+    sc = sidecar_of(client)
+    for _ in range(100):
+        await asyncio.sleep(0)  # let call_later(0) fire
+        if not sc._pending and not sc._releases:
+            return
+        await asyncio.gather(*list(sc._releases))
+    raise AssertionError("releases did not finish")
 
 
 def prefill_bodies(engines: Engines) -> list[dict[str, Any]]:
@@ -268,24 +286,26 @@ async def test_alignment_rewritten_history_pulls_aligned_prefix_only(
 async def test_alignment_early_divergence_recomputes(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """History rewritten from its first words: the handle is not sent."""
+    """History rewritten from its first words: nothing of the handle is pulled; it
+    only rides along with nothing to pull, so P tells D to free it."""
     conv = Conversation(await make_sidecar(), session_id="s")
     await conv.ask(LONG_QUESTION)
     conv.messages[0]["content"] = "completely different words here"
     resp, _ = await conv.ask("and then")
     assert outcome(resp) == "misaligned"
-    assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
+    assert kv(prefill_bodies(engines)[-1]) == rider(engines.decode.handles[0])
 
 
 async def test_alignment_below_threshold_recomputes(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """A handle shorter than the recompute threshold is not sent."""
+    """A handle shorter than the recompute threshold is not pulled (it rides along with
+    nothing to pull, to be released)."""
     conv = Conversation(await make_sidecar(recompute_threshold=64))
     await conv.ask(LONG_QUESTION)
     resp, _ = await conv.ask("and then")
     assert outcome(resp) == "below-threshold"
-    assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
+    assert kv(prefill_bodies(engines)[-1]) == rider(engines.decode.handles[0])
 
 
 async def test_expired_handle_is_not_sent(make_sidecar: MakeSidecar, engines: Engines) -> None:
@@ -318,14 +338,20 @@ async def test_skip_prefill_short_tail_decodes_locally(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
     """Turn 2's uncached tail (9 tokens) is below skipPrefillBelowTokens: P is skipped."""
-    conv = Conversation(await make_sidecar(skip_prefill_below_tokens=10))
+    client = await make_sidecar(skip_prefill_below_tokens=10)
+    conv = Conversation(client)
     await conv.ask(LONG_QUESTION)  # 13 tokens, nothing held: goes to P
     assert engines.prefill_calls() == 1
     resp, _ = await conv.ask("and you")  # 21 tokens, D holds 12 (3 blocks)
     assert outcome(resp) == "skipped-prefill"
     assert resp.headers["X-Kvferry-Reused-Tokens"] == "12"
-    assert engines.prefill_calls() == 1
     assert kv(engines.decode.last().body) == LOCAL_PREFILL_PARAMS
+    # P computed nothing of the turn: its only other request is the one-token release
+    # of turn 1's handle, which D no longer needs (its new handle covers the prefix).
+    await releases_done(client)
+    (release,) = prefill_bodies(engines)[1:]
+    assert release["max_tokens"] == 1 and len(release["prompt"]) == 1
+    assert kv(release) == rider(engines.decode.handles[0])
 
 
 async def test_skip_prefill_short_first_turn(make_sidecar: MakeSidecar, engines: Engines) -> None:
@@ -525,16 +551,55 @@ async def test_models_proxied_from_engine(make_sidecar: MakeSidecar) -> None:
 
 
 async def test_engine_restart_clears_handles(make_sidecar: MakeSidecar, engines: Engines) -> None:
-    """D seen down then up again: its pinned blocks are gone, so are our handles."""
+    """D down, then back as another process: its pinned blocks are gone, so are our
+    handles."""
     client = await make_sidecar()
     await Conversation(client).ask(LONG_QUESTION)
     sc = sidecar_of(client)
     assert len(sc.store) == 1
     engines.decode.healthy = False
-    await sc.probe()
+    for _ in range(FAILURES_BEFORE_NOT_READY):
+        await sc.probe()
+    assert not sc.local.ready
+    engines.decode.restart()
     engines.decode.healthy = True
     await sc.probe()
     assert len(sc.store) == 0
+
+
+async def test_engine_restart_seen_in_metrics_clears_handles(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A restart quicker than the probes (never seen down) shows in the process start
+    time the metrics scrape reads."""
+    client = await make_sidecar()
+    await Conversation(client).ask(LONG_QUESTION)
+    sc = sidecar_of(client)
+    engines.decode.restart()
+    await sc.scrape_engine()
+    assert len(sc.store) == 0
+
+
+async def test_slow_health_is_not_a_restart(make_sidecar: MakeSidecar, engines: Engines) -> None:
+    """A missed /health (a busy engine) neither stops serving nor drops handles; nor
+    does a longer outage of the same engine process."""
+    # Bug prevented: one missed 6 s probe cleared every handle and the KV-event index
+    # and answered 502 until the next probe, while D still pinned the blocks.
+    client = await make_sidecar()
+    conv = Conversation(client, session_id="s")
+    await conv.ask(LONG_QUESTION)
+    sc = sidecar_of(client)
+    engines.decode.healthy = False
+    for _ in range(FAILURES_BEFORE_NOT_READY - 1):
+        await sc.probe()
+    assert sc.local.ready and len(sc.store) == 1
+    await sc.probe()
+    assert not sc.local.ready
+    engines.decode.healthy = True
+    await sc.probe()
+    assert sc.local.ready and len(sc.store) == 1
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
 
 
 async def test_prefill_role_serves_no_turns(make_sidecar: MakeSidecar) -> None:
