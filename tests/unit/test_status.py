@@ -114,7 +114,7 @@ def test_unschedulable_message_names_the_resource_and_the_field():
 
 # As kube-scheduler 1.37 words them (seen on the local control plane).
 PREEMPTION = " preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling."
-RDMA_SERVER = api.parse_server(
+SHORT_SERVER = api.parse_server(
     {
         **server(
             {
@@ -221,7 +221,7 @@ RDMA_SERVER = api.parse_server(
     ids=lambda v: v if isinstance(v, str) and len(v) < 80 and "pod(s)" not in v else None,
 )
 def test_unschedulable_summary(name: str, pods: list[PodState], message: str):
-    assert status.unschedulable_summary(RDMA_SERVER, pods) == message
+    assert status.unschedulable_summary(SHORT_SERVER, pods) == message
 
 
 def test_zero_decode_replicas_is_never_ready():
