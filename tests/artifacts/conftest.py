@@ -266,13 +266,14 @@ def wait_http_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float 
 
 def serve_one_turn(url: str, engines: FakeEngines) -> None:
     """One chat turn through the sidecar: prefill on P, decode on D, the answer back."""
-    status, headers, body = http(
+    status, _, body = http(
         "POST",
         f"{url}/v1/chat/completions",
         {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello there"}]},
     )
     assert status == 200, body
     assert json.loads(body)["choices"][0]["message"]["content"] == engines.decode.reply
-    assert headers.get("X-Kvferry-Outcome") == "no-handle", headers
     assert len(engines.prefill.completions()) == 1
-    assert len(engines.decode.completions()) == 1
+    (decoded,) = engines.decode.completions()
+    # Decode got prefill's KV transfer parameters: the P -> D handoff happened.
+    assert (decoded.body.get("kv_transfer_params") or {}).get("do_remote_prefill"), decoded.body
