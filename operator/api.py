@@ -82,6 +82,15 @@ def iso_time(unix_seconds: float | None = None) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_time(value: Any) -> float | None:
+    """Unix seconds of a ``metav1.Time`` string; None when it is not one."""
+    try:
+        when = datetime.datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    return when.replace(tzinfo=datetime.UTC).timestamp()
+
+
 class SpecError(ValueError):
     """A spec that cannot be rendered; the message names the field and the fix."""
 
@@ -308,13 +317,15 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         model = Model(
             name=m["name"],
             pvc=PVCSource(src["pvc"]["claimName"], src["pvc"]["path"]) if "pvc" in src else None,
+            # The CRD's default source is {hub: {}}: the repository model.name names,
+            # as `vllm serve NAME` loads it.
             hub=HubSource(
-                id=hub["id"],
+                id=hub.get("id") or m["name"],
                 revision=hub.get("revision"),
                 token_secret_name=hub.get("tokenSecret", {}).get("name"),
                 token_secret_key=hub.get("tokenSecret", {}).get("key", "token"),
             )
-            if hub
+            if hub is not None
             else None,
             image=ImageSource(src["image"]["path"]) if "image" in src else None,
             dtype=m["dtype"],

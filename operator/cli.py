@@ -8,7 +8,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from . import api, render, validation
+from kvferry_wire import extras
+
+from . import api
 
 
 class _Dumper(yaml.SafeDumper):
@@ -29,6 +31,8 @@ def dump_yaml(objects: list[dict[str, Any]], out: TextIO) -> None:
 
 def render_documents(stream: TextIO) -> tuple[list[dict[str, Any]], list[str]]:
     """Children of every DisaggregatedServer in ``stream``, and the errors found."""
+    from . import render, validation  # the operator extra: checked in main()
+
     out: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, doc in enumerate(yaml.safe_load_all(stream)):
@@ -87,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(func=_cmd_run)
     args = parser.parse_args(argv)
+    # Both commands need the operator extra (render validates with its CEL and
+    # JSON-schema libraries); say so instead of dying on an import.
+    absent = extras.missing(extras.OPERATOR)
+    if absent:
+        print(f"{parser.prog}: {extras.message(extras.OPERATOR, absent)}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

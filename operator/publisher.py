@@ -7,6 +7,8 @@ Runs on a timer inside the operator. Per server with reports:
   2. run the tuner (pure, ``tune``) unless the mode is Observe;
   3. write KVCacheStatus status when a figure changed, at most once per
      ``min_write_seconds`` (``lastUpdateTime`` alone never triggers a write);
+     an unknown figure is left out rather than written as null (a merge patch
+     deletes a null's key: it would read back as a change on every pass);
   4. write the server's ``status.retention`` when the recommendation changed,
      with an Event (reason and inputs) in Recommend and Auto modes; Auto also
      applies it (``tune.plan_apply``), which re-renders the decode pods; and the
@@ -35,6 +37,21 @@ def applied_retention(server_obj: dict[str, Any], spec_value: int) -> int:
     return int(
         ((server_obj.get("status") or {}).get("retention") or {}).get("applied") or spec_value
     )
+
+
+def without_nulls(value: Any) -> Any:
+    """``value`` with every null-valued key dropped, at any depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def restart_times(value: Any) -> list[float]:
+    """``status.retention.restarts`` (RFC 3339 times) as unix seconds."""
+    times = [api.parse_time(v) for v in value or []]
+    return [t for t in times if t is not None]
 
 
 def retention_status(
@@ -106,7 +123,7 @@ class Publisher:
         )
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
-        status = aggregate.with_recommendations(agg.status, mode, rec, threshold)
+        status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))
         shown = mode != "Observe"
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
@@ -151,7 +168,7 @@ class Publisher:
         mode = server.spec.cache_tuning.mode
         st = obj.get("status") or {}
         old = st.get("retention") or {}
-        new = retention_status(old, applied, rec, mode)
+        new = without_nulls(retention_status(old, applied, rec, mode))
         if mode == "Auto" and rec is not None:
             ready = any(
                 c.get("type") == api.COND_READY and c.get("status") == "True"
@@ -165,7 +182,7 @@ class Publisher:
                 ),
                 None,
             )
-            restarts = [float(t) for t in old.get("restarts") or []]
+            restarts = restart_times(old.get("restarts"))
             decision = tune.plan_apply(
                 mode,
                 rec.value,
@@ -179,7 +196,8 @@ class Publisher:
             new["autoDecision"] = decision.reason
             if decision.apply:
                 new["applied"] = rec.value
-                new["restarts"] = [t for t in restarts if now - t < tune.DAY_SECONDS] + [now]
+                recent = [t for t in restarts if now - t < tune.DAY_SECONDS]
+                new["restarts"] = [api.iso_time(t) for t in [*recent, now]]
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
             agg.transport,
             agg.transport_reason,

@@ -121,28 +121,99 @@ def pod_state_from(pod: dict[str, Any]) -> PodState:
     )
 
 
-_INSUFFICIENT = re.compile(r"Insufficient ([\w./-]+)")
+# What the scheduler says in a PodScheduled=False condition, e.g.
+#   0/2 nodes are available: 2 Insufficient nvidia.com/gpu, 2 Insufficient
+#   rdma/hca_shared_devices_b. preemption: 0/2 nodes are available: ...
+#   0/2 nodes are available: persistentvolumeclaim "models" not found. not found
+# Resource names end in a letter or digit: the sentence's "," or "." is not theirs.
+_INSUFFICIENT = re.compile(r"Insufficient ([A-Za-z0-9][\w./-]*[A-Za-z0-9])")
+_MISSING_PVC = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
+_SELECTOR = "didn't match Pod's node affinity/selector"
+_TAINT = "untolerated taint"
+
+
+def _tidy(message: str) -> str:
+    """The scheduler's sentence without its preemption report or a repeated tail."""
+    head = message.split(" preemption:")[0].strip().rstrip(".")
+    kept: list[str] = []
+    for sentence in head.split(". "):
+        if sentence and not (kept and sentence in kept[-1]):
+            kept.append(sentence)
+    return ". ".join(kept)
+
+
+def _resource_field(server: Server, role: str, resource: str) -> str | None:
+    """The spec field that asks for ``resource`` in a pod of ``role``."""
+    spec = server.spec
+    if role not in api.ROLES:
+        return None
+    rdma = spec.network.rdma
+    if rdma.enabled and resource == rdma.resource_name:
+        return "spec.network.rdma.count"
+    if resource == spec.role(role).resources.gpu_resource_name:
+        return f"spec.{role}.resources.gpus"
+    if resource in ("cpu", "memory"):
+        return f"spec.{role}.resources.{resource}"
+    return None
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def unschedulable_summary(server: Server, pods: list[PodState]) -> str | None:
-    """One actionable sentence about pods no node can take, naming the resource."""
+    """One actionable sentence about pods no node can take: what is missing and
+    which field of the spec asks for it."""
     stuck = [p for p in pods if p.unschedulable_message]
     if not stuck:
         return None
-    first = stuck[0]
-    resources = sorted({r for p in stuck for r in _INSUFFICIENT.findall(p.unschedulable_message)})
-    msg = (
-        f"{len(stuck)} pod(s) cannot be scheduled ({first.name}: "
-        f"{first.unschedulable_message.strip()})"
-    )
-    if resources:
-        role = server.spec.role(first.role) if first.role in api.ROLES else None
-        field_hint = f"spec.{first.role}.resources" if role else "the role's resources"
-        msg += (
-            f". Not enough {', '.join(resources)} on any node: add nodes with "
-            f"{', '.join(resources)} or lower {field_hint}"
+    # resource -> fields that ask for it (in the order the pods name them)
+    short: dict[str, list[str]] = {}
+    claims: list[str] = []
+    placement: list[str] = []
+    other: PodState | None = None
+    for pod in stuck:
+        msg = pod.unschedulable_message or ""
+        found = False
+        for resource in _INSUFFICIENT.findall(msg):
+            fields = short.setdefault(resource, [])
+            field = _resource_field(server, pod.role, resource)
+            if field and field not in fields:
+                fields.append(field)
+            found = True
+        for claim in _MISSING_PVC.findall(msg):
+            if claim not in claims:
+                claims.append(claim)
+            found = True
+        for text, what in ((_SELECTOR, "nodeSelector/affinity"), (_TAINT, "tolerations")):
+            if text in msg and pod.role in api.ROLES:
+                field = f"spec.{pod.role}.{what}"
+                if field not in placement:
+                    placement.append(field)
+                found = True
+        if not found and other is None:
+            other = pod
+    reasons = []
+    if claims:
+        quoted = _and([f'"{c}"' for c in claims])
+        reasons.append(
+            f"PersistentVolumeClaim {quoted} does not exist in namespace {server.namespace}: "
+            "create it, or fix spec.model.source.pvc.claimName"
         )
-    return msg
+    if short:
+        named = _and([f"{r} ({', '.join(f)})" if f else r for r, f in sorted(short.items())])
+        fields = [f for fs in short.values() for f in fs]
+        it = "it" if len(short) == 1 else "them"
+        lower = (
+            f", or lower {'that field' if len(fields) == 1 else 'those fields'}" if fields else ""
+        )
+        reasons.append(f"no node has enough {named} free: add nodes with {it}{lower}")
+    if placement:
+        reasons.append(f"no node matches {_and(placement)}: fix them, or label/untaint nodes")
+    if other is not None:
+        reasons.append(f"{other.name}: {_tidy(other.unschedulable_message or '')}")
+    names = ", ".join(sorted(p.name for p in stuck)[:3]) + (", ..." if len(stuck) > 3 else "")
+    return f"{len(stuck)} pod(s) cannot be scheduled ({names}): {'; '.join(reasons)}"
 
 
 def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]:

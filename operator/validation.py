@@ -102,6 +102,9 @@ def _describe(err: jsonschema.ValidationError, where: str) -> str:
         return f"Invalid value: {got}: {where} in body should be less than or equal to {arg}"
     if v == "pattern":
         return f"Invalid value: {_quote(got)}: {where} in body should match '{arg}'"
+    if v == "maxProperties":
+        items = "1 item" if arg == 1 else f"{arg} items"
+        return f"Too many: {len(got)}: must have at most {items}"
     if v == "minItems":
         return f"Invalid value: {len(got)}: {where} in body should have at least {arg} items"
     if v == "minLength":

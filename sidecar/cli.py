@@ -17,10 +17,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import web
+from kvferry_wire import extras
 
 from . import config
-from .app import app_factory
 
 
 def _csv(value: str) -> list[str]:
@@ -70,6 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except config.ConfigError as exc:
         print(f"kvferry-sidecar: {exc}", file=sys.stderr)
         return 2
+    absent = extras.missing(extras.SIDECAR)
+    if absent:
+        print(f"kvferry-sidecar: {extras.message(extras.SIDECAR, absent)}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    from .app import app_factory  # needs the sidecar extra (ZeroMQ, Prometheus client)
+
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

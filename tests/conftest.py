@@ -7,7 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import progress
 from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    progress.attach(config)
 
 
 @pytest.hookimpl(hookwrapper=True)

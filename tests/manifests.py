@@ -62,8 +62,6 @@ def _spec(patch: dict[str, Any]) -> dict[str, Any]:
     return merge(MINIMAL, {"spec": patch})
 
 
-NO_SOURCE = {"model": {"source": DELETE}}
-
 # Every CEL rule and every required field of the CRD appears here at least once
 # (tests/unit/test_validation.py checks that), each with the message that
 # tells the user what to do.
@@ -76,18 +74,32 @@ INVALID: list[Invalid] = [
         "spec.model.name",
         "Required value",
     ),
-    Invalid("model-source-required", _spec(NO_SOURCE), "spec.model.source", "Required value"),
     Invalid(
         "source-none",
         _spec({"model": {"source": {"pvc": DELETE}}}),
         "spec.model.source",
-        "must set exactly one of pvc, hub or image",
+        "must set exactly one of pvc (a PersistentVolumeClaim), hub (a Hugging Face hub "
+        "repository) or image (a folder in the engine image)",
+    ),
+    Invalid(
+        # Not pruned as an unknown field: the message names the choices.
+        "source-unknown",
+        _spec({"model": {"source": {"pvc": DELETE, "s3": {"bucket": "models"}}}}),
+        "spec.model.source",
+        "must set exactly one of pvc (a PersistentVolumeClaim), hub (a Hugging Face hub "
+        "repository) or image (a folder in the engine image)",
     ),
     Invalid(
         "source-two",
         _spec({"model": {"source": {"hub": {"id": "org/m"}}}}),
         "spec.model.source",
-        "must set exactly one of pvc, hub or image",
+        "Too many: 2: must have at most 1 item",
+    ),
+    Invalid(
+        "source-known-and-unknown",
+        _spec({"model": {"source": {"s3": {"bucket": "models"}}}}),
+        "spec.model.source",
+        "Too many: 2: must have at most 1 item",
     ),
     Invalid(
         "pvc-claim-required",
@@ -108,10 +120,10 @@ INVALID: list[Invalid] = [
         "must not contain '..'",
     ),
     Invalid(
-        "hub-id-required",
-        _spec({"model": {"source": {"pvc": DELETE, "hub": {}}}}),
+        "hub-id-empty",
+        _spec({"model": {"source": {"pvc": DELETE, "hub": {"id": ""}}}}),
         "spec.model.source.hub.id",
-        "Required value",
+        "should be at least 1 chars long",
     ),
     Invalid(
         "hub-secret-name-required",

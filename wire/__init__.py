@@ -8,6 +8,9 @@ Owns what both sides must agree on and nothing else:
   margin the sidecar applies and the operator's tuner adds back.
 - ``report``: the residency report (format version, fields, histogram buckets and
   the one ``Histogram`` type both sides compute with), its decoder and encoder.
+- ``extras``: which extra of the one ``kvferry`` distribution each program needs
+  (``operator``, ``sidecar``), read from the installed metadata, so a program started
+  without it says which ``pip install`` fixes it.
 
 May import: the standard library and msgspec. Never ``kvferry_operator``,
 ``kvferry_sidecar`` or ``kvferry_dev`` (``tests/unit/test_layering.py`` checks it):

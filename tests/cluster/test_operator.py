@@ -7,10 +7,11 @@ import time
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.kube import wait_for_event
-from tests.manifests import INVALID, Invalid, load_example, merge, server
+from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, merge, server
 
 CHILDREN = [
     ("statefulset", "{n}-prefill"),
@@ -76,6 +77,24 @@ def test_sample_creates_children_and_becomes_ready(kubectl: Kubectl, operator: O
     kvcs = kubectl.get("kvcachestatus", name, ns)
     assert kvcs["status"]["phase"] == "NoReports"
     assert "no residency reports yet" in kvcs["status"]["message"]
+
+
+def test_a_server_with_only_a_model_name_loads_it_from_the_hub_and_becomes_ready(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    sample = load_example(next(p for p in EXAMPLES if p.name == "hub.yaml"))
+    assert set(sample["spec"]) == {"model"} and set(sample["spec"]["model"]) == {"name"}
+    sample["metadata"]["namespace"] = ns
+    name, model = sample["metadata"]["name"], sample["spec"]["model"]["name"]
+    kubectl.apply(sample, "--server-side")
+    wait_ready(kubectl, ns, name)
+    # What `kubectl get -o yaml` shows, and GitOps tools compare: the defaulted source.
+    shown = yaml.safe_load(kubectl.run("get", "dserver", name, "-n", ns, "-o", "yaml").stdout)
+    assert shown["spec"]["model"]["source"] == {"hub": {}}
+    for role in ("prefill", "decode"):
+        sts = kubectl.get("statefulset", f"{name}-{role}", ns)
+        engine = sts["spec"]["template"]["spec"]["containers"][0]
+        assert engine["command"] == ["vllm", "serve"] and engine["args"][0] == model
 
 
 @pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
@@ -179,10 +198,48 @@ def test_not_enough_gpus_is_reported_naming_the_resource(
         "Ready=False Unschedulable",
     )
     assert ready["status"] == "False"
-    assert "nvidia.com/gpu" in ready["message"]
-    assert "spec.decode.resources" in ready["message"]
+    assert ready["message"] == (
+        "1 pod(s) cannot be scheduled (tiny-decode-0): no node has enough nvidia.com/gpu "
+        "(spec.decode.resources.gpus) free: add nodes with it, or lower that field"
+    )
     assert condition(kubectl, ns, "tiny", "Degraded")["status"] == "True"
     wait_for_event(kubectl, ns, "tiny", "Unschedulable")
+
+
+def test_short_gpus_and_rdma_are_each_reported_with_their_field(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    # The fake nodes have rdma/hca_shared_devices_a only, and 8 GPUs.
+    rdma = {"enabled": True, "resourceName": "rdma/hca_shared_devices_b"}
+    spec = {"prefill": {"resources": {"gpus": 16}}, "network": {"rdma": rdma}}
+    kubectl.apply(make(ns, spec=spec), "--server-side")
+    expected = (
+        "2 pod(s) cannot be scheduled (tiny-decode-0, tiny-prefill-0): no node has enough "
+        "nvidia.com/gpu (spec.prefill.resources.gpus) and rdma/hca_shared_devices_b "
+        "(spec.network.rdma.count) free: add nodes with them, or lower those fields"
+    )
+    wait_until(
+        lambda: condition(kubectl, ns, "tiny", "Ready").get("message") == expected,
+        60,
+        "Ready=False naming both resources and their fields",
+    )
+
+
+def test_a_missing_pvc_is_reported_once_naming_the_claim_field(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    spec = {"model": {"source": {"pvc": {"claimName": "no-such-claim"}}}}
+    kubectl.apply(make(ns, spec=spec), "--server-side")
+    expected = (
+        "2 pod(s) cannot be scheduled (tiny-decode-0, tiny-prefill-0): PersistentVolumeClaim "
+        f'"no-such-claim" does not exist in namespace {ns}: create it, or fix '
+        "spec.model.source.pvc.claimName"
+    )
+    wait_until(
+        lambda: condition(kubectl, ns, "tiny", "Ready").get("message") == expected,
+        60,
+        "Ready=False naming the missing claim",
+    )
 
 
 def test_deleting_the_server_garbage_collects_children(

@@ -25,6 +25,7 @@ from kvferry_dev.procs import EngineError
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
 from tests.engine.helpers import kv_bytes_per_token
+from tests.progress import step
 
 T = TypeVar("T")
 
@@ -45,7 +46,8 @@ TIMINGS: dict[str, float] = {}
 @pytest.fixture(scope="session")
 def engine_python() -> Path:
     t0 = time.monotonic()
-    py, err = _attempt(engine_env)
+    with step("engine venv (hack/engine-env.sh; the first run on a machine builds it, ~3-5 min)"):
+        py, err = _attempt(engine_env)
     if err:
         pytest.fail(f"engine venv (hack/engine-env.sh) is unusable: {err}", pytrace=False)
     TIMINGS["engine_env_s"] = time.monotonic() - t0

@@ -45,6 +45,20 @@ def test_minimal_spec_gets_schema_defaults():
     )
 
 
+def test_a_spec_with_only_the_model_name_loads_it_from_the_hub():
+    # `vllm serve NAME`: the CRD defaults source to {hub: {}}, hub.id to model.name.
+    spec = api.parse_spec({"model": {"name": "Qwen/Qwen3-0.6B"}})
+    assert spec.model.hub == api.HubSource(id="Qwen/Qwen3-0.6B")
+    assert spec.model.pvc is None and spec.model.image is None
+    defaulted = api.apply_defaults(SPEC_SCHEMA, {"model": {"name": "x"}})
+    assert defaulted["model"]["source"] == {"hub": {}}
+
+
+def test_an_explicit_hub_id_wins_over_the_model_name():
+    spec = api.parse_spec({"model": {"name": "served", "source": {"hub": {"id": "org/m"}}}})
+    assert spec.model.hub is not None and spec.model.hub.id == "org/m"
+
+
 def test_gpus_default_to_tensor_parallel_size():
     spec = api.parse_spec(server({"decode": {"tensorParallelSize": 4}})["spec"])
     assert spec.decode.resources.gpus == 4
@@ -74,8 +88,9 @@ def test_nested_defaults_apply_under_a_defaulted_parent():
 
 
 def _schema_leaf_paths(schema, path=""):
+    # An object that keeps unknown fields but declares some (model.source) has leaves.
     props = schema.get("properties")
-    if not props or schema.get("x-kubernetes-preserve-unknown-fields"):
+    if not props:
         return [path]
     out = []
     for name, sub in props.items():

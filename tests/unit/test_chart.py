@@ -29,6 +29,7 @@ import yaml
 from kvferry_operator import api, handlers, kube, render
 from kvferry_wire import protocol
 from tests.manifests import EXAMPLES, ROOT, load_example
+from tests.progress import step
 
 CHART = ROOT / "charts" / "kvferry"
 HELM_SH = ROOT / "hack" / "helm.sh"
@@ -54,9 +55,10 @@ ALL_OPTIONS = [
 @functools.cache
 def helm_binary() -> str:
     """Build (once, cached under ~/.cache/kvferry) and return the helm binary."""
-    proc = subprocess.run(
-        ["bash", str(HELM_SH), "build"], capture_output=True, text=True, timeout=1800
-    )
+    with step("helm (hack/helm.sh build; the first run on a machine builds it, ~3.5 min)"):
+        proc = subprocess.run(
+            ["bash", str(HELM_SH), "build"], capture_output=True, text=True, timeout=1800
+        )
     assert proc.returncode == 0, f"hack/helm.sh build failed:\n{proc.stderr[-4000:]}"
     return proc.stdout.strip().splitlines()[-1]
 

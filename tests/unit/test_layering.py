@@ -33,7 +33,7 @@ ALLOWED = {
 }
 IO_PACKAGES = {"kopf", "kubernetes", "aiohttp", "zmq"}
 PURE = {
-    "kvferry_wire": ["protocol", "report"],
+    "kvferry_wire": ["protocol", "report", "extras"],
     "kvferry_operator": [
         "api",
         "engine_config",

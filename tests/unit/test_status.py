@@ -107,8 +107,122 @@ def test_unschedulable_message_names_the_resource_and_the_field():
     # A user must learn which resource is short and which field to change.
     pods = [PodState("tiny-decode-0", "decode", unschedulable_message=GPU_MESSAGE)]
     c = cond(status.compute_conditions(SERVER, observed(pods=pods)), api.COND_READY)
-    assert "nvidia.com/gpu" in c["message"]
-    assert "spec.decode.resources" in c["message"]
+    assert c["message"] == (
+        "1 pod(s) cannot be scheduled (tiny-decode-0): no node has enough nvidia.com/gpu "
+        "(spec.decode.resources.gpus) free: add nodes with it, or lower that field"
+    )
+
+
+# As kube-scheduler 1.37 words them (seen on the local control plane).
+PREEMPTION = " preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling."
+SHORT_SERVER = api.parse_server(
+    {
+        **server(
+            {
+                "prefill": {"resources": {"gpus": 16}},
+                "network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_b"}},
+            }
+        ),
+        "metadata": {"name": "big", "namespace": "ns"},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "pods", "message"),
+    [
+        (
+            # Once garbled into "Not enough nvidia.com/gpu., rdma/... or lower
+            # spec.prefill.resources" when the RDMA count was as short as the GPUs.
+            "gpus and rdma short, each named with its field",
+            [
+                PodState(
+                    "big-prefill-0",
+                    "prefill",
+                    "0/2 nodes are available: 2 Insufficient nvidia.com/gpu, "
+                    "2 Insufficient rdma/hca_shared_devices_b." + PREEMPTION,
+                ),
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    "0/2 nodes are available: 2 Insufficient rdma/hca_shared_devices_b."
+                    + PREEMPTION,
+                ),
+            ],
+            "2 pod(s) cannot be scheduled (big-decode-0, big-prefill-0): no node has enough "
+            "nvidia.com/gpu (spec.prefill.resources.gpus) and rdma/hca_shared_devices_b "
+            "(spec.network.rdma.count) free: add nodes with them, or lower those fields",
+        ),
+        (
+            "only the rdma count short: not the role's resources",
+            [
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    "0/2 nodes are available: 2 Insufficient rdma/hca_shared_devices_b."
+                    + PREEMPTION,
+                )
+            ],
+            "1 pod(s) cannot be scheduled (big-decode-0): no node has enough "
+            "rdma/hca_shared_devices_b (spec.network.rdma.count) free: add nodes with it, "
+            "or lower that field",
+        ),
+        (
+            "cpu short",
+            [PodState("big-decode-0", "decode", "0/2 nodes are available: 2 Insufficient cpu.")],
+            "1 pod(s) cannot be scheduled (big-decode-0): no node has enough cpu "
+            "(spec.decode.resources.cpu) free: add nodes with it, or lower that field",
+        ),
+        (
+            # The scheduler says "... not found. not found"; once repeated as it was.
+            "missing pvc, said once",
+            [
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    '0/2 nodes are available: persistentvolumeclaim "models" not found. not found',
+                ),
+                PodState(
+                    "big-prefill-0",
+                    "prefill",
+                    '0/2 nodes are available: persistentvolumeclaim "models" not found. not found',
+                ),
+            ],
+            "2 pod(s) cannot be scheduled (big-decode-0, big-prefill-0): PersistentVolumeClaim "
+            '"models" does not exist in namespace ns: create it, or fix '
+            "spec.model.source.pvc.claimName",
+        ),
+        (
+            "taint",
+            [
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    "0/2 nodes are available: 2 node(s) had untolerated taint "
+                    "{nvidia.com/gpu: present}." + PREEMPTION,
+                )
+            ],
+            "1 pod(s) cannot be scheduled (big-decode-0): no node matches "
+            "spec.decode.tolerations: fix them, or label/untaint nodes",
+        ),
+        (
+            "anything else: the scheduler's sentence, without the preemption report",
+            [
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    "0/2 nodes are available: 2 node(s) had volume node affinity conflict."
+                    + PREEMPTION,
+                )
+            ],
+            "1 pod(s) cannot be scheduled (big-decode-0): big-decode-0: 0/2 nodes are "
+            "available: 2 node(s) had volume node affinity conflict",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 80 and "pod(s)" not in v else None,
+)
+def test_unschedulable_summary(name: str, pods: list[PodState], message: str):
+    assert status.unschedulable_summary(SHORT_SERVER, pods) == message
 
 
 def test_zero_decode_replicas_is_never_ready():

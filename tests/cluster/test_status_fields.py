@@ -1,0 +1,346 @@
+"""Every status field the operator writes survives the real API server unchanged.
+
+The API server silently prunes what the CRD schema does not declare, and a JSON merge
+patch deletes a key whose value is null. Either way the operator reads back something
+other than what it wrote: it then "changes" the status on every pass, and whatever it
+keeps there to remember (``status.retention.restarts`` for ``maxRestartsPerDay``) is
+lost. These tests write the statuses the operator's own code computes (the reconcile
+status, the KVCacheStatus and the retention status of the residency publisher in Auto
+mode), through the operator's own client, and read them back.
+
+Also here: Auto mode under flapping recommendations restarts decode at most
+``maxRestartsPerDay`` times (the restart log lives in that status).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import config as kube_config
+
+from kvferry_operator import aggregate, api, handlers, publisher, settings, status
+from kvferry_operator.kube import Kube
+from kvferry_operator.report_endpoint import ReportStore
+from kvferry_wire import report as wire
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.cluster.test_operator import make, wait_ready
+from tests.cluster.test_reports import bound_token, push
+from tests.kube import wait_for_event
+
+NOW = 1_800_000_000.0  # a fixed clock: nothing changes between two passes but the inputs
+LOG = logging.getLogger("test")
+
+
+@pytest.fixture
+def kube(kubeconfig: Path) -> Iterator[Kube]:
+    k = Kube(kube_config.new_client_from_config(str(kubeconfig)))
+    yield k
+    k.close()
+
+
+def differences(expected: Any, actual: Any, path: str = "status") -> list[str]:
+    """Where ``actual`` differs from ``expected``, as readable lines."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = []
+        for key in sorted(set(expected) | set(actual)):
+            where = f"{path}.{key}"
+            if key not in actual:
+                out.append(f"{where}: written {expected[key]!r}, read back nothing")
+            elif key not in expected:
+                out.append(f"{where}: not written, read back {actual[key]!r}")
+            else:
+                out += differences(expected[key], actual[key], where)
+        return out
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        return [
+            line
+            for i, (e, a) in enumerate(zip(expected, actual, strict=True))
+            for line in differences(e, a, f"{path}[{i}]")
+        ]
+    return [] if expected == actual else [f"{path}: written {expected!r}, read back {actual!r}"]
+
+
+def assert_same(written: Any, back: Any, what: str = "") -> None:
+    lines = differences(written, back)
+    assert not lines, f"{what} status changed by the API server:\n" + "\n".join(lines)
+
+
+def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
+    """A report with every figure measured, so every optional status field is set."""
+    rep = wire.Report(
+        version=1,
+        server=server,
+        namespace=ns,
+        pod=pod,
+        role=role,
+        engine_build="abc",
+        started_at=NOW - 600,
+        generated_at=NOW,
+        transport="RDMA",
+    )
+    rep.by_turn = {"1": wire.TurnBucket(10, 0, 5000, 0), "2": wire.TurnBucket(10, 9, 6000, 5100)}
+    rep.outcomes = {"no-handle": 10, "reused": 9, "expired": 1}
+    rep.handles = {"consumed": 9, "expired": 1}
+    for gap in [30.0] * 40 + [50.0] * 10:
+        rep.gaps.observe(gap)
+    for _ in range(9):
+        rep.ttft_reused.observe(0.3)
+    for _ in range(11):
+        rep.ttft_recomputed.observe(2.0)
+    rep.pinned = wire.Pinned(handles=3, blocks=30, bytes=3_000_000, oldest_age_seconds=12.5)
+    rep.transfer = wire.Transfer(
+        pulls=9,
+        bytes=9_000_000,
+        seconds=0.09,
+        recompute_tokens=10_000,
+        recompute_seconds=2.5,
+        bytes_per_token=1024.0,
+    )
+    for _ in range(9):
+        rep.transfer.pull_latency.observe(0.02)
+    rep.engine = wire.Engine(kv_usage=0.42, preemptions=0, healthy=True)
+    rep.kv_events = wire.KVEvents(blocks_held=100, sessions_held=4, batches=50)
+    return rep
+
+
+def empty_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
+    """A sidecar's first report: nothing measured, so every optional figure is unknown."""
+    return wire.Report(
+        version=1,
+        server=server,
+        namespace=ns,
+        pod=pod,
+        role=role,
+        started_at=NOW - 5,
+        generated_at=NOW,
+    )
+
+
+class Spy:
+    """The operator's Kube with its status writes and child applies recorded."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []
+        self.applied: list[str] = []
+
+    def get(self, *args: Any) -> Any:
+        return self.kube.get(*args)
+
+    def patch_status(self, api_version: str, kind: str, ns: str, name: str, body: Any) -> None:
+        self.patches.append((kind, name, body))
+        self.kube.patch_status(api_version, kind, ns, name, body)
+
+
+def server_status(server: api.Server) -> dict[str, Any]:
+    """What the reconcile writes for a settled server (conditions of every kind)."""
+    roles = {
+        r: status.RoleObserved(
+            exists=True,
+            observed_generation=1,
+            generation=1,
+            replicas=1,
+            ready_replicas=1,
+            updated_replicas=1,
+            current_revision="a",
+            update_revision="a",
+        )
+        for r in api.ROLES
+    }
+    observed = status.Observed(roles=roles, transport="RDMA")
+    new, _ = status.compute_status(server, observed, {}, api.iso_time(NOW))
+    return new
+
+
+@pytest.mark.parametrize("report", [full_report, empty_report], ids=["measured", "unmeasured"])
+def test_every_status_field_the_operator_writes_reads_back_unchanged(
+    kubectl: Kubectl, operator: Operator, kube: Kube, ns: str, report: Any
+):
+    # The session operator would write this server's status concurrently: stop it; this
+    # test runs the operator's own code in-process instead.
+    operator.stop()
+    try:
+        spec = {"cacheTuning": {"mode": "Auto"}}
+        kubectl.apply(make(ns, spec=spec), "--server-side")
+        body = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")
+        server = api.parse_server(body)
+        ours = settings.from_env()
+
+        # 1. The reconcile: children (the KVCacheStatus gets its NoReports status) and
+        #    the server's status.
+        assert handlers.apply_children(body, kube, ours, LOG)
+        kvcs = kube.get(api.API_VERSION, api.STATUS_KIND, ns, "tiny")
+        assert (
+            differences(
+                {k: v for k, v in handlers.NO_REPORTS_STATUS.items()},
+                {k: v for k, v in kvcs["status"].items() if k != "lastUpdateTime"},
+            )
+            == []
+        )
+        written = server_status(server)
+        kube.patch_status(api.API_VERSION, api.SERVER_KIND, ns, "tiny", written)
+        back = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"]
+        assert differences(written, back) == []
+
+        # 2. The residency publisher, Auto mode: KVCacheStatus figures and the retention
+        #    status, with the restart it decides on.
+        store = ReportStore()
+        for role in api.ROLES:
+            rep = report(ns, "tiny", f"tiny-{role}-0", role)
+            store.put(aggregate.Received(report=rep, received_at=NOW - 1))
+        spy = Spy(kube)
+        pub = publisher.Publisher(
+            spy,  # type: ignore[arg-type]
+            store,
+            stale_after=90,
+            min_write_seconds=0,
+            emit=lambda *a: None,
+            apply_children=lambda obj: spy.applied.append(obj["status"]["retention"]["applied"]),
+            clock=lambda: NOW,
+        )
+        pub.publish(ns, "tiny")
+        assert spy.patches, "the publisher wrote nothing"
+        for kind, name, patch in spy.patches:
+            back = kube.get(api.API_VERSION, kind, ns, name)["status"]
+            # Top-level nulls are deliberate: they delete figures no longer shown.
+            written = {k: v for k, v in patch.items() if v is not None}
+            if kind == api.STATUS_KIND:
+                written.pop("lastUpdateTime")
+                back.pop("lastUpdateTime")
+            else:
+                back = {k: back[k] for k in written if k in back}
+            assert_same(written, back, kind)
+
+        # 3. Nothing changed in the world, so the next passes must write nothing. (The
+        #    pass after an Auto restart may record why it does not restart again.)
+        pub.publish(ns, "tiny")
+        spy.patches.clear()
+        pub.publish(ns, "tiny")
+        assert spy.patches == [], "a pass without any change wrote status again"
+        if report is full_report:
+            retention = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"][
+                "retention"
+            ]
+            assert spy.applied == [retention["applied"]]  # Auto restarted decode once
+            assert retention["restarts"] == [api.iso_time(NOW)]
+            assert retention["autoDecision"] == "already running the recommended value"
+    finally:
+        operator.start()
+
+
+# ------------------------------------------------------------------ the restart cap
+
+# Traffic patterns whose recommendations differ by far more than 20 %: gaps with a p95
+# in (20, 30] s, (90, 120] s and (240, 300] s.
+SHORT_GAPS = [25.0] * 50
+MEDIUM_GAPS = [100.0] * 50
+LONG_GAPS = [280.0] * 50
+
+
+def gap_report(ns: str, pod: str, gaps: list[float]) -> bytes:
+    rep = wire.Report(
+        version=1,
+        server="tiny",
+        namespace=ns,
+        pod=pod,
+        role="decode",
+        started_at=time.time() - 60,
+        generated_at=time.time(),
+        transport="TCPFallback",
+    )
+    for gap in gaps:
+        rep.gaps.observe(gap)
+    return wire.encode(rep)
+
+
+def expected_recommendation(gaps: list[float]) -> int:
+    from kvferry_operator import tune
+
+    hist = wire.Histogram.empty(wire.GAP_BOUNDS)
+    for gap in gaps:
+        hist.observe(gap)
+    inputs = tune.TuningInputs(
+        gaps=hist, current_retention=480, coverage=0.95, min_retention=30, max_retention=1800
+    )
+    return tune.recommend_retention(inputs).value
+
+
+def test_auto_mode_restarts_decode_at_most_max_restarts_per_day(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    spec = {"cacheTuning": {"mode": "Auto", "maxRestartsPerDay": 2}}
+    kubectl.apply(make(ns, spec=spec), "--server-side")
+    wait_ready(kubectl, ns)
+    # Flapping: each recommendation far from the one applied before it.
+    patterns = [SHORT_GAPS, LONG_GAPS, SHORT_GAPS, MEDIUM_GAPS]
+    recommended = [expected_recommendation(g) for g in patterns]
+    assert len(set(recommended)) == 3, recommended
+
+    def retention() -> dict[str, Any]:
+        return (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("retention") or {}
+
+    def decode_settled() -> bool:
+        sts = kubectl.get("statefulset", "tiny-decode", ns)
+        st = sts.get("status") or {}
+        return (
+            st.get("observedGeneration") == sts["metadata"]["generation"]
+            and st.get("updatedReplicas") == st.get("readyReplicas") == 1
+            and st.get("currentRevision") == st.get("updateRevision")
+        )
+
+    def decode_ttl() -> int:
+        sts = kubectl.get("statefulset", "tiny-decode", ns)
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
+
+    def push_from_decode(gaps: list[float]) -> bool:
+        # A token is bound to one pod: a restart between minting and pushing voids it.
+        wait_until(decode_settled, 60, "decode rollout finished")
+        token = bound_token(kubectl, ns, "tiny-decode-0")
+        return push(operator, gap_report(ns, "tiny-decode-0", gaps), token)[0] == 202
+
+    for i, gaps in enumerate(patterns):
+        # Auto never restarts a server that is not Ready.
+        wait_ready(kubectl, ns)
+        wait_until(lambda g=gaps: push_from_decode(g), 60, f"flip {i + 1}: report accepted")
+        if i < 2:
+            # Within the cap: Auto applies the new recommendation (a decode restart).
+            wait_until(
+                lambda r=recommended[i]: retention().get("applied") == r and decode_ttl() == r,
+                60,
+                f"flip {i + 1}: applied {recommended[i]}s to the decode pods",
+            )
+        else:
+            # Over the cap: recommended, recorded, not applied.
+            try:
+                wait_until(
+                    lambda r=recommended[i]: (
+                        retention().get("recommended") == r
+                        and "maxRestartsPerDay 2" in retention().get("autoDecision", "")
+                    ),
+                    60,
+                    f"flip {i + 1}: recommended {recommended[i]}s and declined by the cap",
+                )
+            except AssertionError as exc:
+                applied = kubectl.json(
+                    "get", "events", "-n", ns, "--field-selector", "reason=RetentionApplied"
+                )["items"]
+                raise AssertionError(
+                    f"{exc}\nstatus.retention: {retention()}\nRetentionApplied events: "
+                    f"{[e['message'] for e in applied]}"
+                ) from exc
+            assert retention()["applied"] == recommended[1]
+    restarts = retention()["restarts"]
+    assert len(restarts) == 2, restarts
+    assert retention()["autoDecision"] == "2 restarts in the last 24h (maxRestartsPerDay 2)"
+    events = wait_for_event(kubectl, ns, "tiny", "RetentionApplied")
+    assert len(events) == 2, [e["message"] for e in events]
+    # The decode pods still run the second applied value.
+    assert decode_ttl() == recommended[1]

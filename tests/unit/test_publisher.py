@@ -1,0 +1,163 @@
+"""The residency publisher's status writes, against an in-memory store of objects.
+
+What the API server does to them (pruning, merge-patch nulls) is checked for real in
+tests/cluster/test_status_fields.py; here: the shape the publisher writes and the
+Auto restart log it keeps in that status.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvferry_operator import aggregate, api, publisher, tune
+from kvferry_wire import report as wire
+from tests.manifests import server
+
+NOW = 1_800_000_000.0
+DAY = tune.DAY_SECONDS
+
+
+class MemoryKube:
+    """get/patch_status over dicts, with a JSON merge patch's null = delete."""
+
+    def __init__(self, *objs: dict[str, Any]) -> None:
+        self.objs = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objs}
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    def get(self, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objs.get((kind, name)))
+
+    def patch_status(self, api_version: str, kind: str, ns: str, name: str, body: Any) -> None:
+        self.patches.append((kind, copy.deepcopy(body)))
+        obj = self.objs[(kind, name)]
+        obj["status"] = merge_patch(obj.get("status") or {}, body)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def auto_server(restarts: list[str] | None = None, applied: int = 480) -> dict[str, Any]:
+    obj = server({"cacheTuning": {"mode": "Auto", "maxRestartsPerDay": 2}})
+    obj["status"] = {
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "prefill": {"updatedReplicas": 1},
+        "decode": {"updatedReplicas": 1},
+        "retention": {"applied": applied, **({"restarts": restarts} if restarts else {})},
+    }
+    return obj
+
+
+def kvcs() -> dict[str, Any]:
+    return {"kind": api.STATUS_KIND, "metadata": {"name": "tiny"}, "status": {}}
+
+
+def store_with(gaps: list[float]) -> Any:
+    rep = wire.Report(
+        version=1,
+        server="tiny",
+        namespace="default",
+        pod="tiny-decode-0",
+        role="decode",
+        started_at=NOW - 600,
+        generated_at=NOW,
+    )
+    for gap in gaps:
+        rep.gaps.observe(gap)
+
+    class Store:
+        def servers(self) -> list[tuple[str, str]]:
+            return [("default", "tiny")]
+
+        def get(self, ns: str, name: str) -> list[aggregate.Received]:
+            return [aggregate.Received(rep, NOW - 1)]
+
+    return Store()
+
+
+def publish(kube: MemoryKube, gaps: list[float]) -> list[int]:
+    applied: list[int] = []
+    pub = publisher.Publisher(
+        kube,  # type: ignore[arg-type]
+        store_with(gaps),
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        apply_children=lambda obj: applied.append(obj["status"]["retention"]["applied"]),
+        clock=lambda: NOW,
+    )
+    pub.publish("default", "tiny")
+    return applied
+
+
+def test_unknown_figures_are_left_out_not_written_as_null():
+    # A merge patch deletes a null's key: the figure would read back as a change.
+    kube = MemoryKube(auto_server(), kvcs())
+    publish(kube, gaps=[])  # no measurements at all
+    assert kube.patches
+    for kind, body in kube.patches:
+        # Top-level nulls are deliberate: they delete figures no longer shown.
+        assert null_paths({k: v for k, v in body.items() if v is not None}) == [], kind
+
+
+def null_paths(value: Any, path: str = "status") -> list[str]:
+    if value is None:
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in null_paths(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in null_paths(v, f"{path}[{i}]")]
+    return []
+
+
+def test_without_nulls_drops_null_keys_at_any_depth():
+    value = {"a": None, "b": {"c": None, "d": 1}, "e": [{"f": None, "g": 2}]}
+    assert publisher.without_nulls(value) == {"b": {"d": 1}, "e": [{"g": 2}]}
+
+
+def test_auto_restart_is_logged_as_a_time_the_schema_declares():
+    kube = MemoryKube(auto_server(), kvcs())
+    applied = publish(kube, gaps=[25.0] * 50)
+    retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
+    assert applied == [retention["applied"]] and retention["applied"] < 480
+    assert retention["restarts"] == [api.iso_time(NOW)]
+    assert retention["autoDecision"] == f"applying {retention['applied']}s (was 480s)"
+
+
+def test_auto_keeps_restarts_of_the_last_day_and_declines_past_the_cap():
+    two = [api.iso_time(NOW - 3600), api.iso_time(NOW - 60)]
+    kube = MemoryKube(auto_server(restarts=two), kvcs())
+    assert publish(kube, gaps=[25.0] * 50) == []
+    retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
+    assert retention["applied"] == 480
+    assert retention["autoDecision"] == "2 restarts in the last 24h (maxRestartsPerDay 2)"
+
+
+def test_auto_forgets_restarts_older_than_a_day():
+    old = [api.iso_time(NOW - DAY - 60), api.iso_time(NOW - 60)]
+    kube = MemoryKube(auto_server(restarts=old), kvcs())
+    assert len(publish(kube, gaps=[25.0] * 50)) == 1
+    retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
+    assert retention["restarts"] == [api.iso_time(NOW - 60), api.iso_time(NOW)]
+
+
+def test_restart_times_read_rfc3339_and_ignore_anything_else():
+    assert publisher.restart_times([api.iso_time(NOW), "yesterday", 12.5]) == [NOW]
+    assert publisher.restart_times(None) == []
+
+
+def test_an_unchanged_world_writes_nothing_the_second_time():
+    kube = MemoryKube(auto_server(applied=45), kvcs())
+    publish(kube, gaps=[25.0] * 50)
+    kube.patches.clear()
+    publish(kube, gaps=[25.0] * 50)
+    assert kube.patches == []
