@@ -161,6 +161,7 @@ def main() -> int:
     args = p.parse_args()
 
     prefill_port, decode_port, sidecar_port = free_port(), free_port(), free_port()
+    internal_port = free_port()
     fakes_proc = multiprocessing.Process(
         target=run_fakes, args=(prefill_port, decode_port), daemon=True
     )
@@ -172,6 +173,7 @@ def main() -> int:
         "--role=decode",
         "--host=127.0.0.1",
         f"--port={sidecar_port}",
+        f"--internal-port={internal_port}",
         f"--engine-url=http://127.0.0.1:{decode_port}",
         f"--prefill-engines=http://127.0.0.1:{prefill_port}",
         f"--decode-sidecars={url}",
@@ -195,7 +197,7 @@ def main() -> int:
         _, idle_rss, _ = proc_figures(sidecar.pid)
         print(f"sidecar idle: RSS {idle_rss / 2**20:.0f} MiB", flush=True)
         asyncio.run(drive(args, url, sidecar.pid))
-        print(asyncio.run(handles_held(url)))
+        print(asyncio.run(handles_held(f"http://127.0.0.1:{internal_port}")))
     finally:
         sidecar.terminate()
         sidecar.wait(timeout=20)

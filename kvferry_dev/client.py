@@ -122,10 +122,12 @@ class HttpServer:
         headers: Mapping[str, str] | None = None,
         timeout: float = REQUEST_TIMEOUT,
         check: bool = True,
+        base: str | None = None,
     ) -> Reply:
+        """``base``: another address of the same server (default ``url``)."""
         return http(
             method,
-            self.url + path,
+            (base or self.url) + path,
             body,
             headers=headers,
             timeout=timeout,

@@ -48,7 +48,11 @@ def tiny_server_manifest(
                 "leaseSeconds": lease_seconds,
                 "decodeRetentionSeconds": decode_retention_seconds,
             },
-            "routing": {"skipPrefillBelowTokens": skip_prefill_below_tokens},
+            # The harness reads the per-turn X-Kvferry-* headers (off by default).
+            "routing": {
+                "skipPrefillBelowTokens": skip_prefill_below_tokens,
+                "diagnosticHeaders": True,
+            },
         },
     }
 

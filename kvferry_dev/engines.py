@@ -385,10 +385,11 @@ class Engine(HttpServer):
         _, r = self.post("/tokenize", {"model": self.served_model_name, "messages": messages})
         return r["tokens"]
 
-    def reset_prefix_cache(self, timeout: float = 30.0) -> None:
+    def reset_prefix_cache(self, timeout: float = 45.0) -> None:
         """Empty the prefix cache. vLLM refuses while blocks are held (a P's blocks until
-        D has read them, a D's pinned handle blocks until read or expired): retried
-        until `timeout`, then EngineError."""
+        D has read them or its KV lease (30 s) ends: a sidecar's handle-release request
+        leaves one; a D's pinned handle blocks until read or expired): retried until
+        `timeout`, then EngineError."""
         deadline = time.monotonic() + timeout
         while True:
             _, r = self.post("/reset_prefix_cache")

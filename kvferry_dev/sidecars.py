@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry_operator.render import build_sidecar_settings
+from kvferry_sidecar.promtext import Scrape
 
 from .client import HttpServer
 from .engines import EnginePair
@@ -25,15 +26,19 @@ def sidecar_files(
     pair: EnginePair,
     port: int,
     *,
+    internal_port: int | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(sidecar.json, topology.json) for the decode sidecar in front of `pair`.
 
     sidecar.json is the operator's ``build_sidecar_settings(server)`` with this
-    machine's addresses and the decode engine's real UCX settings (in a pod the
-    operator copies them into the sidecar's environment); topology.json names P's
-    engine and this sidecar (ordinal 0).
+    machine's addresses (``internal_port``: a free one by default) and the decode
+    engine's real UCX settings (in a pod the operator copies them into the sidecar's
+    environment); topology.json names P's engine and this sidecar (ordinal 0, at its
+    internal port, where peers reach it). The harness reads the per-turn diagnostic
+    headers, so they are on.
     """
+    internal_port = internal_port or free_port()
     d = pair.decode
     engine_env = d.env()
     settings = dict(build_sidecar_settings(server))
@@ -43,6 +48,8 @@ def sidecar_files(
             "role": "decode",
             "listenHost": "127.0.0.1",
             "listenPort": port,
+            "internalPort": internal_port,
+            "diagnosticHeaders": True,
             "engineUrl": d.url,
             "ordinal": 0,
             "blockSize": d.block_size,
@@ -56,7 +63,7 @@ def sidecar_files(
     topology = {
         "version": 1,
         "prefillEngines": [pair.prefill.url],
-        "decodeSidecars": [f"http://127.0.0.1:{port}"],
+        "decodeSidecars": [f"http://127.0.0.1:{internal_port}"],
     }
     return settings, topology
 
@@ -75,6 +82,20 @@ class SidecarProcess(HttpServer):
     @property
     def url(self) -> str:  # type: ignore[override]
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def internal_url(self) -> str:
+        """Peers and monitoring: /metrics and /v1/residency answer here only."""
+        return f"http://127.0.0.1:{self.settings['internalPort']}"
+
+    def residency(self) -> dict[str, Any]:
+        """The sidecar's residency report (GET /v1/residency, internal port)."""
+        r = self.request("GET", "/v1/residency", timeout=30, base=self.internal_url)
+        return r.body
+
+    def metrics(self) -> Scrape:
+        """The sidecar's /metrics (internal port), parsed."""
+        return Scrape(self.request("GET", "/metrics", timeout=30, base=self.internal_url).body)
 
     @property
     def what(self) -> str:  # type: ignore[override]

@@ -249,6 +249,7 @@ class Network:
 class Routing:
     session_keys: tuple[str, ...]
     skip_prefill_below_tokens: int
+    diagnostic_headers: bool
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,11 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
                     gid_index=rdma.get("gidIndex"),
                 ),
             ),
-            routing=Routing(tuple(routing["sessionKeys"]), routing["skipPrefillBelowTokens"]),
+            routing=Routing(
+                tuple(routing["sessionKeys"]),
+                routing["skipPrefillBelowTokens"],
+                routing["diagnosticHeaders"],
+            ),
             cache_tuning=CacheTuning(
                 mode=tuning["mode"],
                 coverage=float(tuning["coverage"]),

@@ -217,7 +217,12 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
             *build_sidecar_ucx_env(spec, role),
         ],
-        "ports": [{"name": "http", "containerPort": protocol.SIDECAR_PORT}],
+        "ports": [
+            {"name": "http", "containerPort": protocol.SIDECAR_PORT},
+            # Peers' relayed turns, /metrics and /v1/residency: never behind the entry
+            # Service (clients must not read other sessions' figures or pose as peers).
+            {"name": "internal", "containerPort": protocol.SIDECAR_INTERNAL_PORT},
+        ],
         "resources": build_sidecar_resources(role),
         "securityContext": {
             "runAsNonRoot": True,
@@ -365,11 +370,13 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
         "engineBuild": engine_build_hash(spec),
         "enginePort": protocol.ENGINE_PORT,
         "listenPort": protocol.SIDECAR_PORT,
+        "internalPort": protocol.SIDECAR_INTERNAL_PORT,
         "bidirectional": spec.kv_transfer.bidirectional,
         "recomputeThreshold": spec.kv_transfer.recompute_threshold,
         "decodeRetentionSeconds": server.decode_retention_seconds,
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
+        "diagnosticHeaders": spec.routing.diagnostic_headers,
         "transport": spec.network.transport,
         "rdmaEnabled": spec.network.rdma.enabled,
         "kvEvents": f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
@@ -383,6 +390,7 @@ DECODE_ONLY_SETTINGS = (
     "sessionKeys",
     "skipPrefillBelowTokens",
     "recomputeThreshold",
+    "diagnosticHeaders",
 )
 
 
@@ -399,7 +407,8 @@ def build_topology(server: Server) -> Obj:
     return {
         "version": 1,
         "prefillEngines": peer_urls(server, api.ROLE_PREFILL, protocol.ENGINE_PORT),
-        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, protocol.SIDECAR_PORT),
+        # Peers relay turns to the owner's internal port (a client cannot reach it).
+        "decodeSidecars": peer_urls(server, api.ROLE_DECODE, protocol.SIDECAR_INTERNAL_PORT),
     }
 
 
@@ -454,6 +463,11 @@ def build_headless_service(server: Server, role: Role) -> Obj:
             "selector": selector_labels(server, role.name),
             "ports": [
                 {"name": "http", "port": protocol.SIDECAR_PORT, "targetPort": "http"},
+                {
+                    "name": "internal",
+                    "port": protocol.SIDECAR_INTERNAL_PORT,
+                    "targetPort": "internal",
+                },
                 {"name": "engine", "port": protocol.ENGINE_PORT, "targetPort": "engine"},
                 {"name": "nixl", "port": protocol.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
             ],

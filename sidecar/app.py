@@ -5,6 +5,13 @@ answers /health), ``/metrics``, ``/v1/models`` (the local engine's),
 ``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
 (``relay.serve_turn``).
+
+Two ports. ``listen_port`` is what the entry Service exposes to clients: turns,
+models and probes. ``internal_port`` is for peers and monitoring only: ``/metrics``
+and ``/v1/residency`` answer there alone, and a turn carrying
+``X-Kvferry-Forwarded-By`` is taken as a peer's relay only there (a client sending
+that header to the public port is routed like any other). With ``internal_port: 0``
+one port serves everything (a sidecar run by hand).
 """
 
 from __future__ import annotations
@@ -31,11 +38,35 @@ log = logging.getLogger(__name__)
 
 SIDECAR = web.AppKey("sidecar", Sidecar)
 REQUEST_ID = web.RequestKey("request_id", str)
+# Whether the request came in on the internal port (peers, monitoring).
+INTERNAL = web.RequestKey("internal", bool)
+
+# Answered on the internal port only.
+INTERNAL_PATHS = frozenset({"/metrics", PATH_RESIDENCY})
 
 # Chat histories with long tool outputs get large; vLLM itself accepts them.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def came_in_internally(request: web.Request, settings: Settings) -> bool:
+    """True on the internal port; also when this server listens on one port only (a
+    sidecar run by hand, or a test server on an ephemeral port)."""
+    if not settings.internal_port:
+        return True
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+    return port != settings.listen_port
+
+
+@web.middleware
+async def port_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    internal = came_in_internally(request, request.app[SIDECAR].settings)
+    request[INTERNAL] = internal
+    if request.path in INTERNAL_PATHS and not internal:
+        raise web.HTTPNotFound(text="served on the sidecar's internal port only")
+    return await handler(request)
 
 
 @web.middleware
@@ -123,14 +154,18 @@ async def models(request: web.Request) -> web.Response:
 
 def _turn(api: Api) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await relay.serve_turn(request.app[SIDECAR], request, api, request[REQUEST_ID])
+        return await relay.serve_turn(
+            request.app[SIDECAR], request, api, request[REQUEST_ID], from_peer=request[INTERNAL]
+        )
 
     return handler
 
 
 def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Application:
     """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests."""
-    app = web.Application(middlewares=[request_id_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[request_id_middleware, port_middleware], client_max_size=MAX_BODY_BYTES
+    )
     app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/healthz", healthz)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", dest="topology_path", help="topology file, re-read live")
     p.add_argument("--host", dest="listen_host")
     p.add_argument("--port", dest="listen_port", type=int)
+    p.add_argument("--internal-port", type=int, help="peers, /metrics, /v1/residency (0 = --port)")
     p.add_argument("--engine-url", help="the vLLM server in this pod")
     p.add_argument("--prefill-engines", type=_csv, help="comma-separated prefill engine URLs")
     p.add_argument(
@@ -73,20 +75,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     logging.getLogger(__name__).info(
-        "starting role=%s port=%s engine=%s prefill_engines=%s decode_ring=%s ordinal=%s",
+        "starting role=%s port=%s internal_port=%s engine=%s prefill_engines=%s "
+        "decode_ring=%s ordinal=%s",
         settings.role,
         settings.listen_port,
+        settings.internal_port,
         settings.engine_url,
         len(settings.prefill_engines),
         len(settings.decode_sidecars),
         settings.ordinal,
     )
+    ports = [settings.listen_port] + ([settings.internal_port] if settings.internal_port else [])
+    try:
+        socks = [socket.create_server((settings.listen_host, port)) for port in ports]
+    except OSError as exc:
+        print(f"kvferry-sidecar: cannot listen on {ports}: {exc}", file=sys.stderr)
+        return 1
     web.run_app(
         app_factory(settings),
-        host=settings.listen_host,
-        port=settings.listen_port,
+        sock=socks,
         access_log=None,
         print=None,
+        # A client that goes away cancels its handler, which closes the engine
+        # connections: vLLM aborts the requests instead of generating for nobody.
+        handler_cancellation=True,
     )
     return 0
 

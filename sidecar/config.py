@@ -47,6 +47,9 @@ class Settings:
     role: str = ROLE_DECODE
     listen_host: str = "0.0.0.0"
     listen_port: int = protocol.SIDECAR_PORT
+    # Peers, metrics and the residency report; 0 = serve them on listen_port too (a
+    # single-port run by hand; the operator always renders both).
+    internal_port: int = protocol.SIDECAR_INTERNAL_PORT
     # The engine in this pod. The operator sets enginePort; engineUrl overrides.
     engine_url: str = f"http://127.0.0.1:{protocol.ENGINE_PORT}"
     # Prefill engines (vLLM, not sidecars), any order.
@@ -57,6 +60,8 @@ class Settings:
     model: str | None = None
     engine_build: str | None = None  # operator's build hash; handles of another are void
     bidirectional: bool = True
+    # X-Kvferry-Outcome/-Route/-Reused-Tokens/-Owner/-Handle on turn responses.
+    diagnostic_headers: bool = False
     session_keys: tuple[str, ...] = DEFAULT_SESSION_KEYS
     skip_prefill_below_tokens: int = 256
     recompute_threshold: int = 64  # same as vLLM's kv_recompute_threshold
@@ -81,6 +86,12 @@ class Settings:
     # A prefill that takes longer is treated as failed (a pull can hang under
     # kv_load_failure_policy=recompute); long prompts on a busy P need minutes.
     prefill_timeout_seconds: float = 300.0
+    # The decode leg as a whole (a non-streamed answer arrives in one piece at the
+    # end): long generations need many minutes; a wedged D must not hold a client
+    # forever.
+    decode_timeout_seconds: float = 1800.0
+    # Longest silence between two chunks of a streamed answer.
+    stream_idle_timeout_seconds: float = 300.0
     # Residency reporting (both roles). Identity for the report: the operator sets
     # KVFERRY_SERVER; POD_NAME / POD_NAMESPACE come from the downward API.
     server: str | None = None
@@ -119,6 +130,7 @@ _FILE_KEYS: dict[str, str] = {
     "role": "role",
     "listenHost": "listen_host",
     "listenPort": "listen_port",
+    "internalPort": "internal_port",
     "engineUrl": "engine_url",
     "prefillEngines": "prefill_engines",
     "decodeSidecars": "decode_sidecars",
@@ -126,6 +138,7 @@ _FILE_KEYS: dict[str, str] = {
     "model": "model",
     "engineBuild": "engine_build",
     "bidirectional": "bidirectional",
+    "diagnosticHeaders": "diagnostic_headers",
     "sessionKeys": "session_keys",
     "skipPrefillBelowTokens": "skip_prefill_below_tokens",
     "recomputeThreshold": "recompute_threshold",
@@ -140,6 +153,8 @@ _FILE_KEYS: dict[str, str] = {
     "probeIntervalSeconds": "probe_interval_seconds",
     "connectTimeoutSeconds": "connect_timeout_seconds",
     "prefillTimeoutSeconds": "prefill_timeout_seconds",
+    "decodeTimeoutSeconds": "decode_timeout_seconds",
+    "streamIdleTimeoutSeconds": "stream_idle_timeout_seconds",
     "topologyReloadSeconds": "topology_reload_seconds",
     "logLevel": "log_level",
     "server": "server",
@@ -273,12 +288,25 @@ def validate(settings: Settings) -> Settings:
     for name in ("skip_prefill_below_tokens", "recompute_threshold"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name} must be >= 0")
+    if settings.internal_port and settings.internal_port == settings.listen_port:
+        raise ConfigError(
+            "internal_port must differ from listen_port (or be 0 to serve internal "
+            "routes on listen_port)"
+        )
     if settings.handle_store_cap < 1:
         raise ConfigError("handle_store_cap must be >= 1")
     if settings.block_size is not None and settings.block_size < 1:
         raise ConfigError("block_size must be >= 1")
     if settings.retention_seconds <= 0:
         raise ConfigError("retention_seconds must be > 0")
+    for name in (
+        "connect_timeout_seconds",
+        "prefill_timeout_seconds",
+        "decode_timeout_seconds",
+        "stream_idle_timeout_seconds",
+    ):
+        if getattr(settings, name) <= 0:
+            raise ConfigError(f"{name} must be > 0")
     if settings.release_after_seconds < 0:
         raise ConfigError("release_after_seconds must be >= 0")
     if settings.expiry_margin_seconds < 0:

@@ -46,11 +46,12 @@ _HOP_HEADERS = frozenset(
 )
 
 
-def target(sc: Sidecar, turn: TurnInput, headers: Mapping[str, str]) -> Ordinal | None:
-    """The owner's ordinal when the request should be relayed there, else None."""
+def target(sc: Sidecar, turn: TurnInput, *, forwarded: bool) -> Ordinal | None:
+    """The owner's ordinal when the request should be relayed there, else None.
+    ``forwarded``: a peer relayed it here (the caller checked it came from a peer)."""
     own = sc.settings.ordinal
     ring = len(sc.decode_sidecars)
-    if HDR_FORWARDED_BY in headers or own is None or ring < 2 or own >= ring:
+    if forwarded or own is None or ring < 2 or own >= ring:
         return None
     owner = session.owner(turn.session_key, ring)
     return None if owner == own else owner
@@ -73,13 +74,30 @@ async def forward(
             url,
             data=raw,
             headers=headers,
+            # The owner prefills and decodes within its own budgets; this hop allows
+            # both (and aborts the owner's work when the client goes: closing it).
             timeout=aiohttp.ClientTimeout(
-                total=None,
+                total=sc.settings.prefill_timeout_seconds + sc.settings.decode_timeout_seconds,
                 connect=sc.settings.connect_timeout_seconds,
                 sock_connect=sc.settings.connect_timeout_seconds,
             ),
         )
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except TimeoutError as exc:
+        if not isinstance(exc, aiohttp.ConnectionTimeoutError):
+            # Connected, but no answer within both budgets: serving the turn here
+            # again would double the wait.
+            sc.metrics.forwarded.labels("timeout").inc()
+            log.warning("owner timed out request_id=%s owner=%s", turn.request_id, ordinal)
+            return _timed_out(turn)
+        sc.metrics.forwarded.labels("unreachable").inc()
+        log.warning(
+            "owner unreachable, serving here request_id=%s owner=%s err=%s",
+            turn.request_id,
+            ordinal,
+            exc,
+        )
+        return None
+    except aiohttp.ClientError as exc:
         sc.metrics.forwarded.labels("unreachable").inc()
         log.warning(
             "owner unreachable, serving here request_id=%s owner=%s err=%s",
@@ -109,11 +127,29 @@ async def forward(
         await response.write_eof()
         sc.metrics.forwarded.labels("ok").inc()
         return response
-    except (aiohttp.ClientError, ConnectionResetError) as exc:
+    except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
         sc.metrics.forwarded.labels("broken").inc()
         log.warning("relay broken request_id=%s owner=%s err=%s", turn.request_id, ordinal, exc)
         upstream.close()
+        if response is None and isinstance(exc, TimeoutError):
+            return _timed_out(turn)
         # Once the client has part of the answer there is nothing to fall back to.
         return response
     finally:
         upstream.release()
+
+
+def _timed_out(turn: TurnInput) -> web.Response:
+    return web.json_response(
+        {
+            "error": {
+                "message": "the session's decode pod did not answer within the sidecar's "
+                "budget (prefillTimeoutSeconds + decodeTimeoutSeconds); the request was "
+                "aborted",
+                "type": "upstream_timeout",
+                "code": 504,
+            }
+        },
+        status=504,
+        headers={HDR_REQUEST_ID: turn.request_id},
+    )

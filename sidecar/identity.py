@@ -71,17 +71,20 @@ class KVIdentity:
         )
 
 
+def _is_text(part: Any) -> bool:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    return isinstance(kind, str) and kind in TEXT_PARTS
+
+
 def media_parts(body: Mapping[str, Any]) -> list[Any]:
-    """The media content parts of a chat request's messages, in prompt order."""
+    """The media content parts of a chat request's messages, in prompt order (any
+    JSON is taken: the engine rejects what it cannot read, the sidecar must not)."""
     parts: list[Any] = []
-    for message in body.get("messages") or ():
-        if not isinstance(message, Mapping):
-            continue
-        content = message.get("content")
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, list):
-            parts += [
-                p for p in content if not (isinstance(p, Mapping) and p.get("type") in TEXT_PARTS)
-            ]
+            parts += [p for p in content if not _is_text(p)]
     return parts
 
 

@@ -71,6 +71,7 @@ class Rules:
     block_size: int | None
     recompute_threshold: int
     skip_prefill_below_tokens: int
+    diagnostic_headers: bool = False  # X-Kvferry-* on responses (routing.diagnosticHeaders)
 
 
 # ------------------------------------------------------------------ 1. parse
@@ -276,12 +277,12 @@ def response_headers(
     ordinal: int | None,
     engine_version: str | None,
 ) -> dict[str, str]:
-    headers = {
-        HDR_REQUEST_ID: turn.request_id,
-        HDR_OUTCOME: report.outcome.value,
-        HDR_REUSED_TOKENS: str(report.reused_tokens),
-        HDR_ROUTE: report.route.value,
-    }
+    headers = {HDR_REQUEST_ID: turn.request_id}
+    if not rules.diagnostic_headers:
+        return headers
+    headers[HDR_OUTCOME] = report.outcome.value
+    headers[HDR_REUSED_TOKENS] = str(report.reused_tokens)
+    headers[HDR_ROUTE] = report.route.value
     if ordinal is not None:
         headers[HDR_OWNER] = str(ordinal)
     reason = handle_not_kept(turn, rules)

@@ -23,6 +23,8 @@ is invalid (the engine's own 4xx).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -33,7 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvferry_wire.protocol import HDR_REQUEST_ID, Outcome, Route
+from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
 
 from . import forward, plan, rewrite
 from .release import PINNED_PULL_FAILED, release_params
@@ -147,6 +149,9 @@ async def run_prefill(
                         request_id=turn.request_id,
                         timeout=s.prefill_timeout_seconds,
                     )
+            except asyncio.CancelledError:
+                carried.broke_off(sc)  # the client left while P had the request
+                raise
             except EngineUnavailable as exc:
                 sc.metrics.prefill_attempts.labels("unavailable").inc()
                 sc.pool.mark_down(engine.url)
@@ -272,7 +277,28 @@ async def _open_decode(
     sc: Sidecar, turn: TurnInput, params: Mapping[str, Any] | None
 ) -> aiohttp.ClientResponse:
     body = rewrite.decode_body(turn.body, params, _session_id(sc, turn))
-    return await sc.local.client.open(turn.api.path, body, request_id=turn.request_id)
+    s = sc.settings
+    return await sc.local.client.open(
+        turn.api.path,
+        body,
+        request_id=turn.request_id,
+        total=s.decode_timeout_seconds,
+        # A non-streamed answer comes in one piece at the end: only the total applies.
+        idle=s.stream_idle_timeout_seconds if turn.stream else None,
+    )
+
+
+def timed_out(sc: Sidecar, request_id: str, detail: str) -> web.Response:
+    message = (
+        f"the decode engine did not answer within the sidecar's budget ({detail}); "
+        "the request was aborted"
+    )
+    log.warning("decode timed out request_id=%s detail=%s", request_id, detail)
+    return web.json_response(
+        error_body(message, "upstream_timeout", 504),
+        status=504,
+        headers={HDR_REQUEST_ID: request_id},
+    )
 
 
 async def run_decode(
@@ -300,6 +326,9 @@ async def run_decode(
             )
             report.route = Route.FALLBACK
             upstream = await _open_decode(sc, turn, plan.local_params(turn, rules))
+    except EngineTimeout as exc:
+        report.status, report.error = 504, exc.reason
+        return timed_out(sc, turn.request_id, exc.reason)
     except UpstreamError as exc:
         report.status, report.error = 502, exc.reason
         return not_ready(sc, turn.request_id, exc.reason)
@@ -327,6 +356,11 @@ async def run_decode(
             response, capture = await _relay_stream(request, upstream, turn, headers, report)
         else:
             response, capture = await _relay_body(upstream, turn, headers)
+    except TimeoutError:
+        # The answer did not finish within the budget: closing D's connection aborts it.
+        upstream.close()
+        report.status, report.error = 504, "decode answer timed out"
+        return timed_out(sc, turn.request_id, f"{sc.settings.decode_timeout_seconds}s in all")
     finally:
         upstream.release()
     report.finish_reason = capture.finish_reason
@@ -375,11 +409,18 @@ async def _relay_stream(
         if tail:
             await response.write(tail)
         await response.write_eof()
-    except (aiohttp.ClientError, ConnectionResetError) as exc:
-        # D broke off, or the client left (closing D's stream aborts the request).
+    except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
+        # D broke off or fell silent past the idle budget, or the client left (closing
+        # D's stream aborts the request). The client already has the headers: it gets
+        # an error event, as vLLM sends one when a stream fails, and the stream ends.
         upstream.close()
-        report.error = f"stream broken: {exc}"
-        log.warning("stream broken request_id=%s err=%s", turn.request_id, exc)
+        report.error = f"stream broken: {type(exc).__name__}: {exc}"
+        log.warning("stream broken request_id=%s err=%r", turn.request_id, exc)
+        why = "timed out" if isinstance(exc, TimeoutError) else "broke off"
+        event = error_body(f"the decode engine {why} mid-answer", "upstream_error", 502)
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientError, RuntimeError):
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            await response.write_eof()
     return response, sse.capture
 
 
@@ -420,14 +461,22 @@ def _keep_handle(
 # ------------------------------------------------------------------ the turn
 
 
+def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
+    report.status, report.error = 499, "client went away"
+    report.timings.total_s = time.monotonic() - received_at
+    sc.record_turn(report)
+
+
 async def serve_turn(
-    sc: Sidecar, request: web.Request, api: Api, request_id: str
+    sc: Sidecar, request: web.Request, api: Api, request_id: str, *, from_peer: bool = True
 ) -> web.StreamResponse:
+    """One turn. ``from_peer``: the request came in on the internal port, so an
+    ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a client's."""
     received_at = time.monotonic()
     raw = await request.read()
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
         body = None
     if not isinstance(body, dict):
         return web.json_response(
@@ -438,7 +487,7 @@ async def serve_turn(
         api, body, request.headers, request_id, received_at, sc.settings.session_keys
     )
 
-    owner = forward.target(sc, turn, request.headers)
+    owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:
         relayed = await forward.forward(sc, request, raw, turn, owner)
         if relayed is not None:
@@ -466,13 +515,25 @@ async def serve_turn(
         reused_tokens=planned.reused_tokens,
         handle_age_s=planned.handle_age_s,
     )
-    prefill = await run_prefill(sc, turn, planned, rules, report.timings)
+    try:
+        prefill = await run_prefill(sc, turn, planned, rules, report.timings)
+    except asyncio.CancelledError:
+        # The client went away mid-prefill (aiohttp cancels the handler, which closes
+        # P's connection: P aborts). The taken handle may have reached P: unknown.
+        if planned.taken is not None:
+            sc.pin_until_expiry(planned.taken, PINNED_PULL_FAILED)
+        _client_gone(sc, report, received_at)
+        raise
     settle_taken(sc, planned, prefill)
     report.outcome, report.route = prefill.outcome, prefill.route
     report.reused_tokens = prefill.reused_tokens
     report.prefill_engine, report.prefill_attempts = prefill.engine, prefill.attempts
     report.timings.prefill_s = prefill.prefill_s if prefill.route is Route.REMOTE else None
-    response = await run_decode(sc, request, turn, prefill, rules, report)
+    try:
+        response = await run_decode(sc, request, turn, prefill, rules, report)
+    except asyncio.CancelledError:
+        _client_gone(sc, report, received_at)  # D's connection closed: D aborts
+        raise
     report.timings.total_s = time.monotonic() - received_at
     sc.record_turn(report)
     return response

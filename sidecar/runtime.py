@@ -292,6 +292,7 @@ class Sidecar:
             block_size=self.local.block_size,
             recompute_threshold=s.recompute_threshold,
             skip_prefill_below_tokens=s.skip_prefill_below_tokens,
+            diagnostic_headers=s.diagnostic_headers,
         )
 
     @property

@@ -6,8 +6,9 @@ Endpoints used, all present in both versions: ``/health`` (readiness), ``/versio
 ``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``.
 
 Timeouts: connecting is bounded (``connect_timeout_seconds``); a prefill is bounded
-as a whole (``prefill_timeout_seconds``); decode streams have no total limit, since a
-long generation is legitimate.
+as a whole (``prefill_timeout_seconds``); the decode leg too, generously
+(``decode_timeout_seconds``: long generations are legitimate), and a stream may not
+fall silent longer than ``stream_idle_timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -164,18 +165,26 @@ class EngineClient:
         return [int(t) for t in data["tokens"]]
 
     async def open(
-        self, path: str, body: JSON, *, request_id: str | None
+        self,
+        path: str,
+        body: JSON,
+        *,
+        request_id: str | None,
+        total: float | None = None,
+        idle: float | None = None,
     ) -> aiohttp.ClientResponse:
-        """Start a request whose body the caller reads (streams); caller releases it."""
+        """Start a request whose body the caller reads (streams); caller releases it.
+        ``total`` bounds it all, ``idle`` each wait for more bytes (a read past either
+        raises ``TimeoutError``)."""
+        timeout = aiohttp.ClientTimeout(
+            total=total, connect=self._connect, sock_connect=self._connect, sock_read=idle
+        )
         try:
             return await self._session.post(
-                self.url + path,
-                json=body,
-                headers=self._headers(request_id),
-                timeout=self._timeout(None),
+                self.url + path, json=body, headers=self._headers(request_id), timeout=timeout
             )
         except TimeoutError as exc:
-            raise EngineTimeout(self.url, f"POST {path}: connect timed out") from exc
+            raise EngineTimeout(self.url, f"POST {path}: no answer within {total}s") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(self.url, f"POST {path}: {exc}") from exc
 

@@ -10,6 +10,10 @@ from typing import Final
 # Clients and peers only ever talk to the sidecar; the engine is reached on localhost
 # (and by prefill peers for the P->D request).
 SIDECAR_PORT: Final = 8000
+# The sidecar's internal port: peers' forwarded turns, Prometheus (/metrics) and the
+# residency report (/v1/residency). The entry Service never exposes it, so clients
+# cannot read another session's figures or pose as a peer.
+SIDECAR_INTERNAL_PORT: Final = 8001
 ENGINE_PORT: Final = 8200
 NIXL_SIDE_CHANNEL_PORT: Final = 5600
 # The engine's KV-event PUB socket and its replay ROUTER socket.
@@ -37,7 +41,10 @@ HDR_SESSION_ID: Final = "X-Session-Id"
 # Set by a sidecar that forwards a request to the session's owner. Its presence makes
 # the receiver serve the request itself, so one request is forwarded at most once.
 HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
-# Diagnostics on every turn's response.
+# Diagnostics on a turn's response, only when the server enables them
+# (routing.diagnosticHeaders): they tell, at block granularity, how much of a prompt
+# matched the session's previous turn, which a client guessing another's session key
+# must not learn.
 HDR_OUTCOME: Final = "X-Kvferry-Outcome"
 HDR_REUSED_TOKENS: Final = "X-Kvferry-Reused-Tokens"
 HDR_OWNER: Final = "X-Kvferry-Owner"

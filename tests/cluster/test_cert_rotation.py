@@ -92,7 +92,7 @@ def decode_sidecar(kubectl: Kubectl, ns: str, folder: Path, token: str) -> Itera
     sync = ConfigMapSync(kubectl, ns, folder / "operator-ca.crt")
     sync.sync()
     sync.start()
-    port = free_port()
+    port, internal = free_port(), free_port()
     env = {
         **os.environ,
         "POD_NAME": "tiny-decode-0",
@@ -110,6 +110,7 @@ def decode_sidecar(kubectl: Kubectl, ns: str, folder: Path, token: str) -> Itera
             f"--config={folder / 'sidecar.json'}",
             "--host=127.0.0.1",
             f"--port={port}",
+            f"--internal-port={internal}",
             f"--engine-url=http://127.0.0.1:{free_port()}",
         ],
         env=env,
@@ -119,7 +120,7 @@ def decode_sidecar(kubectl: Kubectl, ns: str, folder: Path, token: str) -> Itera
         cwd="/",
     )
     try:
-        yield f"http://127.0.0.1:{port}/metrics"
+        yield f"http://127.0.0.1:{internal}/metrics"  # /metrics: the internal port only
     finally:
         sync.stopped.set()
         os.killpg(proc.pid, signal.SIGTERM)

@@ -53,6 +53,8 @@ def sidecar_process(
             "127.0.0.1",
             "--port",
             str(free_port()),
+            "--internal-port",
+            str(free_port()),
             "--engine-url",
             f"http://127.0.0.1:{free_port()}",
         ],

@@ -168,6 +168,7 @@ def prometheus(
     operator: Operator,
     log_dir: Path,
     sidecar_port: int,
+    internal_port: int,
 ) -> Iterator[Prometheus]:
     """Prometheus scraping the sidecar, both engines and the operator, labelled as the
     chart's PodMonitor labels them (its own relabelings, the pods' real labels)."""
@@ -190,7 +191,7 @@ def prometheus(
     prom.folder.mkdir(parents=True, exist_ok=True)
     config = prom.write_config(
         [
-            target(f"127.0.0.1:{sidecar_port}", DECODE_POD, "kvferry-sidecar"),
+            target(f"127.0.0.1:{internal_port}", DECODE_POD, "kvferry-sidecar"),
             target(f"127.0.0.1:{engine_pair.decode.port}", DECODE_POD, "engine"),
             target(f"127.0.0.1:{engine_pair.prefill.port}", PREFILL_POD, "engine"),
         ],
@@ -211,6 +212,12 @@ def sidecar_port() -> int:
 
 
 @pytest.fixture(scope="module")
+def internal_port() -> int:
+    """The sidecar's internal port: /metrics and /v1/residency (Prometheus scrapes it)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def run(
     kubectl: Kubectl,
     namespace: str,
@@ -218,6 +225,7 @@ def run(
     engine_pair: EnginePair,
     log_dir: Path,
     sidecar_port: int,
+    internal_port: int,
     prometheus: Prometheus,
 ) -> Iterator[Run]:
     """The decode sidecar as the pod it stands in for, and the scripted conversation."""
@@ -225,7 +233,7 @@ def run(
     rendered = json.loads(cm["sidecar.json"])
     (log_dir / "operator-ca.crt").write_text(cm["operator-ca.crt"])
     (log_dir / "token").write_text(bound_token(kubectl, namespace, DECODE_POD))
-    settings, topology = _files(engine_pair, sidecar_port, rendered, log_dir)
+    settings, topology = _files(engine_pair, sidecar_port, internal_port, rendered, log_dir)
     (log_dir / "sidecar.json").write_text(json.dumps(settings))
     (log_dir / "topology.json").write_text(json.dumps(topology))
     env = {
@@ -270,12 +278,23 @@ def run(
         print((log_dir / "sidecar.log").read_text()[-3000:])
 
 
-def _files(pair: EnginePair, port: int, rendered: dict, folder: Path) -> tuple[dict, dict]:
+def _files(
+    pair: EnginePair, port: int, internal: int, rendered: dict, folder: Path
+) -> tuple[dict, dict]:
     from kvferry_operator.api import parse_server
 
-    settings, topology = sidecar_files(parse_server(tiny_server_manifest(name=SERVER)), pair, port)
+    server = parse_server(tiny_server_manifest(name=SERVER))
+    settings, topology = sidecar_files(server, pair, port, internal_port=internal)
     # This machine's addresses stay; everything else is what the operator rendered.
-    local = ("listenPort", "enginePort", "engineUrl", "kvEvents", "kvEventsReplay")
+    local = (
+        "listenPort",
+        "internalPort",
+        "enginePort",
+        "engineUrl",
+        "kvEvents",
+        "kvEventsReplay",
+        "diagnosticHeaders",  # the scripted conversation reads the outcomes
+    )
     settings.update({k: v for k, v in rendered.items() if k not in local})
     settings.update(
         listenPort=port,

@@ -70,7 +70,7 @@ def cpu_share(engine: Engine, seconds: float = 3.0) -> float:
 
 
 def residency(sc: SidecarProcess) -> dict[str, Any]:
-    return sc.get("/v1/residency")[1]
+    return sc.residency()
 
 
 def test_unread_handles_are_released_and_pinned_figures_match_decode(
@@ -107,11 +107,14 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
         turns.append(turn)
 
     # One handle is kept for the next turn; every older one was released.
-    def one_kept() -> dict[str, Any] | None:
+    def one_kept() -> dict[str, Any]:
         rep = residency(sidecar)
         pinned = rep["pinned"]
+        on_decode = pinned_on_decode(decode)
         ok = pinned["unusedHandles"] == 0 and pinned["handles"] == 1
-        return rep if ok and pinned_on_decode(decode) == pinned["blocks"] else None
+        # A falsy-looking dict would end the wait early: the test's own condition.
+        assert ok and on_decode == pinned["blocks"], (on_decode, pinned, rep["releases"])
+        return rep
 
     started = time.monotonic()
     rep = wait_until(one_kept, 5, "D to pin only the kept handle, as the report says")
@@ -127,7 +130,13 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
     assert last.reply.outcome == "kv-mismatch", last.why()
     assert last.reply.token_ids == reference(prefill, messages, truncate_prompt_tokens=4000)
     started = time.monotonic()
-    wait_until(lambda: pinned_on_decode(decode) == 0, 5, "D to pin nothing after the last turn")
+
+    def none_pinned() -> bool:
+        on_decode = pinned_on_decode(decode)
+        assert on_decode == 0, (on_decode, residency(sidecar)["pinned"])
+        return True
+
+    wait_until(none_pinned, 5, "D to pin nothing after the last turn")
     zero_after = time.monotonic() - started
     rep = residency(sidecar)
     assert rep["pinned"]["handles"] == 0 and rep["pinned"]["blocks"] == 0, rep["pinned"]

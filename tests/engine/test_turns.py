@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvferry_dev.client import filler_text
+from kvferry_dev.client import chat_body, filler_text
 from kvferry_dev.configs import BLOCK_SIZE, kv_transfer_config, tiny_server
 from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.figures import PrefillFigures
@@ -55,6 +58,45 @@ from tests.engine.helpers import (
 )
 
 pytestmark = pytest.mark.engine
+
+
+class BackgroundStream:
+    """A streamed turn read on its own thread: when it started, its text, when it ended."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.text = ""
+        self.ended_at: float | None = None
+
+
+def stream_in_background(
+    sc: SidecarProcess, messages: list[dict[str, Any]], session: str
+) -> BackgroundStream:
+    out = BackgroundStream()
+    body = chat_body(messages, max_tokens=2000, session_id=session)
+    body["stream"] = True
+
+    def read() -> None:
+        req = urllib.request.Request(
+            f"{sc.url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                while chunk := resp.read1(4096):
+                    out.text += chunk.decode(errors="replace")
+                    out.started.set()
+        except OSError as exc:
+            out.text += f"\n(client error: {exc})"
+        finally:
+            out.ended_at = time.monotonic()
+            out.started.set()
+            out.done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +144,7 @@ def test_sidecar_follows_decode_kv_events(
 ) -> None:
     """D's KV events (the operator's --kv-events-config) reach the sidecar's residency
     model: blocks and sessions held, no sequence gaps."""
-    _, report = sidecar.get("/v1/residency")
+    report = sidecar.residency()
     events = report["kvEvents"]
     assert events["batches"] > 0 and events["missed"] == 0, events
     # At least the last turn's prompt is in D's cache (blocks of the session's prefix).
@@ -282,8 +324,16 @@ def test_decode_engine_killed_between_turns(
             messages += [assistant(t1.reply), user_message(11 if s == "killed-a" else 12, 1)]
             assert sc.readyz()[1]["handles"] == 1, sc.log_tail()
 
+        # A streaming answer is under way when D dies: the client's stream ends at
+        # once with an error event (no hang), and the sidecar serves on afterwards.
+        stream = stream_in_background(watching, [user_message(13, 0)], "killed-stream")
+        stream.started.wait(120)
+        killed_at = time.monotonic()
         # Crash D; the new one runs the session's usual config.
         decode.restart(crash=True, kv_transfer_config=kv_transfer_config("decode", server))
+        stream.done.wait(30)
+        assert stream.ended_at is not None and stream.ended_at - killed_at < 10, stream.text
+        assert '"upstream_error"' in stream.text.strip().splitlines()[-1], stream.text[-500:]
 
         deadline = time.monotonic() + 20
         while True:

@@ -530,16 +530,17 @@ class TestOptionalObjects:
             s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") == "None"
         )
         assert all(
-            "http" in [p["name"] for p in s["spec"]["ports"]]
+            "internal" in [p["name"] for p in s["spec"]["ports"]]
             for s in services
             if s["metadata"]["name"] in picked
         )
+        # The sidecar's /metrics answer on its internal port only.
         assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [
-            ("http", "/metrics"),
+            ("internal", "/metrics"),
             ("engine", "/metrics"),
         ]
         assert all(
-            {"http", "engine"} <= {p["name"] for p in s["spec"]["ports"]}
+            {"internal", "engine"} <= {p["name"] for p in s["spec"]["ports"]}
             for s in services
             if s["metadata"]["name"] in picked
         )
@@ -574,7 +575,7 @@ class TestOptionalObjects:
             ports = {p["name"]: p["containerPort"] for c in containers for p in c["ports"]}
             endpoints = pm["spec"]["podMetricsEndpoints"]
             assert [ports[e["port"]] for e in endpoints] == [
-                protocol.SIDECAR_PORT,
+                protocol.SIDECAR_INTERNAL_PORT,
                 protocol.ENGINE_PORT,
             ]
             # The dashboard's server and role labels come from labels the pods carry.
@@ -615,7 +616,7 @@ class TestOptionalObjects:
         assert scrape == {
             "from": monitoring,
             "ports": [
-                {"port": protocol.SIDECAR_PORT, "protocol": "TCP"},
+                {"port": protocol.SIDECAR_INTERNAL_PORT, "protocol": "TCP"},
                 {"port": protocol.ENGINE_PORT, "protocol": "TCP"},
             ],
         }

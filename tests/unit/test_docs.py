@@ -224,12 +224,9 @@ def test_every_environment_variable_a_doc_names_is_used(doc: str, var: str):
 
 # ------------------------------------------------------------------ ports
 
+# Every port of the wire contract (SIDECAR_PORT, ENGINE_PORT, ...) and the chart's.
 KNOWN_PORTS = {
-    protocol.SIDECAR_PORT: "sidecar (kvferry_wire.protocol)",
-    protocol.ENGINE_PORT: "engine",
-    protocol.NIXL_SIDE_CHANNEL_PORT: "NIXL side channel",
-    protocol.KV_EVENTS_PORT: "KV events",
-    protocol.KV_EVENTS_REPLAY_PORT: "KV event replay",
+    **{v: k for k, v in vars(protocol).items() if k.endswith("_PORT") and isinstance(v, int)},
     values()["reportEndpoint"]["containerPort"]: "report endpoint (chart)",
     values()["metrics"]["containerPort"]: "operator metrics (chart)",
 }

@@ -434,12 +434,28 @@ class TestServices:
         assert svc["spec"]["publishNotReadyAddresses"] is True
 
     def test_topology_lists_stable_peer_addresses(self):
+        """Peers relay turns to the owner's internal port, which the entry Service does
+        not expose (a client cannot pose as a peer)."""
         cm = by_kind(rendered(server({"decode": {"replicas": 2}})), "ConfigMap")
         topo = json.loads(cm["data"]["topology.json"])
         assert topo["decodeSidecars"] == [
-            "http://tiny-decode-0.tiny-decode.default.svc:8000",
-            "http://tiny-decode-1.tiny-decode.default.svc:8000",
+            "http://tiny-decode-0.tiny-decode.default.svc:8001",
+            "http://tiny-decode-1.tiny-decode.default.svc:8001",
         ]
+
+    def test_entry_service_exposes_the_public_port_only(self):
+        svc = by_kind(rendered(server()), "Service", "tiny")
+        assert [p["port"] for p in svc["spec"]["ports"]] == [protocol.SIDECAR_PORT]
+        headless = by_kind(rendered(server()), "Service", "tiny-decode")
+        assert protocol.SIDECAR_INTERNAL_PORT in [p["port"] for p in headless["spec"]["ports"]]
+
+    def test_diagnostic_headers_are_off_unless_asked_for(self):
+        def settings(spec: dict) -> dict:
+            cm = by_kind(rendered(server(spec)), "ConfigMap")
+            return json.loads(cm["data"]["sidecar.json"])
+
+        assert settings({})["diagnosticHeaders"] is False
+        assert settings({"routing": {"diagnosticHeaders": True}})["diagnosticHeaders"] is True
 
 
 class TestPDB:

@@ -63,6 +63,8 @@ def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
         "kv_events": "",
         # Handles dropped unread go to P at once (test_reuse_safety covers the wait).
         "release_after_seconds": 0.0,
+        # The tests read the per-turn X-Kvferry-* headers (off by default: test_ports).
+        "diagnostic_headers": True,
         "pod_name": "x-decode-0",
         "namespace": "serving",
         "server": "x",

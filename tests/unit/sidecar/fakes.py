@@ -51,9 +51,18 @@ def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
     return ids(chat_words(messages))
 
 
+class BadRequest(ValueError):
+    """A body vLLM would refuse with a 400 (the fake does the same)."""
+
+
 def prompt_words(body: dict[str, Any]) -> list[str]:
     if "messages" in body:
-        return chat_words(body["messages"], body.get("add_generation_prompt", True))
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise BadRequest("messages must be a list of objects with a role")
+        return chat_words(messages, body.get("add_generation_prompt", True))
     return str(body.get("prompt", "")).split()
 
 
@@ -96,6 +105,10 @@ class FakeEngine:
     # Completion requests to answer by closing the connection (an engine dying).
     drop_connections: int = 0
     delay: float = 0.0
+    # Streams: silence before the last chunk (a wedged engine).
+    stall: float = 0.0
+    # Requests whose caller went away before the answer was done.
+    aborted: int = 0
     # More /metrics text (vLLM series), appended after cache_config_info.
     metrics_text: str = ""
     seen: list[Seen] = field(default_factory=list)
@@ -152,10 +165,23 @@ class FakeEngine:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
-        tokens = ids(prompt_words(body))
+        try:
+            tokens = ids(prompt_words(body))
+        except BadRequest as exc:
+            return _error(400, str(exc))
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._complete_request(request)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except asyncio.CancelledError:
+            # The caller closed the connection: vLLM aborts the request here.
+            self.aborted += 1
+            raise
+
+    async def _complete_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
         self._count += 1
@@ -270,7 +296,9 @@ class FakeEngine:
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
             chunks.append({**base, "choices": [], "usage": usage})
-        for obj in chunks:
+        for i, obj in enumerate(chunks):
+            if self.stall and i == len(chunks) - 1:
+                await asyncio.sleep(self.stall)
             event = f"data: {json.dumps(obj)}\n\n".encode()
             # Split every event across two writes: the relay must reassemble them.
             half = len(event) // 2

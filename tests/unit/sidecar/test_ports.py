@@ -1,0 +1,93 @@
+"""The sidecar's two ports: clients on listen_port, peers and monitoring on
+internal_port. Served here on two real ports, as the operator renders them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvferry_sidecar.app import app_factory
+from kvferry_sidecar.session import owner
+from tests.kube import free_port
+
+from .conftest import Engines, sidecar_settings, start
+from .fakes import FakeEngine
+
+CHAT = "/v1/chat/completions"
+
+
+def body(session: str) -> dict[str, Any]:
+    return {"model": "m", "session_id": session, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+async def two_ports(
+    engines: Engines, aiohttp_server: Any
+) -> AsyncIterator[tuple[str, str, FakeEngine]]:
+    """A decode sidecar of ordinal 0 in a ring of 2 (peer 1 a fake that records what it
+    gets), listening on a public and an internal port; diagnostics left at default."""
+    peer = await start(aiohttp_server, FakeEngine("decode", "peer-1"))
+    public, internal = free_port(), free_port()
+    settings = sidecar_settings(
+        engines,
+        ordinal=0,
+        decode_sidecars=("http://127.0.0.1:1", peer.url),
+        listen_host="127.0.0.1",
+        listen_port=public,
+        internal_port=internal,
+        diagnostic_headers=False,
+    )
+    runner = web.AppRunner(app_factory(settings, clock=engines.clock))
+    await runner.setup()
+    for port in (public, internal):
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{public}", f"http://127.0.0.1:{internal}", peer
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/v1/residency"])
+async def test_internal_routes_answer_on_the_internal_port_only(
+    two_ports: tuple[str, str, FakeEngine], path: str
+) -> None:
+    """The entry Service exposes the public port: clients cannot read the sidecar's
+    figures (other sessions' reuse) there."""
+    public, internal, _ = two_ports
+    async with aiohttp.ClientSession() as http:
+        assert (await http.get(public + path)).status == 404
+        assert (await http.get(internal + path)).status == 200
+
+
+async def test_client_posing_as_a_peer_is_routed_like_any_client(
+    two_ports: tuple[str, str, FakeEngine],
+) -> None:
+    """X-Kvferry-Forwarded-By from a client (public port) is ignored: a session owned
+    by pod 1 still goes to pod 1; the same header from a peer (internal port) makes
+    this pod serve it."""
+    public, internal, peer = two_ports
+    session = next(f"s{i}" for i in range(100) if owner(f"session_id=s{i}", 2) == 1)
+    headers = {"X-Kvferry-Forwarded-By": "1"}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(public + CHAT, json=body(session), headers=headers)
+        assert resp.status == 200
+        assert len(peer.completions()) == 1  # relayed to the owner
+        resp = await http.post(internal + CHAT, json=body(session), headers=headers)
+        assert resp.status == 200
+        assert len(peer.completions()) == 1  # served here
+
+
+async def test_reuse_diagnostics_are_off_by_default(
+    two_ports: tuple[str, str, FakeEngine],
+) -> None:
+    """A turn's answer does not say how much of its prompt matched a session's last turn
+    (a client guessing another's key could probe it) unless the server enables it."""
+    public, _, _ = two_ports
+    session = next(f"s{i}" for i in range(100) if owner(f"session_id=s{i}", 2) == 0)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(public + CHAT, json=body(session))
+        assert resp.status == 200
+        assert resp.headers.get("X-Request-Id")
+        assert not [h for h in resp.headers if h.lower().startswith("x-kvferry-")]
