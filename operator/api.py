@@ -145,7 +145,7 @@ class HubCache:
 
     pvc_claim_name: str | None = None
     host_path: str | None = None
-    ephemeral_storage: str = "100Gi"
+    ephemeral_storage: str = ""  # parse_spec fills in the CRD's default
 
 
 @dataclass(frozen=True)
