@@ -6,8 +6,9 @@
 #
 #   deploy/gen-tls.sh [namespace] [cluster-domain]     (defaults: kvferry-system cluster.local)
 #
-# To rotate: delete the Secret, run this again, then
-#   kubectl -n kvferry-system rollout restart deployment/kvferry
+# To rotate: delete the Secret and run this again. The operator reloads the new
+# certificate (no restart) and copies the new CA into every server's ConfigMap; pushes
+# fail until the kubelet has refreshed those (a minute or two) and then resume.
 set -euo pipefail
 
 ns=${1:-kvferry-system}

@@ -50,7 +50,8 @@ step "cluster: $(kubectl config current-context 2>/dev/null || echo '?')"
 kubectl version -o json | python3 -c 'import json,sys; print("server", json.load(sys.stdin)["serverVersion"]["gitVersion"])'
 
 step "CRDs (server-side apply: Helm installs crds/ only once, never upgrades them)"
-kubectl apply --server-side -f "$root/crds/"
+# --force-conflicts: CRDs a `helm install` created belong to the field manager "helm".
+kubectl apply --server-side --force-conflicts -f "$root/crds/"
 kubectl wait --for condition=Established --timeout=60s \
   crd/disaggregatedservers.kvferry.io crd/kvcachestatuses.kvferry.io
 

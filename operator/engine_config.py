@@ -8,6 +8,7 @@ engine tier tests is what a cluster gets).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -38,13 +39,15 @@ def stable_hash(value: Any) -> str:
 def engine_build_hash(spec: ServerSpec) -> str:
     """What NIXL's compatibility check compares: a change here rolls both roles."""
     m = spec.model
+    # Where downloads are cached does not change what the engines compute.
+    hub = dataclasses.replace(m.hub, cache=api.HubCache()) if m.hub else None
     return stable_hash(
         repr(
             (
                 spec.engine.image,
                 m.name,
                 m.pvc,
-                m.hub,
+                hub,
                 m.image,
                 m.dtype,
                 m.max_model_len,

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 
-from . import api, metrics, publisher, render, report_endpoint, status
+from . import api, metrics, prerequisites, publisher, render, report_endpoint, status
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
+from .probe import PrerequisiteProbe
 from .settings import Settings
 
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
@@ -84,8 +86,10 @@ async def configure(
     settings.posting.level = logging.INFO
     ours: Settings = memo.settings
     memo.kube = Kube()
+    memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
+    memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     loop = asyncio.get_running_loop()
-    memo.tasks = [loop.create_task(_resync_forever(memo.kube, ours, memo.namespaces, logger))]
+    memo.tasks = [loop.create_task(_resync_forever(memo, ours, logger))]
     memo.reports = report_endpoint.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
@@ -217,10 +221,36 @@ def apply_children(
     return ok
 
 
+def check_prerequisites(
+    server: api.Server,
+    roles: dict[str, status.RoleObserved],
+    probe: PrerequisiteProbe | None,
+    settings: Settings | None,
+) -> tuple[prerequisites.Finding, ...] | None:
+    """Missing prerequisites, looked for only while some pod is not ready (a server
+    whose pods all run lacks nothing, and needs no node list)."""
+    if probe is None or status.settled(server, roles):
+        return None
+    ctx = settings.render_context() if settings else render.Context()
+    pods = [
+        o["spec"]["template"]["spec"]
+        for o in render.render(server, ctx)
+        if o["kind"] == "StatefulSet"
+    ]
+    return tuple(prerequisites.check(server, probe.facts(server), pods))
+
+
 def refresh_status(
-    body: dict[str, Any], kube: Kube, statefulsets: kopf.Index, pods: kopf.Index
+    body: dict[str, Any],
+    kube: Kube,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    probe: PrerequisiteProbe | None = None,
+    settings: Settings | None = None,
+    post: Callable[[dict[str, Any], str, str, str], None] | None = None,
 ) -> None:
-    """Steps 4-5."""
+    """Steps 4-5. ``post(body, type, reason, message)`` emits an Event where no kopf
+    handler runs (kopf.info/warn need one)."""
     try:
         server = api.parse_server(body)
     except api.SpecError:
@@ -237,6 +267,7 @@ def refresh_status(
         pods=list(pods.get(key, [])),
         transport=old.get("transport", "Unknown"),
         transport_reason=old.get("transportReason", ""),
+        prerequisites=check_prerequisites(server, roles, probe, settings),
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
@@ -244,8 +275,12 @@ def refresh_status(
     kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
     for change in changes:
         healthy = (change.type == api.COND_DEGRADED) == (change.status != "True")
-        emit = kopf.info if healthy or change.status == "Unknown" else kopf.warn
-        emit(body, reason=change.reason, message=f"{change.type}={change.status}: {change.message}")
+        normal = healthy or change.status == "Unknown"
+        message = f"{change.type}={change.status}: {change.message}"
+        if post is not None:
+            post(body, "Normal" if normal else "Warning", change.reason, message)
+        else:
+            (kopf.info if normal else kopf.warn)(body, reason=change.reason, message=message)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -268,6 +303,9 @@ def server_changed(
     pods: kopf.Index,
     **_: Any,
 ) -> None:
+    # Live views, for the resync loop. Per-object memos are shallow copies of the
+    # operator's, so the shared dict (made at start-up) is the way back to it.
+    memo.indexes.setdefault("live", (statefulsets, pods))
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
         return  # the garbage collector removes the children
     plain = _plain(body)
@@ -279,28 +317,46 @@ def server_changed(
         plain, memo.kube, memo.settings, logger
     ):
         logger.info("applied children generation=%s", generation)
-    refresh_status(plain, memo.kube, statefulsets, pods)
+    refresh_status(plain, memo.kube, statefulsets, pods, memo.probe, memo.settings)
 
 
-async def _resync_forever(
-    kube: Kube, settings: Settings, namespaces: list[str], logger: logging.Logger
-) -> None:
-    """Safety net for missed watch events: re-apply every server's children.
+async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> None:
+    """Safety net for missed watch events: re-apply every server's children, and
+    refresh its status (what the cluster offers changes without an event on our
+    objects: a device plugin installed, a namespace relabelled, a network created).
 
     A kopf timer would do this too, but kopf guards timers with a finalizer on
     every server, and a finalizer would block deleting servers whenever the
-    operator is down. Applying unchanged objects writes nothing.
+    operator is down. Applying unchanged objects writes nothing; neither does an
+    unchanged status.
     """
+    kube: Kube = memo.kube
     while True:
         await asyncio.sleep(settings.resync_seconds)
         try:
-            listed = await asyncio.to_thread(kube.list_servers, namespaces)
+            listed = await asyncio.to_thread(kube.list_servers, memo.namespaces)
         except Exception as exc:
             logger.warning("resync: listing servers failed: %s", exc)
             continue
+        # The live kopf indexes, kept by the first watch handler that ran.
+        indexes = memo.indexes.get("live")
         for body in listed:
-            if not body["metadata"].get("deletionTimestamp"):
-                await asyncio.to_thread(apply_children, body, kube, settings, logger)
+            if body["metadata"].get("deletionTimestamp"):
+                continue
+            await asyncio.to_thread(apply_children, body, kube, settings, logger)
+            if indexes is not None:
+                try:
+                    await asyncio.to_thread(
+                        refresh_status,
+                        body,
+                        kube,
+                        *indexes,
+                        memo.probe,
+                        settings,
+                        kube.create_event,
+                    )
+                except Exception as exc:  # the next pass tries again
+                    logger.warning("resync: status of %s failed: %s", body["metadata"]["name"], exc)
 
 
 def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str, Any] | None:
@@ -333,7 +389,7 @@ def _on_child_event(kind: str):
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
         apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
         if kind == "StatefulSet":
-            refresh_status(owner, memo.kube, statefulsets, pods)
+            refresh_status(owner, memo.kube, statefulsets, pods, memo.probe, memo.settings)
 
     return child_changed
 
@@ -361,4 +417,6 @@ def pod_changed(
             memo.kube,
             statefulsets,
             pods,
+            memo.probe,
+            memo.settings,
         )

@@ -75,7 +75,8 @@ class Kube:
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Obj
     ) -> None:
-        """Merge-patch ``status``; a server deleted meanwhile is not an error."""
+        """Merge-patch ``status`` as our field manager (managedFields then say who
+        wrote each status field); a server deleted meanwhile is not an error."""
         res = self._resource(api_version, kind)
         try:
             res.status.patch(
@@ -83,6 +84,7 @@ class Kube:
                 name=name,
                 namespace=namespace,
                 content_type="application/merge-patch+json",
+                field_manager=api.FIELD_MANAGER,
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -111,6 +113,44 @@ class Kube:
                 return None
             raise
         return self.api_client.sanitize_for_serialization(pod)
+
+    # Reads for the prerequisite checks (prerequisites.py, through probe.py).
+
+    def list_nodes(self) -> list[Obj]:
+        """Every Node, from the API server's watch cache (resourceVersion=0: cheap
+        on large clusters), as plain JSON."""
+        resp = client.CoreV1Api(self.api_client).list_node(
+            resource_version="0", _preload_content=False
+        )
+        return json.loads(resp.data)["items"]
+
+    def get_namespace(self, name: str) -> Obj | None:
+        try:
+            ns = client.CoreV1Api(self.api_client).read_namespace(name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self.api_client.sanitize_for_serialization(ns)
+
+    def crd_exists(self, name: str) -> bool:
+        try:
+            client.ApiextensionsV1Api(self.api_client).read_custom_resource_definition(name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def get_network_attachment_definition(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return client.CustomObjectsApi(self.api_client).get_namespaced_custom_object(
+                "k8s.cni.cncf.io", "v1", namespace, "network-attachment-definitions", name
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def create_event(self, body: Obj, type: str, reason: str, message: str) -> None:
         """An Event on ``body`` from outside a kopf handler (kopf.event needs one)."""

@@ -43,6 +43,10 @@ CONFIG_KEY_OPERATOR_CA = "operator-ca.crt"
 CONFIG_MOUNT = "/etc/kvferry"
 TOKEN_MOUNT = "/var/run/secrets/kvferry"
 
+# The engine's Hugging Face cache (hub downloads); vLLM images run as root.
+HF_CACHE_VOLUME = "hf-cache"
+HF_CACHE_MOUNT = "/root/.cache/huggingface"
+
 # The sidecar runs as this non-root user (distroless "nonroot").
 SIDECAR_UID = 65532
 
@@ -115,6 +119,10 @@ def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
     for key, value in (("cpu", role.resources.cpu), ("memory", role.resources.memory)):
         if value is not None:
             limits[key] = requests[key] = value
+    hub = spec.model.hub
+    if hub and not (hub.cache.pvc_claim_name or hub.cache.host_path):
+        # The download lands on the node's disk: place pods where it fits.
+        requests["ephemeral-storage"] = hub.cache.ephemeral_storage
     out: Obj = {"limits": limits}
     if requests:
         out["requests"] = requests
@@ -136,7 +144,7 @@ def build_engine_container(server: Server, role: Role) -> Obj:
     if spec.model.pvc:
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if spec.model.hub:
-        mounts.append({"name": "hf-cache", "mountPath": "/root/.cache/huggingface"})
+        mounts.append({"name": HF_CACHE_VOLUME, "mountPath": HF_CACHE_MOUNT})
     security: Obj = {"allowPrivilegeEscalation": False}
     if spec.network.rdma.enabled:
         # RDMA registers (pins) memory; without IPC_LOCK registration fails.
@@ -215,10 +223,7 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             # Service (clients must not read other sessions' figures or pose as peers).
             {"name": "internal", "containerPort": protocol.SIDECAR_INTERNAL_PORT},
         ],
-        "resources": {
-            "requests": {"cpu": "100m", "memory": "128Mi"},
-            "limits": {"memory": "512Mi"},
-        },
+        "resources": build_sidecar_resources(role),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": SIDECAR_UID,
@@ -235,6 +240,34 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
         "readinessProbe": _http_probe("/readyz", "http", 5, 3),
         "livenessProbe": _http_probe("/healthz", "http", 10, 6),
     }
+
+
+def build_sidecar_resources(role: Role) -> Obj:
+    """spec.<role>.sidecarResources, without the amounts left unset."""
+    out: Obj = {}
+    for kind in ("requests", "limits"):
+        amounts = getattr(role.sidecar_resources, kind)
+        given = {k: v for k, v in (("cpu", amounts.cpu), ("memory", amounts.memory)) if v}
+        if given:
+            out[kind] = given
+    return out
+
+
+def build_hf_cache_volume(spec: ServerSpec) -> Obj:
+    """Where hub downloads go: the user's PVC, a node folder, or an emptyDir."""
+    assert spec.model.hub
+    cache = spec.model.hub.cache
+    if cache.pvc_claim_name:
+        return {
+            "name": HF_CACHE_VOLUME,
+            "persistentVolumeClaim": {"claimName": cache.pvc_claim_name},
+        }
+    if cache.host_path:
+        return {
+            "name": HF_CACHE_VOLUME,
+            "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"},
+        }
+    return {"name": HF_CACHE_VOLUME, "emptyDir": {}}
 
 
 def build_volumes(server: Server) -> list[Obj]:
@@ -270,7 +303,7 @@ def build_volumes(server: Server) -> list[Obj]:
             }
         )
     if spec.model.hub:
-        volumes.append({"name": "hf-cache", "emptyDir": {}})
+        volumes.append(build_hf_cache_volume(spec))
     return volumes
 
 
@@ -306,6 +339,8 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
         pod["affinity"] = role.affinity
     if role.priority_class_name:
         pod["priorityClassName"] = role.priority_class_name
+    if spec.engine.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}
 
 

@@ -31,6 +31,7 @@ from kvferry_wire.report import MAX_REPORT_BYTES, ReportError, decode
 
 from . import api
 from .aggregate import Received
+from .serving_cert import ReloadingCert
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +189,8 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert_file, key_file)
-    return ctx
+    """The endpoint's TLS context; it follows the files when the Secret is rotated."""
+    return ReloadingCert(cert_file, key_file).context
 
 
 async def serve(

@@ -38,6 +38,9 @@ class Settings:
     # between two status writes of one KVCacheStatus.
     publish_seconds: float = 10.0
     min_status_write_seconds: float = 10.0
+    # How long the prerequisite checks reuse what they read (nodes, the namespace's
+    # Pod Security label, Multus objects) while a server's pods are not all ready.
+    prerequisites_cache_seconds: float = 30.0
     # Plain-HTTP /metrics (what the operator decided, per server); 0 = off.
     metrics_port: int = 8080
     metrics_host: str = "0.0.0.0"
@@ -58,6 +61,7 @@ def from_env() -> Settings:
         report_stale_seconds=float(env("KVFERRY_REPORT_STALE_SECONDS", "90")),
         publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
         min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
+        prerequisites_cache_seconds=float(env("KVFERRY_PREREQUISITES_CACHE_SECONDS", "30")),
         metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),

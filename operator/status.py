@@ -16,8 +16,9 @@ from typing import Any
 
 from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
-from . import api
+from . import api, prerequisites
 from .api import Server
+from .prerequisites import Finding
 from .render import entry_url, selector_labels
 
 # Condition reasons (also Event reasons).
@@ -71,6 +72,8 @@ class Observed:
     pods: list[PodState] = field(default_factory=list)
     transport: str = TRANSPORT_UNKNOWN
     transport_reason: str = ""  # the sidecars' evidence (the publisher writes both)
+    # Missing prerequisites (prerequisites.check); None = not checked.
+    prerequisites: tuple[Finding, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -239,12 +242,28 @@ def _role_settled(server: Server, role: str, obs: RoleObserved) -> bool:
     )
 
 
+def settled(server: Server, roles: dict[str, RoleObserved]) -> bool:
+    """Every role has the desired number of ready, updated pods."""
+    return all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
+
+
+def prerequisites_condition(server: Server, observed: Observed) -> tuple[str, str, str]:
+    """Prerequisites: False names what the cluster lacks and the fix; True once every
+    pod runs (nothing can be missing then) or the checks found nothing."""
+    if settled(server, observed.roles):
+        return ("True", prerequisites.REASON_MET, "all prefill and decode pods run")
+    found = observed.prerequisites
+    return prerequisites.condition(list(found or []), checked=found is not None)
+
+
 def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any]]:
-    """Ready, Progressing, Degraded and KVTransport, without transition times."""
+    """Ready, Progressing, Degraded, KVTransport and Prerequisites, without
+    transition times."""
     roles = observed.roles
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
+    prereqs = prerequisites_condition(server, observed)
     not_ready = [
         f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.spec.role(r).replicas} ready"
         for r in api.ROLES
@@ -259,6 +278,10 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         )
     elif unschedulable:
         ready = ("False", REASON_UNSCHEDULABLE, unschedulable)
+    elif prereqs[0] == "False":
+        # Pods never created (Pod Security) or never starting (a missing network):
+        # the cause says more than "waiting for decode 0/1 ready".
+        ready = prereqs
     elif settled:
         ready = ("True", REASON_READY, "all prefill and decode replicas are ready")
     else:
@@ -292,6 +315,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         (api.COND_PROGRESSING, progressing),
         (api.COND_DEGRADED, degraded),
         (api.COND_KV_TRANSPORT, transport),
+        (api.COND_PREREQUISITES, prereqs),
     ):
         out.append(
             {

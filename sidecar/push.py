@@ -1,13 +1,13 @@
 """Push the residency report to the operator on an interval.
 
-``POST <operatorUrl>`` (e.g. ``https://kvferry-operator.kvferry-system.svc:8443/v1/reports``)
-with the JSON report, ``Authorization: Bearer <token>``. The token is the pod's
-projected ServiceAccount token for the ``kvferry`` audience; the kubelet rotates
-the file, so it is read again for every push. TLS is verified against
-``operatorCaFile`` when set (re-read when the file changes), else the system trust
-store. A push is bounded in time; a failure is logged at most once a minute and
-never stops the loop: the report is cumulative, so the next push carries
-everything the failed one did.
+``POST <operatorUrl>`` (the chart's Service, e.g.
+``https://kvferry.kvferry-system.svc:8443/v1/reports``) with the JSON report,
+``Authorization: Bearer <token>``. The token is the pod's projected ServiceAccount
+token for the ``kvferry`` audience; the kubelet rotates the file, so it is read again
+for every push. TLS is verified against ``operatorCaFile`` when set (re-read when the
+file changes), else the system trust store. A push is bounded in time; a failure is
+logged at most once a minute and never stops the loop: the report is cumulative, so
+the next push carries everything the failed one did.
 """
 
 from __future__ import annotations

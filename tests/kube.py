@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,28 @@ def kubeconfig() -> Iterator[Path]:
     subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
 
 
+@contextmanager
+def bare_control_plane(offset: int, label: str) -> Iterator[Path]:
+    """A second control plane without kvferry's CRDs, as a user's cluster is before
+    installing kvferry; ``offset`` keeps its ports apart from the session's."""
+    state = Path(f"{STATE}-{label}")
+    env = {
+        **os.environ,
+        "KVFERRY_CP_DIR": str(state),
+        "KVFERRY_CP_PORT": str(int(PORT) + offset),
+        "KVFERRY_CP_CRDS": "0",
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "up"], capture_output=True, text=True, env=env, timeout=3600
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"bare control plane did not start:\n{proc.stderr[-6000:]}", pytrace=False)
+    try:
+        yield state / "kubeconfig"
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def kubectl(kubeconfig: Path) -> Kubectl:
     return Kubectl(kubeconfig)
@@ -143,6 +166,38 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_ca(folder: Path, name: str) -> tuple[Path, Path]:
+    """A throwaway CA: (ca.crt, ca.key) in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cert, key = folder / "ca.crt", folder / "ca.key"
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}",
+    )  # fmt: skip
+    return cert, key
+
+
+def signed_cert(folder: Path, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1 signed by ``ca``: (tls.crt, tls.key)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cert, key, csr = folder / "tls.crt", folder / "tls.key", folder / "tls.csr"
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+        "-subj", "/CN=kvferry-operator",
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+        "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext),
+    )  # fmt: skip
+    return cert, key
+
+
 class Operator:
     """The real operator as a separate process, restartable, with its report endpoint.
 
@@ -155,6 +210,9 @@ class Operator:
         self.command = command or [sys.executable, "-m", "kvferry_operator.cli"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.cert, self.key = self_signed_cert(log_path.parent)
+        # The CA the rendered ConfigMaps carry (the self-signed certificate is its own).
+        self.ca: Path | None = None
+        self.extra_env: dict[str, str] = {}
         self.report_port = free_port()
         self.report_url = f"https://127.0.0.1:{self.report_port}/v1/reports"
         self.metrics_port = free_port()
@@ -175,7 +233,9 @@ class Operator:
             "KVFERRY_MIN_STATUS_WRITE_SECONDS": "1",
             # What the rendered ConfigMaps tell sidecars (the chart sets the Service URL).
             "KVFERRY_REPORT_URL": self.report_url,
-            "KVFERRY_TLS_CA_FILE": str(self.cert),
+            "KVFERRY_TLS_CA_FILE": str(self.ca or self.cert),
+            "KVFERRY_PREREQUISITES_CACHE_SECONDS": "1",
+            **self.extra_env,
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(

@@ -62,6 +62,8 @@ def _spec(patch: dict[str, Any]) -> dict[str, Any]:
     return merge(MINIMAL, {"spec": patch})
 
 
+HUB_BOTH = {"pvc": {"claimName": "hf"}, "hostPath": {"path": "/var/cache/hf"}}
+
 # Every CEL rule and every required field of the CRD appears here at least once
 # (tests/unit/test_validation.py checks that), each with the message that
 # tells the user what to do.
@@ -135,6 +137,51 @@ INVALID: list[Invalid] = [
             }
         ),
         "spec.model.source.hub.tokenSecret.name",
+        "Required value",
+    ),
+    Invalid(
+        "hub-cache-pvc-and-host-path",
+        _spec({"model": {"source": {"pvc": DELETE, "hub": {"id": "org/m", "cache": HUB_BOTH}}}}),
+        "spec.model.source.hub.cache",
+        "sets pvc or hostPath, not both",
+    ),
+    Invalid(
+        "hub-cache-pvc-claim-required",
+        _spec({"model": {"source": {"pvc": DELETE, "hub": {"id": "org/m", "cache": {"pvc": {}}}}}}),
+        "spec.model.source.hub.cache.pvc.claimName",
+        "Required value",
+    ),
+    Invalid(
+        "hub-cache-host-path-required",
+        _spec(
+            {
+                "model": {
+                    "source": {"pvc": DELETE, "hub": {"id": "org/m", "cache": {"hostPath": {}}}}
+                }
+            }
+        ),
+        "spec.model.source.hub.cache.hostPath.path",
+        "Required value",
+    ),
+    Invalid(
+        "hub-cache-host-path-relative",
+        _spec(
+            {
+                "model": {
+                    "source": {
+                        "pvc": DELETE,
+                        "hub": {"id": "org/m", "cache": {"hostPath": {"path": "var/cache"}}},
+                    }
+                }
+            }
+        ),
+        "spec.model.source.hub.cache.hostPath.path",
+        "must be an absolute path on the node",
+    ),
+    Invalid(
+        "image-pull-secret-name-required",
+        _spec({"engine": {"imagePullSecrets": [{}]}}),
+        "spec.engine.imagePullSecrets[0].name",
         "Required value",
     ),
     Invalid(

@@ -183,6 +183,13 @@ def test_gitops_reapply_changes_nothing(kubectl: Kubectl, operator: Operator, ns
         if "f:spec" in f.get("fieldsV1", {})
     }
     assert managers == {("argocd", "")}
+    # ... and owns the status it writes, under its own name (docs/gitops.md).
+    status_managers = {
+        (f["manager"], f.get("subresource", ""))
+        for f in fields["metadata"]["managedFields"]
+        if "f:status" in f.get("fieldsV1", {})
+    }
+    assert status_managers == {("kvferry-operator", "status")}
 
 
 def test_not_enough_gpus_is_reported_naming_the_resource(

@@ -107,6 +107,9 @@ FOLDED = {
     "model.source.hub.tokenSecret.name": "model.hub.token_secret_name",
     "model.source.hub.tokenSecret.key": "model.hub.token_secret_key",
     "model.source.image.path": "model.image.path",
+    "model.source.hub.cache.pvc.claimName": "model.hub.cache.pvc_claim_name",
+    "model.source.hub.cache.hostPath.path": "model.hub.cache.host_path",
+    "model.source.hub.cache.ephemeralStorage": "model.hub.cache.ephemeral_storage",
 }
 
 

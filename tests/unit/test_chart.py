@@ -164,6 +164,13 @@ CALLS = [
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),
+    # The prerequisite probe (probe.PrerequisiteProbe, from handlers.refresh_status):
+    # nodes' GPU/RDMA resources, the namespace's Pod Security label, Multus networks.
+    Call("Kube.list_nodes", "", "nodes", ("list",)),
+    Call("Kube.get_namespace", "", "namespaces", ("get",)),
+    Call("Kube.crd_exists", "apiextensions.k8s.io", "customresourcedefinitions", ("get",)),
+    Call("Kube.get_network_attachment_definition", "k8s.cni.cncf.io",
+         "network-attachment-definitions", ("get",)),
     # Kube.create_event (publisher.Publisher) and kopf's event poster (kopf.info/warn).
     Call("Kube.create_event", "", "events", ("create",)),
     Call("kopf posting: kopf.info/kopf.warn", "", "events", ("create",)),
@@ -278,6 +285,7 @@ class TestRbacMatchesTheCode:
             "tokenreviews",
             "customresourcedefinitions",
             "namespaces",
+            "nodes",
         }
 
     def test_the_check_catches_a_removed_verb(self):

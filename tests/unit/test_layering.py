@@ -43,6 +43,7 @@ PURE = {
         "aggregate",
         "pressure",
         "validation",
+        "prerequisites",
     ],
     "kvferry_sidecar": [
         "types",

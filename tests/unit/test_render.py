@@ -24,6 +24,27 @@ K8S_VERSION = "1.37.0"
 UID = "0b8d1c4e-0000-4000-8000-000000000001"
 
 
+def _sidecar_defaults() -> dict:
+    role = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]["properties"]["decode"]
+    props = role["properties"]["sidecarResources"]["properties"]
+    return {
+        kind: {k: v["default"] for k, v in props[kind]["properties"].items() if "default" in v}
+        for kind in ("requests", "limits")
+    }
+
+
+# What the CRD defaults the sidecar's resources to (sized by hack/sidecar_load.py).
+SIDECAR_DEFAULTS = _sidecar_defaults()
+
+
+def hub_server(cache: dict | None = None) -> dict:
+    manifest = server({"model": {"source": {"hub": {"id": "org/m"}}}})
+    del manifest["spec"]["model"]["source"]["pvc"]
+    if cache is not None:
+        manifest["spec"]["model"]["source"]["hub"]["cache"] = cache
+    return manifest
+
+
 def rendered(manifest: dict) -> list[dict]:
     manifest = {**manifest, "metadata": {**manifest["metadata"], "uid": UID}}
     return render.render(api.parse_server(manifest))
@@ -210,6 +231,55 @@ class TestEngineContainer:
         env = env_of(engine(rendered(manifest), "decode"))
         assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
 
+    def test_hub_download_without_a_cache_requests_ephemeral_storage(self):
+        # Weights downloaded into an emptyDir fill the node's disk: schedule for it.
+        objs = rendered(hub_server())
+        for role in api.ROLES:
+            assert engine(objs, role)["resources"]["requests"] == {"ephemeral-storage": "100Gi"}
+            vol = next(v for v in pod_spec(objs, role)["volumes"] if v["name"] == "hf-cache")
+            assert vol == {"name": "hf-cache", "emptyDir": {}}
+        sized = rendered(hub_server({"ephemeralStorage": "80Gi"}))
+        assert engine(sized, "decode")["resources"]["requests"]["ephemeral-storage"] == "80Gi"
+
+    @pytest.mark.parametrize(
+        "cache, volume",
+        [
+            ({"pvc": {"claimName": "hf"}}, {"persistentVolumeClaim": {"claimName": "hf"}}),
+            (
+                {"hostPath": {"path": "/var/cache/hf"}},
+                {"hostPath": {"path": "/var/cache/hf", "type": "DirectoryOrCreate"}},
+            ),
+        ],
+        ids=["pvc", "host-path"],
+    )
+    def test_hub_cache_volume_replaces_the_download_folder(self, cache, volume):
+        objs = rendered(hub_server(cache))
+        for role in api.ROLES:
+            vol = next(v for v in pod_spec(objs, role)["volumes"] if v["name"] == "hf-cache")
+            assert vol == {"name": "hf-cache", **volume}
+            mount = next(m for m in engine(objs, role)["volumeMounts"] if m["name"] == "hf-cache")
+            assert mount == {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"}
+            assert "requests" not in engine(objs, role)["resources"]
+
+    def test_cache_location_does_not_change_the_engine_build(self):
+        # Moving the download cache must not void decode's handles as a new build would.
+        a = rendered(hub_server())
+        b = rendered(hub_server({"pvc": {"claimName": "hf"}}))
+        build = api.ANNOTATION_BUILD_HASH
+        for role in api.ROLES:
+            ta = by_kind(a, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            tb = by_kind(b, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            assert ta["metadata"]["annotations"][build] == tb["metadata"]["annotations"][build]
+
+    def test_no_ephemeral_storage_request_for_weights_on_a_volume(self):
+        assert "requests" not in engine(rendered(server()), "decode")["resources"]
+
+    def test_image_pull_secrets_reach_every_pod(self):
+        objs = rendered(server({"engine": {"imagePullSecrets": [{"name": "regcred"}]}}))
+        for role in api.ROLES:
+            assert pod_spec(objs, role)["imagePullSecrets"] == [{"name": "regcred"}]
+        assert "imagePullSecrets" not in pod_spec(rendered(server()), "decode")
+
     def test_service_links_are_off(self):
         # A Service named "vllm" would inject VLLM_PORT and crash vLLM.
         assert pod_spec(rendered(server()), "decode")["enableServiceLinks"] is False
@@ -305,6 +375,21 @@ class TestSidecar:
         token = next(v for v in pod["volumes"] if v["name"] == "kvferry-token")
         assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kvferry"
         assert not any(m["name"] == "kvferry-token" for m in engine(objs, "decode")["volumeMounts"])
+
+    def test_resources_default_from_the_crd(self):
+        for role in api.ROLES:
+            assert sidecar(rendered(server()), role)["resources"] == SIDECAR_DEFAULTS
+
+    def test_resources_per_role_from_the_spec(self):
+        spec = {
+            "decode": {"sidecarResources": {"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}}
+        }
+        objs = rendered(server(spec))
+        assert sidecar(objs, "decode")["resources"] == {
+            "requests": {"cpu": "2", "memory": SIDECAR_DEFAULTS["requests"]["memory"]},
+            "limits": {"memory": "4Gi"},
+        }
+        assert sidecar(objs, "prefill")["resources"] == SIDECAR_DEFAULTS
 
     def test_probes(self):
         sc = sidecar(rendered(server()), "decode")

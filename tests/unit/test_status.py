@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from kvferry_operator import api, status
+from kvferry_operator import api, prerequisites, status
 from kvferry_operator.status import Observed, PodState, RoleObserved
 from tests.manifests import server
 
@@ -30,7 +32,7 @@ def observed(
     prefill: RoleObserved = SETTLED,
     decode: RoleObserved = SETTLED,
     pods: list[PodState] | None = None,
-    **kw: str,
+    **kw: Any,
 ) -> Observed:
     return Observed(roles={"prefill": prefill, "decode": decode}, pods=pods or [], **kw)
 
@@ -301,7 +303,9 @@ def test_transition_time_is_kept_while_status_holds():
 
 def test_transition_time_moves_when_status_flips():
     first, _ = status.compute_status(SERVER, observed(), None, EARLIER)
-    waiting = observed(decode=RoleObserved(exists=True, replicas=1, updated_replicas=1))
+    waiting = observed(
+        decode=RoleObserved(exists=True, replicas=1, updated_replicas=1), prerequisites=()
+    )
     second, changes = status.compute_status(SERVER, waiting, first, NOW)
     assert cond(second["conditions"], api.COND_READY)["lastTransitionTime"] == NOW
     assert cond(second["conditions"], api.COND_DEGRADED)["lastTransitionTime"] == EARLIER
@@ -362,3 +366,47 @@ def test_statefulset_status_is_read():
     }
     assert status.role_observed_from(sts) == RoleObserved(True, 4, 4, 2, 1, 2, "a", "b")
     assert status.role_observed_from(None) == RoleObserved()
+
+
+NOT_READY = RoleObserved(exists=True, replicas=1, updated_replicas=1)
+NO_GPU = prerequisites.Finding(prerequisites.REASON_NO_GPU_NODES, "no node offers nvidia.com/gpu")
+
+
+def test_missing_prerequisite_is_a_false_condition_and_the_ready_reason():
+    # The cause, not its symptom: "waiting for decode 0/1 ready" says nothing to fix
+    # (pods a Pod Security level refuses are never created).
+    obs = observed(decode=NOT_READY, prerequisites=(NO_GPU,))
+    conditions = status.compute_conditions(SERVER, obs)
+    pre = cond(conditions, api.COND_PREREQUISITES)
+    assert (pre["status"], pre["reason"], pre["message"]) == (
+        "False",
+        "NoGPUNodes",
+        "no node offers nvidia.com/gpu",
+    )
+    ready = cond(conditions, api.COND_READY)
+    assert (ready["status"], ready["reason"]) == ("False", "NoGPUNodes")
+
+
+def test_prerequisites_met_while_rolling_keeps_the_ready_reason():
+    obs = observed(decode=NOT_READY, prerequisites=())
+    conditions = status.compute_conditions(SERVER, obs)
+    assert cond(conditions, api.COND_PREREQUISITES)["status"] == "True"
+    assert cond(conditions, api.COND_READY)["reason"] == status.REASON_WAITING
+
+
+def test_settled_server_meets_its_prerequisites_without_a_check():
+    c = cond(status.compute_conditions(SERVER, observed()), api.COND_PREREQUISITES)
+    assert (c["status"], c["reason"]) == ("True", "Met")
+
+
+def test_unchecked_prerequisites_are_unknown():
+    c = cond(status.compute_conditions(SERVER, observed(decode=NOT_READY)), api.COND_PREREQUISITES)
+    assert (c["status"], c["reason"]) == ("Unknown", "NotChecked")
+
+
+def test_unschedulable_pods_keep_the_ready_reason_and_prerequisites_say_why():
+    pods = [PodState("tiny-decode-0", "decode", unschedulable_message=GPU_MESSAGE)]
+    obs = observed(decode=NOT_READY, pods=pods, prerequisites=(NO_GPU,))
+    conditions = status.compute_conditions(SERVER, obs)
+    assert cond(conditions, api.COND_READY)["reason"] == status.REASON_UNSCHEDULABLE
+    assert cond(conditions, api.COND_PREREQUISITES)["reason"] == "NoGPUNodes"

@@ -146,7 +146,7 @@ def test_config_reads_residency_settings(files: tuple[Path, Path]) -> None:
     settings_path, _ = files
     data = {
         **OPERATOR_SETTINGS,
-        "operatorUrl": "https://kvferry-operator.kvferry-system.svc:8443/v1/reports",
+        "operatorUrl": "https://kvferry.kvferry-system.svc:8443/v1/reports",
         "operatorCaFile": "/etc/kvferry/ca.crt",
         "reportIntervalSeconds": 30,
     }
