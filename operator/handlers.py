@@ -89,12 +89,18 @@ async def configure(
     memo.reports = report_endpoint.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
+        kube: Kube = memo.kube
+        # Short deadlines: a sidecar retries on its next push, a thread must not wait.
+        deadline = (3.0, 5.0)
         app = report_endpoint.app_factory(
             memo.reports,
-            review_token=lambda token: memo.kube.review_token(
-                token, report_endpoint.REPORT_TOKEN_AUDIENCE
+            review_token=lambda token: kube.review_token(
+                token, report_endpoint.REPORT_TOKEN_AUDIENCE, timeout=deadline
             ),
-            get_pod=memo.kube.get_pod,
+            get_pod=lambda ns, name: kube.get_pod(ns, name, timeout=deadline),
+            get_statefulset=lambda ns, name: kube.get(
+                "apps/v1", "StatefulSet", ns, name, timeout=deadline
+            ),
         )
         tls = report_endpoint.tls_context(ours.tls_cert_file, ours.tls_key_file)
         memo.report_runner = await report_endpoint.serve(
@@ -113,6 +119,7 @@ async def configure(
         min_write_seconds=ours.min_status_write_seconds,
         emit=memo.kube.create_event,
         apply_children=lambda body: apply_children(body, memo.kube, ours, logger),
+        prune_after=ours.report_prune_seconds,
     )
     memo.tasks.append(
         loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))

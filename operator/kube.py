@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
+# Every call has a deadline (connect, read): an API server that accepts a connection
+# and never answers (restarting, overloaded) must not hold a thread forever.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
 
 def api_error_message(exc: ApiException) -> str:
     """The API server's own sentence, not the client's header dump."""
@@ -61,12 +65,21 @@ class Kube:
             namespace=meta.get("namespace"),
             field_manager=api.FIELD_MANAGER,
             force_conflicts=True,
+            _request_timeout=REQUEST_TIMEOUT,
         )
         return out.to_dict()
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+    def get(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        timeout: tuple[float, float] = REQUEST_TIMEOUT,
+    ) -> Obj | None:
         try:
-            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+            res = self._resource(api_version, kind)
+            return res.get(name=name, namespace=namespace, _request_timeout=timeout).to_dict()
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -83,6 +96,7 @@ class Kube:
                 name=name,
                 namespace=namespace,
                 content_type="application/merge-patch+json",
+                _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -92,20 +106,32 @@ class Kube:
         """All servers, or those in ``namespaces`` (a namespace-restricted install may
         not list cluster-wide)."""
         res = self._resource(api.API_VERSION, api.SERVER_KIND)
+        t = REQUEST_TIMEOUT
         if not namespaces:
-            return [item.to_dict() for item in res.get().items]
-        return [item.to_dict() for ns in namespaces for item in res.get(namespace=ns).items]
+            return [item.to_dict() for item in res.get(_request_timeout=t).items]
+        return [
+            item.to_dict()
+            for ns in namespaces
+            for item in res.get(namespace=ns, _request_timeout=t).items
+        ]
 
-    def review_token(self, token: str, audience: str) -> Obj:
+    def review_token(
+        self, token: str, audience: str, timeout: tuple[float, float] = REQUEST_TIMEOUT
+    ) -> Obj:
         """TokenReview: who the API server says the token belongs to."""
         review = client.AuthenticationV1Api(self.api_client).create_token_review(
-            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
+            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience])),
+            _request_timeout=timeout,
         )
         return self.api_client.sanitize_for_serialization(review.status) or {}
 
-    def get_pod(self, namespace: str, name: str) -> Obj | None:
+    def get_pod(
+        self, namespace: str, name: str, timeout: tuple[float, float] = REQUEST_TIMEOUT
+    ) -> Obj | None:
         try:
-            pod = client.CoreV1Api(self.api_client).read_namespaced_pod(name, namespace)
+            pod = client.CoreV1Api(self.api_client).read_namespaced_pod(
+                name, namespace, _request_timeout=timeout
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -135,4 +161,6 @@ class Kube:
             last_timestamp=now,
             count=1,
         )
-        client.CoreV1Api(self.api_client).create_namespaced_event(meta["namespace"], event)
+        client.CoreV1Api(self.api_client).create_namespaced_event(
+            meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT
+        )

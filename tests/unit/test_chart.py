@@ -158,6 +158,8 @@ CALLS = [
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),
+    # Kube.get StatefulSet (endpoint: is the reporting pod a member of our StatefulSet).
+    Call("Kube.get StatefulSet", "apps", "statefulsets", ("get",)),
     # Kube.create_event (publisher.Publisher) and kopf's event poster (kopf.info/warn).
     Call("Kube.create_event", "", "events", ("create",)),
     Call("kopf posting: kopf.info/kopf.warn", "", "events", ("create",)),

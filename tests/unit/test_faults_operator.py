@@ -1,0 +1,129 @@
+"""One pod's data can never stop a server's figures; rows of pods that are gone do
+not stay in status; the report vocabulary is one list shared by both sides."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from kvferry_operator import aggregate, api, publisher
+from kvferry_operator.report_endpoint import ReportStore
+from kvferry_sidecar import residency
+from kvferry_sidecar.types import STORE_FATES
+from kvferry_wire import report as wire
+from kvferry_wire.protocol import HandleFate, Outcome
+from tests.manifests import server
+
+NOW = 1000.0
+SERVER_OBJ = {**server(), "metadata": {"name": "tiny", "namespace": "ns", "uid": "u"}}
+SERVER = api.parse_server(SERVER_OBJ)
+
+
+def rep(pod: str, **kw) -> wire.Report:
+    return wire.Report(
+        version=1,
+        server="tiny",
+        namespace="ns",
+        pod=pod,
+        role="decode",
+        started_at=0.0,
+        generated_at=NOW,
+        **kw,
+    )
+
+
+GOOD = rep("tiny-decode-0", by_turn={"2": wire.TurnBucket(10, 9, 1000, 900)})
+# What decode now refuses, built past it (an older operator's store, a future bug).
+BAD_KEY = rep("tiny-decode-1", by_turn={"x": wire.TurnBucket(1, 1, 1, 1)})
+NOT_FINITE = rep("tiny-decode-2", engine=wire.Engine(kv_usage=math.inf))
+
+
+@pytest.mark.parametrize("bad", [BAD_KEY, NOT_FINITE], ids=["byTurn-key", "infinity"])
+def test_one_pods_unusable_report_leaves_the_others_figures_standing(bad):
+    received = [aggregate.Received(GOOD, NOW), aggregate.Received(bad, NOW)]
+    agg = aggregate.aggregate(SERVER, received, NOW, 480)
+    assert agg.status["summary"]["hitRate"] == "90%"  # the good pod's figures
+    rows = {row["name"]: row for row in agg.status["pods"]}
+    assert "excluded" not in rows["tiny-decode-0"]
+    assert rows[bad.pod]["excluded"]
+    assert f"left out (report unusable): {bad.pod}" in agg.status["message"]
+
+
+class FakeKube:
+    def __init__(self, pods: dict[str, str]) -> None:
+        self.pods = pods  # name -> uid
+        self.patches: list[tuple[str, dict]] = []
+        self.pod_gets = 0
+
+    def get(self, api_version, kind, namespace, name):
+        if kind == api.SERVER_KIND:
+            return SERVER_OBJ
+        return {"status": {}}
+
+    def get_pod(self, namespace, name):
+        self.pod_gets += 1
+        uid = self.pods.get(name)
+        return None if uid is None else {"metadata": {"name": name, "uid": uid}}
+
+    def patch_status(self, api_version, kind, namespace, name, status):
+        self.patches.append((kind, status))
+
+
+def make_publisher(kube: FakeKube, store: ReportStore) -> publisher.Publisher:
+    return publisher.Publisher(
+        kube,
+        store,
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        apply_children=lambda body: None,
+        clock=lambda: NOW,
+        prune_after=600,
+    )
+
+
+def kvcs_writes(kube: FakeKube) -> list[dict]:
+    return [st for kind, st in kube.patches if kind == api.STATUS_KIND]
+
+
+def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
+    store = ReportStore()
+    store.put(aggregate.Received(GOOD, NOW))
+    store.put(aggregate.Received(BAD_KEY, NOW))
+    kube = FakeKube({})
+    make_publisher(kube, store).publish_all(logging.getLogger("test"))
+    (written,) = kvcs_writes(kube)
+    assert written["phase"] == "Reporting" and written["summary"]["hitRate"] == "90%"
+
+
+@pytest.mark.parametrize(
+    ("age", "pods", "kept"),
+    [
+        (10, {}, True),  # fresh: kept without a lookup
+        (200, {"tiny-decode-0": "uid-0"}, True),  # stale, pod still there: shown stale
+        (200, {}, False),  # stale and the pod is gone
+        (200, {"tiny-decode-0": "uid-new"}, False),  # stale and replaced
+        (700, {"tiny-decode-0": "uid-0"}, False),  # silent past the prune bound
+    ],
+    ids=["fresh", "stale-present", "gone", "replaced", "silent-too-long"],
+)
+def test_rows_of_pods_that_cannot_report_are_pruned(age, pods, kept):
+    store = ReportStore()
+    store.put(aggregate.Received(GOOD, NOW - age, "uid-0"))
+    kube = FakeKube(pods)
+    make_publisher(kube, store).publish_all(logging.getLogger("test"))
+    assert bool(store.get("ns", "tiny")) is kept
+    if age <= 90:
+        assert kube.pod_gets == 0
+
+
+def test_every_handle_fate_the_sidecar_counts_is_in_the_wire_vocabulary():
+    fates = {f.value for f in HandleFate}
+    assert {f.value for f in STORE_FATES} <= fates
+    counted = {residency.FATE_CONSUMED, residency.FATE_SKIPPED, residency.FATE_TAKEN}
+    counted |= {residency._TAKEN_BY_OUTCOME.get(o, residency.FATE_TAKEN) for o in Outcome}
+    assert counted <= fates
+    assert set(wire.MAP_KEYS["handles"]) == fates
+    assert set(wire.MAP_KEYS["outcomes"]) == {o.value for o in Outcome}
