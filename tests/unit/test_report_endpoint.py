@@ -308,6 +308,7 @@ async def test_a_body_that_never_finishes_gets_408_in_time(aiohttp_client):
 
     started = time.monotonic()
     status, out = await post(client, trickle())
+    assert "did not arrive in time" in out["error"]
     assert status == 408 and time.monotonic() - started < 3
 
 
