@@ -24,7 +24,7 @@ from typing import Any
 import kopf
 
 from . import api, publisher, render, report_endpoint, status
-from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
+from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .settings import Settings
 
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
@@ -169,6 +169,21 @@ def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict
     }
 
 
+@kopf.index("", "v1", "nodes")
+def nodes(name: str, status: kopf.Status, **_: Any) -> dict[Any, Any]:
+    """Node name -> Ready, so status can say when pods sit on a node that is gone."""
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return {name: ready}
+
+
+def _nodes_seen(nodes: kopf.Index) -> dict[str, bool] | None:
+    seen = {name: all(list(nodes.get(name, []))) for name in nodes}
+    return seen or None
+
+
 # ------------------------------------------------------------------ reconcile
 
 
@@ -192,7 +207,15 @@ def apply_children(
             continue
         try:
             applied = kube.apply(child)
-        except ApiException as exc:  # keep going: one bad child must not block the rest
+        except Exception as exc:
+            if not isinstance(exc, ApiException):
+                if not is_transient(exc):
+                    raise
+                # The API server cannot be reached: nothing else would land now either.
+                # The resync loop and the next watch event apply everything again.
+                logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
+                return False
+            # An answer about this child: keep going, one bad child must not block the rest.
             if is_namespace_terminating(exc):
                 return False  # everything here is about to go; nothing to restore
             ok = False
@@ -212,7 +235,11 @@ def apply_children(
 
 
 def refresh_status(
-    body: dict[str, Any], kube: Kube, statefulsets: kopf.Index, pods: kopf.Index
+    body: dict[str, Any],
+    kube: Kube,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index | None = None,
 ) -> None:
     """Steps 4-5."""
     try:
@@ -227,12 +254,27 @@ def refresh_status(
     old = body.get("status") or {}
     # The transport is what the sidecars reported (written by reporting.py).
     observed = status.Observed(
-        roles=roles, pods=list(pods.get(key, [])), transport=old.get("transport", "Unknown")
+        roles=roles,
+        pods=list(pods.get(key, [])),
+        transport=old.get("transport", "Unknown"),
+        nodes=_nodes_seen(nodes) if nodes is not None else None,
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
         return
-    kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
+    try:
+        kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        # No Events for a status that did not land; the next event or resync retries.
+        logging.getLogger(__name__).warning(
+            "status of %s/%s deferred, API server unavailable: %s",
+            server.namespace,
+            server.name,
+            _brief(exc),
+        )
+        return
     for change in changes:
         healthy = (change.type == api.COND_DEGRADED) == (change.status != "True")
         emit = kopf.info if healthy or change.status == "Unknown" else kopf.warn
@@ -257,6 +299,7 @@ def server_changed(
     logger: logging.Logger,
     statefulsets: kopf.Index,
     pods: kopf.Index,
+    nodes: kopf.Index,
     **_: Any,
 ) -> None:
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
@@ -270,7 +313,13 @@ def server_changed(
         plain, memo.kube, memo.settings, logger
     ):
         logger.info("applied children generation=%s", generation)
-    refresh_status(plain, memo.kube, statefulsets, pods)
+    refresh_status(plain, memo.kube, statefulsets, pods, nodes)
+
+
+def _brief(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return api_error_message(exc)
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 async def _resync_forever(
@@ -287,11 +336,15 @@ async def _resync_forever(
         try:
             listed = await asyncio.to_thread(kube.list_servers, namespaces)
         except Exception as exc:
-            logger.warning("resync: listing servers failed: %s", exc)
+            logger.warning("resync: listing servers failed: %s", _brief(exc))
             continue
         for body in listed:
-            if not body["metadata"].get("deletionTimestamp"):
+            if body["metadata"].get("deletionTimestamp"):
+                continue
+            try:
                 await asyncio.to_thread(apply_children, body, kube, settings, logger)
+            except Exception as exc:  # the loop must outlive any one server's trouble
+                logger.warning("resync of %s failed: %s", body["metadata"].get("name"), _brief(exc))
 
 
 def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str, Any] | None:
@@ -310,6 +363,7 @@ def _on_child_event(kind: str):
         servers: kopf.Index,
         statefulsets: kopf.Index,
         pods: kopf.Index,
+        nodes: kopf.Index,
         **_: Any,
     ) -> None:
         owner = _owner(namespace, labels, servers)
@@ -324,7 +378,7 @@ def _on_child_event(kind: str):
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
         apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
         if kind == "StatefulSet":
-            refresh_status(owner, memo.kube, statefulsets, pods)
+            refresh_status(owner, memo.kube, statefulsets, pods, nodes)
 
     return child_changed
 
@@ -343,6 +397,7 @@ def pod_changed(
     servers: kopf.Index,
     statefulsets: kopf.Index,
     pods: kopf.Index,
+    nodes: kopf.Index,
     **_: Any,
 ) -> None:
     owner = _owner(namespace, {api.LABEL_INSTANCE: labels[api.LABEL_SERVER]}, servers)
@@ -352,4 +407,34 @@ def pod_changed(
             memo.kube,
             statefulsets,
             pods,
+            nodes,
+        )
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_changed(
+    type: str | None,
+    name: str,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    servers: kopf.Index,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index,
+    **_: Any,
+) -> None:
+    """A node went away or changed readiness: refresh the servers with pods on it."""
+    affected = {key for key in pods for p in pods.get(key, []) if p.node == name}
+    for namespace, server in sorted(affected):
+        owner = _owner(namespace, {api.LABEL_INSTANCE: server}, servers)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            continue
+        if type == "DELETED":
+            logger.warning("node %s deleted with pods of %s/%s on it", name, namespace, server)
+        refresh_status(
+            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
+            memo.kube,
+            statefulsets,
+            pods,
+            nodes,
         )

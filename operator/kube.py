@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.client.exceptions import ApiException
 
@@ -32,6 +33,14 @@ def api_error_message(exc: ApiException) -> str:
         return f"{exc.status} {json.loads(exc.body)['message']}"
     except (TypeError, ValueError, KeyError):
         return f"{exc.status} {exc.reason}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The API server is down, restarting or overloaded: try again later (the resync
+    loop and the next watch event do), and say so in one line, not a traceback."""
+    if isinstance(exc, ApiException):
+        return exc.status in (0, 408, 429) or (exc.status or 0) >= 500
+    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
 
 
 def is_namespace_terminating(exc: ApiException) -> bool:

@@ -29,6 +29,7 @@ REASON_COMPLETE = "Complete"
 REASON_HEALTHY = "Healthy"
 REASON_CRASHING = "ContainersCrashing"
 REASON_NO_REPORTS = "NoReports"
+REASON_NODE_LOST = "NodeLost"
 
 
 # Container waiting reasons that will not clear by themselves.
@@ -46,6 +47,7 @@ class PodState:
     role: str
     unschedulable_message: str | None = None  # PodScheduled=False, reason Unschedulable
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, ImagePullBackOff
+    node: str | None = None  # spec.nodeName, once scheduled
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Observed:
     roles: dict[str, RoleObserved]
     pods: list[PodState] = field(default_factory=list)
     transport: str = "Unknown"
+    # Nodes as the operator sees them: name -> Ready. None: not known (no node
+    # has been seen), so no pod is taken for lost.
+    nodes: dict[str, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ def pod_state_from(pod: dict[str, Any]) -> PodState:
         role=(meta.get("labels") or {}).get(api.LABEL_ROLE, ""),
         unschedulable_message=unschedulable,
         waiting_reason=waiting,
+        node=(pod.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -139,6 +145,29 @@ def unschedulable_summary(server: Server, pods: list[PodState]) -> str | None:
             f"{', '.join(resources)} or lower {field_hint}"
         )
     return msg
+
+
+def node_lost_summary(observed: Observed) -> str | None:
+    """Pods on a node that is gone or not Ready: the StatefulSet still counts them
+    ready (nobody updates a pod whose kubelet is gone) until Kubernetes deletes
+    and replaces them, which takes a while (pod GC, node eviction)."""
+    if not observed.nodes:
+        return None
+    lost = []
+    for p in sorted(observed.pods, key=lambda p: p.name):
+        if p.node is None:
+            continue
+        if p.node not in observed.nodes:
+            lost.append(f"{p.name} on node {p.node}, which is gone")
+        elif not observed.nodes[p.node]:
+            lost.append(f"{p.name} on node {p.node}, which is not Ready")
+    if not lost:
+        return None
+    return (
+        f"{len(lost)} pod(s) lost with their node: {'; '.join(lost)}. "
+        "Kubernetes replaces them once it gives up on the node (a new node or free capacity "
+        "is needed); sessions on them lose their KV and recompute"
+    )
 
 
 def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]:
@@ -169,6 +198,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     roles = observed.roles
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
+    node_lost = node_lost_summary(observed)
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     not_ready = [
         f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.spec.role(r).replicas} ready"
@@ -184,6 +214,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         )
     elif unschedulable:
         ready = ("False", REASON_UNSCHEDULABLE, unschedulable)
+    elif node_lost:
+        ready = ("False", REASON_NODE_LOST, node_lost)
     elif settled:
         ready = ("True", REASON_READY, "all prefill and decode replicas are ready")
     else:
@@ -205,10 +237,12 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
 
     if unschedulable:
         degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
+    elif node_lost:
+        degraded = ("True", REASON_NODE_LOST, node_lost)
     elif crashing:
         degraded = ("True", REASON_CRASHING, "containers not running: " + ", ".join(crashing))
     else:
-        degraded = ("False", REASON_HEALTHY, "no unschedulable or crashing pods")
+        degraded = ("False", REASON_HEALTHY, "no unschedulable, lost or crashing pods")
 
     transport = (
         ("Unknown", REASON_NO_REPORTS, "no sidecar has reported a negotiated transport yet")

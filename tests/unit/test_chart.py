@@ -138,6 +138,8 @@ CALLS = [
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
+    # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
+    Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
     # Kube.apply (handlers.apply_children): every rendered child.
     Call("Kube.apply StatefulSet", "apps", "statefulsets", ("create", "patch")),
     Call("Kube.apply Service", "", "services", ("create", "patch")),
@@ -274,6 +276,7 @@ class TestRbacMatchesTheCode:
             "tokenreviews",
             "customresourcedefinitions",
             "namespaces",
+            "nodes",
         }
 
     def test_the_check_catches_a_removed_verb(self):

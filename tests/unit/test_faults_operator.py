@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvferry_operator import aggregate, api, publisher
+from kvferry_operator import aggregate, api, publisher, status
 from kvferry_operator.report_endpoint import ReportStore
 from kvferry_sidecar import residency
 from kvferry_sidecar.types import STORE_FATES
@@ -127,3 +127,55 @@ def test_every_handle_fate_the_sidecar_counts_is_in_the_wire_vocabulary():
     assert counted <= fates
     assert set(wire.MAP_KEYS["handles"]) == fates
     assert set(wire.MAP_KEYS["outcomes"]) == {o.value for o in Outcome}
+
+
+# ------------------------------------------------------------------ a node goes away
+
+SETTLED = status.RoleObserved(
+    exists=True,
+    observed_generation=1,
+    generation=1,
+    replicas=1,
+    ready_replicas=1,
+    updated_replicas=1,
+    current_revision="r1",
+    update_revision="r1",
+)
+PODS = [
+    status.PodState("tiny-decode-0", "decode", node="gpu-node-1"),
+    status.PodState("tiny-prefill-0", "prefill", node="gpu-node-0"),
+]
+
+
+def conditions(nodes: dict[str, bool] | None) -> dict[str, dict]:
+    obs = status.Observed(roles={"prefill": SETTLED, "decode": SETTLED}, pods=PODS, nodes=nodes)
+    return {c["type"]: c for c in status.compute_conditions(SERVER, obs)}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "says"),
+    [
+        ({"gpu-node-0": True}, "tiny-decode-0 on node gpu-node-1, which is gone"),
+        ({"gpu-node-0": True, "gpu-node-1": False}, "gpu-node-1, which is not Ready"),
+    ],
+    ids=["deleted", "not-ready"],
+)
+def test_pods_on_a_lost_node_make_the_server_degraded_and_not_ready(nodes, says):
+    # The StatefulSet still counts the pod ready: nobody updates a pod whose node is gone.
+    conds = conditions(nodes)
+    for ctype, want in ((api.COND_DEGRADED, "True"), (api.COND_READY, "False")):
+        assert conds[ctype]["status"] == want
+        assert conds[ctype]["reason"] == status.REASON_NODE_LOST
+        assert says in conds[ctype]["message"]
+
+
+@pytest.mark.parametrize("nodes", [None, {"gpu-node-0": True, "gpu-node-1": True}])
+def test_pods_on_ready_nodes_or_unknown_nodes_are_not_lost(nodes):
+    conds = conditions(nodes)
+    assert conds[api.COND_READY]["status"] == "True"
+    assert conds[api.COND_DEGRADED]["reason"] == status.REASON_HEALTHY
+
+
+def test_a_pods_node_is_read_from_its_spec():
+    pod = {"metadata": {"name": "p", "labels": {}}, "spec": {"nodeName": "n1"}, "status": {}}
+    assert status.pod_state_from(pod).node == "n1"
