@@ -79,45 +79,7 @@ kwok_port=$((port + 4)); kcm_port=$((port + 5))
 
 pids_file() { echo "$state/pids"; }
 
-is_start_apiserver() {
-  local bin=$1 pki=$state/pki
-  start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
-    --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
-    --client-ca-file "$pki/ca.crt" \
-    --service-account-issuer https://kubernetes.default.svc \
-    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
-    --api-audiences https://kubernetes.default.svc \
-    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
-    --endpoint-reconciler-type none --allow-privileged=true
-  wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
-}
-
-# Stop one component of a running plane (its process group) and forget its PID.
-stop_one() {
-  local name=$1 pid
-  [[ -f $(pids_file) ]] || die "not running"
-  pid=$(awk -v n="$name" '$1 == n {print $2}' "$(pids_file)")
-  [[ -n $pid ]] || die "$name is not running"
-  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-  local deadline=$((SECONDS + 15))
-  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-  kill -KILL -- "-$pid" 2>/dev/null || true
-  awk -v n="$name" '$1 != n' "$(pids_file)" > "$(pids_file).new" && mv "$(pids_file).new" "$(pids_file)"
-  log "$name stopped"
-}
-
-# Fault injection for the cluster tests: the API server alone goes away and comes
-# back (etcd keeps the state), as in a control-plane upgrade or a crash.
-apiserver_stop() { stop_one kube-apiserver; }
-apiserver_start() {
-  [[ -f $(pids_file) ]] || die "not running"
-  grep -q '^kube-apiserver ' "$(pids_file)" && die "kube-apiserver already runs"
-  start_apiserver "$(build)"
-  log "kube-apiserver started"
-}
-
-up() {
+is_up() {
   [[ -f $(pids_file) ]] || return 1
   local pid
   while read -r _ pid; do kill -0 "$pid" 2>/dev/null || return 1; done < "$(pids_file)"
@@ -226,6 +188,44 @@ EOT
 }
 
 kubectl=${KUBECTL:-kubectl}
+
+start_apiserver() {
+  local bin=$1 pki=$state/pki
+  start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
+    --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
+    --client-ca-file "$pki/ca.crt" \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --api-audiences https://kubernetes.default.svc \
+    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
+    --endpoint-reconciler-type none --allow-privileged=true
+  wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
+}
+
+# Stop one component of a running plane (its process group) and forget its PID.
+stop_one() {
+  local name=$1 pid
+  [[ -f $(pids_file) ]] || die "not running"
+  pid=$(awk -v n="$name" '$1 == n {print $2}' "$(pids_file)")
+  [[ -n $pid ]] || die "$name is not running"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + 15))
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  awk -v n="$name" '$1 != n' "$(pids_file)" > "$(pids_file).new" && mv "$(pids_file).new" "$(pids_file)"
+  log "$name stopped"
+}
+
+# Fault injection for the cluster tests: the API server alone goes away and comes
+# back (etcd keeps the state), as in a control-plane upgrade or a crash.
+apiserver_stop() { stop_one kube-apiserver; }
+apiserver_start() {
+  [[ -f $(pids_file) ]] || die "not running"
+  grep -q '^kube-apiserver ' "$(pids_file)" && die "kube-apiserver already runs"
+  start_apiserver "$(build)"
+  log "kube-apiserver started"
+}
 
 up() {
   if is_up; then log "already up"; echo "$state/kubeconfig"; return 0; fi

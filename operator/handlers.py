@@ -164,7 +164,11 @@ def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
 def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {
         (namespace, labels[api.LABEL_SERVER]): status.pod_state_from(
-            {"metadata": dict(body.metadata), "status": dict(body.status)}
+            {
+                "metadata": dict(body.metadata),
+                "spec": {"nodeName": body.spec.get("nodeName")},
+                "status": dict(body.status),
+            }
         )
     }
 
