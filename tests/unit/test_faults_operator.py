@@ -3,10 +3,12 @@ not stay in status; the report vocabulary is one list shared by both sides."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
 import pytest
+import urllib3
 
 from kvferry_operator import aggregate, api, publisher, status
 from kvferry_operator.report_endpoint import ReportStore
@@ -179,3 +181,46 @@ def test_pods_on_ready_nodes_or_unknown_nodes_are_not_lost(nodes):
 def test_a_pods_node_is_read_from_its_spec():
     pod = {"metadata": {"name": "p", "labels": {}}, "spec": {"nodeName": "n1"}, "status": {}}
     assert status.pod_state_from(pod).node == "n1"
+
+
+# ------------------------------------------------------------------ API server away
+
+
+class UnreachableKube:
+    """Lists servers, then cannot reach the API server for anything else."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+        self.applies = 0
+
+    def list_servers(self, namespaces):
+        self.lists += 1
+        return [SERVER_OBJ]
+
+    def apply(self, child):
+        self.applies += 1
+        raise urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")
+
+
+async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(caplog):
+    from kvferry_operator import handlers
+    from kvferry_operator.settings import Settings
+
+    kube = UnreachableKube()
+    settings = Settings(sidecar_image="", resync_seconds=0.01, child_event_debounce_seconds=0)
+    task = asyncio.ensure_future(
+        handlers._resync_forever(kube, settings, [], logging.getLogger("test"))
+    )
+    try:
+        await asyncio.wait_for(_until(lambda: kube.lists >= 3), 5)
+        assert not task.done(), task
+    finally:
+        task.cancel()
+    # Each pass stops at the first unreachable apply, with one warning line.
+    assert kube.applies == kube.lists or kube.applies == kube.lists - 1
+    assert "API server unreachable" in caplog.text and "Traceback" not in caplog.text
+
+
+async def _until(check) -> None:
+    while not check():
+        await asyncio.sleep(0.01)
