@@ -8,6 +8,8 @@
 #   hack/controlplane.sh up       build, start everything, create nodes; prints KUBECONFIG
 #   hack/controlplane.sh down     stop what `up` started (by PID) and remove its state
 #   hack/controlplane.sh status   say what runs
+#   hack/controlplane.sh apiserver-stop / apiserver-start
+#                                 stop or start kube-apiserver alone (fault tests)
 #
 # Environment:
 #   KVFERRY_CACHE      binary cache root (default ~/.cache/kvferry)
@@ -189,6 +191,44 @@ EOT
 
 kubectl=${KUBECTL:-kubectl}
 
+start_apiserver() {
+  local bin=$1 pki=$state/pki
+  start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
+    --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
+    --client-ca-file "$pki/ca.crt" \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --api-audiences https://kubernetes.default.svc \
+    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
+    --endpoint-reconciler-type none --allow-privileged=true
+  wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
+}
+
+# Stop one component of a running plane (its process group) and forget its PID.
+stop_one() {
+  local name=$1 pid
+  [[ -f $(pids_file) ]] || die "not running"
+  pid=$(awk -v n="$name" '$1 == n {print $2}' "$(pids_file)")
+  [[ -n $pid ]] || die "$name is not running"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + 15))
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  awk -v n="$name" '$1 != n' "$(pids_file)" > "$(pids_file).new" && mv "$(pids_file).new" "$(pids_file)"
+  log "$name stopped"
+}
+
+# Fault injection for the cluster tests: the API server alone goes away and comes
+# back (etcd keeps the state), as in a control-plane upgrade or a crash.
+apiserver_stop() { stop_one kube-apiserver; }
+apiserver_start() {
+  [[ -f $(pids_file) ]] || die "not running"
+  grep -q '^kube-apiserver ' "$(pids_file)" && die "kube-apiserver already runs"
+  start_apiserver "$(build)"
+  log "kube-apiserver started"
+}
+
 up() {
   if is_up; then log "already up"; echo "$state/kubeconfig"; return 0; fi
   down >/dev/null 2>&1 || true
@@ -203,16 +243,7 @@ up() {
     --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
     --initial-cluster "kvferry=http://127.0.0.1:$etcd_peer" --log-level warn
   wait_for 30 etcd curl -sf "http://127.0.0.1:$etcd_port/health"
-  start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
-    --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
-    --client-ca-file "$pki/ca.crt" \
-    --service-account-issuer https://kubernetes.default.svc \
-    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
-    --api-audiences https://kubernetes.default.svc \
-    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
-    --endpoint-reconciler-type none --allow-privileged=true
-  wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
+  start_apiserver "$bin"
   # CRDs before the controller-manager: its garbage collector discovers new
   # owner types only every 30 s.
   if [[ ${KVFERRY_CP_CRDS:-1} == 1 && -d $here/../crds ]]; then
@@ -275,5 +306,7 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 build|up|down|status" >&2; exit 2 ;;
+  apiserver-stop) apiserver_stop ;;
+  apiserver-start) apiserver_start ;;
+  *) echo "usage: $0 build|up|down|status|apiserver-stop|apiserver-start" >&2; exit 2 ;;
 esac

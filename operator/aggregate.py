@@ -1,7 +1,12 @@
 """Residency reports -> KVCacheStatus status and tuner inputs. Pure.
 
 Each sidecar's report is cumulative since it started; the latest one per pod
-is kept. Reports older than the staleness bound are shown per pod (marked
+is kept. One pod's report can never stop the others' figures: each report must
+aggregate on its own before it joins the rest, and one that cannot is left out,
+named in its pod row and in the message (``report.decode`` refuses such reports at
+the endpoint; this is the second line).
+
+Reports older than the staleness bound are shown per pod (marked
 stale) but not added into the server's figures, so a dead pod does not freeze
 the numbers. The status answers four questions:
 
@@ -15,6 +20,7 @@ the numbers. The status answers four questions:
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +47,7 @@ DEFAULT_STALE_SECONDS = 90.0
 class Received:
     report: Report
     received_at: float  # unix seconds, operator clock
+    pod_uid: str = ""  # the reporting pod's uid, as the endpoint checked it
 
 
 def _q(h: Histogram, q: float) -> float | None:
@@ -103,6 +110,63 @@ class Aggregate:
 
 
 def aggregate(
+    server: Server,
+    received: list[Received],
+    now: float,
+    applied_retention: int,
+    stale_after: float = DEFAULT_STALE_SECONDS,
+    preemptions_delta: int = 0,
+    decode_kv_usage_peak: float | None = None,
+) -> Aggregate:
+    """The server's figures from the pods' latest reports, each pod isolated."""
+    usable: list[Received] = []
+    left_out: dict[str, str] = {}
+    for item in received:
+        try:
+            alone = _aggregate(
+                server,
+                [item],
+                now,
+                applied_retention,
+                stale_after,
+                preemptions_delta,
+                decode_kv_usage_peak,
+            )
+            # What the API server would refuse (NaN, infinities) fails the write of all.
+            json.dumps(alone.status, allow_nan=False)
+        except Exception as exc:  # whatever it is, it is this pod's alone
+            left_out[item.report.pod] = f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            usable.append(item)
+    agg = _aggregate(
+        server,
+        usable,
+        now,
+        applied_retention,
+        stale_after,
+        preemptions_delta,
+        decode_kv_usage_peak,
+    )
+    if not left_out:
+        return agg
+    rows = agg.status["pods"] + [
+        {"name": pod, "stale": False, "excluded": why} for pod, why in left_out.items()
+    ]
+    names = ", ".join(sorted(left_out))
+    status = {
+        **agg.status,
+        "message": f"{agg.status['message']}; left out (report unusable): {names}",
+        "pods": sorted(rows, key=lambda row: row["name"]),
+    }
+    return Aggregate(
+        status=status,
+        tuning=agg.tuning,
+        transport=agg.transport,
+        transport_reason=agg.transport_reason,
+    )
+
+
+def _aggregate(
     server: Server,
     received: list[Received],
     now: float,

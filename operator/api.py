@@ -312,10 +312,19 @@ def _amounts(raw: dict[str, Any]) -> ResourceAmounts:
     return ResourceAmounts(cpu=_quantity(raw.get("cpu")), memory=_quantity(raw.get("memory")))
 
 
+# The CRD's bound on a role's replicas. Checked here too: an object stored before the
+# bound existed is not validated again, and rendering ranges over the replicas.
+MAX_REPLICAS = 1000
+
+
 def _role(name: str, raw: dict[str, Any]) -> Role:
     res = raw["resources"]
     sidecar = raw["sidecarResources"]
     tp = raw["tensorParallelSize"]
+    if not isinstance(raw["replicas"], int) or not 0 <= raw["replicas"] <= MAX_REPLICAS:
+        raise SpecError(
+            f"spec.{name}.replicas is {raw['replicas']!r}: it must be 0..{MAX_REPLICAS}"
+        )
     return Role(
         name=name,
         replicas=raw["replicas"],

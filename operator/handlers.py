@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 
 from . import api, metrics, prerequisites, publisher, render, report_endpoint, status
-from .kube import ApiException, Kube, api_error_message, is_namespace_terminating
+from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .probe import PrerequisiteProbe
 from .settings import Settings
 
@@ -93,12 +93,18 @@ async def configure(
     memo.reports = report_endpoint.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
+        kube: Kube = memo.kube
+        # Short deadlines: a sidecar retries on its next push, a thread must not wait.
+        deadline = (3.0, 5.0)
         app = report_endpoint.app_factory(
             memo.reports,
-            review_token=lambda token: memo.kube.review_token(
-                token, report_endpoint.REPORT_TOKEN_AUDIENCE
+            review_token=lambda token: kube.review_token(
+                token, report_endpoint.REPORT_TOKEN_AUDIENCE, timeout=deadline
             ),
-            get_pod=memo.kube.get_pod,
+            get_pod=lambda ns, name: kube.get_pod(ns, name, timeout=deadline),
+            get_statefulset=lambda ns, name: kube.get(
+                "apps/v1", "StatefulSet", ns, name, timeout=deadline
+            ),
         )
         tls = report_endpoint.tls_context(ours.tls_cert_file, ours.tls_key_file)
         memo.report_runner = await report_endpoint.serve(
@@ -117,6 +123,7 @@ async def configure(
         min_write_seconds=ours.min_status_write_seconds,
         emit=memo.kube.create_event,
         apply_children=lambda body: apply_children(body, memo.kube, ours, logger),
+        prune_after=ours.report_prune_seconds,
     )
     memo.tasks.append(
         loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))
@@ -174,9 +181,28 @@ def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
 def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {
         (namespace, labels[api.LABEL_SERVER]): status.pod_state_from(
-            {"metadata": dict(body.metadata), "status": dict(body.status)}
+            {
+                "metadata": dict(body.metadata),
+                "spec": {"nodeName": body.spec.get("nodeName")},
+                "status": dict(body.status),
+            }
         )
     }
+
+
+@kopf.index("", "v1", "nodes")
+def nodes(name: str, status: kopf.Status, **_: Any) -> dict[Any, Any]:
+    """Node name -> Ready, so status can say when pods sit on a node that is gone."""
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return {name: ready}
+
+
+def _nodes_seen(nodes: kopf.Index) -> dict[str, bool] | None:
+    seen = {name: all(list(nodes.get(name, []))) for name in nodes}
+    return seen or None
 
 
 # ------------------------------------------------------------------ reconcile
@@ -202,7 +228,15 @@ def apply_children(
             continue
         try:
             applied = kube.apply(child)
-        except ApiException as exc:  # keep going: one bad child must not block the rest
+        except Exception as exc:
+            if not isinstance(exc, ApiException):
+                if not is_transient(exc):
+                    raise
+                # The API server cannot be reached: nothing else would land now either.
+                # The resync loop and the next watch event apply everything again.
+                logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
+                return False
+            # An answer about this child: keep going, one bad child must not block the rest.
             if is_namespace_terminating(exc):
                 return False  # everything here is about to go; nothing to restore
             ok = False
@@ -248,6 +282,7 @@ def refresh_status(
     probe: PrerequisiteProbe | None = None,
     settings: Settings | None = None,
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
+    nodes: kopf.Index | None = None,
 ) -> None:
     """Steps 4-5. ``post(body, type, reason, message)`` emits an Event where no kopf
     handler runs (kopf.info/warn need one)."""
@@ -268,11 +303,24 @@ def refresh_status(
         transport=old.get("transport", "Unknown"),
         transport_reason=old.get("transportReason", ""),
         prerequisites=check_prerequisites(server, roles, probe, settings),
+        nodes=_nodes_seen(nodes) if nodes is not None else None,
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
         return
-    kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
+    try:
+        kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        # No Events for a status that did not land; the next event or resync retries.
+        logging.getLogger(__name__).warning(
+            "status of %s/%s deferred, API server unavailable: %s",
+            server.namespace,
+            server.name,
+            _brief(exc),
+        )
+        return
     for change in changes:
         healthy = (change.type == api.COND_DEGRADED) == (change.status != "True")
         normal = healthy or change.status == "Unknown"
@@ -301,11 +349,12 @@ def server_changed(
     logger: logging.Logger,
     statefulsets: kopf.Index,
     pods: kopf.Index,
+    nodes: kopf.Index,
     **_: Any,
 ) -> None:
     # Live views, for the resync loop. Per-object memos are shallow copies of the
     # operator's, so the shared dict (made at start-up) is the way back to it.
-    memo.indexes.setdefault("live", (statefulsets, pods))
+    memo.indexes.setdefault("live", (statefulsets, pods, nodes))
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
         return  # the garbage collector removes the children
     plain = _plain(body)
@@ -317,7 +366,13 @@ def server_changed(
         plain, memo.kube, memo.settings, logger
     ):
         logger.info("applied children generation=%s", generation)
-    refresh_status(plain, memo.kube, statefulsets, pods, memo.probe, memo.settings)
+    refresh_status(plain, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes)
+
+
+def _brief(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return api_error_message(exc)
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> None:
@@ -336,27 +391,35 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
         try:
             listed = await asyncio.to_thread(kube.list_servers, memo.namespaces)
         except Exception as exc:
-            logger.warning("resync: listing servers failed: %s", exc)
+            logger.warning("resync: listing servers failed: %s", _brief(exc))
             continue
         # The live kopf indexes, kept by the first watch handler that ran.
         indexes = memo.indexes.get("live")
         for body in listed:
             if body["metadata"].get("deletionTimestamp"):
                 continue
-            await asyncio.to_thread(apply_children, body, kube, settings, logger)
+            try:
+                await asyncio.to_thread(apply_children, body, kube, settings, logger)
+            except Exception as exc:  # the loop must outlive any one server's trouble
+                logger.warning("resync of %s failed: %s", body["metadata"].get("name"), _brief(exc))
             if indexes is not None:
+                statefulsets, pods, nodes = indexes
                 try:
                     await asyncio.to_thread(
                         refresh_status,
                         body,
                         kube,
-                        *indexes,
+                        statefulsets,
+                        pods,
                         memo.probe,
                         settings,
                         kube.create_event,
+                        nodes,
                     )
                 except Exception as exc:  # the next pass tries again
-                    logger.warning("resync: status of %s failed: %s", body["metadata"]["name"], exc)
+                    logger.warning(
+                        "resync: status of %s failed: %s", body["metadata"].get("name"), _brief(exc)
+                    )
 
 
 def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str, Any] | None:
@@ -375,6 +438,7 @@ def _on_child_event(kind: str):
         servers: kopf.Index,
         statefulsets: kopf.Index,
         pods: kopf.Index,
+        nodes: kopf.Index,
         **_: Any,
     ) -> None:
         owner = _owner(namespace, labels, servers)
@@ -389,7 +453,9 @@ def _on_child_event(kind: str):
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
         apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
         if kind == "StatefulSet":
-            refresh_status(owner, memo.kube, statefulsets, pods, memo.probe, memo.settings)
+            refresh_status(
+                owner, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes
+            )
 
     return child_changed
 
@@ -408,6 +474,7 @@ def pod_changed(
     servers: kopf.Index,
     statefulsets: kopf.Index,
     pods: kopf.Index,
+    nodes: kopf.Index,
     **_: Any,
 ) -> None:
     owner = _owner(namespace, {api.LABEL_INSTANCE: labels[api.LABEL_SERVER]}, servers)
@@ -419,4 +486,36 @@ def pod_changed(
             pods,
             memo.probe,
             memo.settings,
+            nodes=nodes,
+        )
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_changed(
+    type: str | None,
+    name: str,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    servers: kopf.Index,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index,
+    **_: Any,
+) -> None:
+    """A node went away or changed readiness: refresh the servers with pods on it."""
+    affected = {key for key in pods for p in pods.get(key, []) if p.node == name}
+    for namespace, server in sorted(affected):
+        owner = _owner(namespace, {api.LABEL_INSTANCE: server}, servers)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            continue
+        if type == "DELETED":
+            logger.warning("node %s deleted with pods of %s/%s on it", name, namespace, server)
+        refresh_status(
+            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
+            memo.kube,
+            statefulsets,
+            pods,
+            memo.probe,
+            memo.settings,
+            nodes=nodes,
         )

@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.client.exceptions import ApiException
 
@@ -21,6 +22,10 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
+# Every call has a deadline (connect, read): an API server that accepts a connection
+# and never answers (restarting, overloaded) must not hold a thread forever.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
 
 def api_error_message(exc: ApiException) -> str:
     """The API server's own sentence, not the client's header dump."""
@@ -28,6 +33,14 @@ def api_error_message(exc: ApiException) -> str:
         return f"{exc.status} {json.loads(exc.body)['message']}"
     except (TypeError, ValueError, KeyError):
         return f"{exc.status} {exc.reason}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The API server is down, restarting or overloaded: try again later (the resync
+    loop and the next watch event do), and say so in one line, not a traceback."""
+    if isinstance(exc, ApiException):
+        return exc.status in (0, 408, 429) or (exc.status or 0) >= 500
+    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
 
 
 def is_namespace_terminating(exc: ApiException) -> bool:
@@ -61,12 +74,21 @@ class Kube:
             namespace=meta.get("namespace"),
             field_manager=api.FIELD_MANAGER,
             force_conflicts=True,
+            _request_timeout=REQUEST_TIMEOUT,
         )
         return out.to_dict()
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+    def get(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        timeout: tuple[float, float] = REQUEST_TIMEOUT,
+    ) -> Obj | None:
         try:
-            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+            res = self._resource(api_version, kind)
+            return res.get(name=name, namespace=namespace, _request_timeout=timeout).to_dict()
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -85,6 +107,7 @@ class Kube:
                 namespace=namespace,
                 content_type="application/merge-patch+json",
                 field_manager=api.FIELD_MANAGER,
+                _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -94,20 +117,32 @@ class Kube:
         """All servers, or those in ``namespaces`` (a namespace-restricted install may
         not list cluster-wide)."""
         res = self._resource(api.API_VERSION, api.SERVER_KIND)
+        t = REQUEST_TIMEOUT
         if not namespaces:
-            return [item.to_dict() for item in res.get().items]
-        return [item.to_dict() for ns in namespaces for item in res.get(namespace=ns).items]
+            return [item.to_dict() for item in res.get(_request_timeout=t).items]
+        return [
+            item.to_dict()
+            for ns in namespaces
+            for item in res.get(namespace=ns, _request_timeout=t).items
+        ]
 
-    def review_token(self, token: str, audience: str) -> Obj:
+    def review_token(
+        self, token: str, audience: str, timeout: tuple[float, float] = REQUEST_TIMEOUT
+    ) -> Obj:
         """TokenReview: who the API server says the token belongs to."""
         review = client.AuthenticationV1Api(self.api_client).create_token_review(
-            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
+            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience])),
+            _request_timeout=timeout,
         )
         return self.api_client.sanitize_for_serialization(review.status) or {}
 
-    def get_pod(self, namespace: str, name: str) -> Obj | None:
+    def get_pod(
+        self, namespace: str, name: str, timeout: tuple[float, float] = REQUEST_TIMEOUT
+    ) -> Obj | None:
         try:
-            pod = client.CoreV1Api(self.api_client).read_namespaced_pod(name, namespace)
+            pod = client.CoreV1Api(self.api_client).read_namespaced_pod(
+                name, namespace, _request_timeout=timeout
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -120,13 +155,15 @@ class Kube:
         """Every Node, from the API server's watch cache (resourceVersion=0: cheap
         on large clusters), as plain JSON."""
         resp = client.CoreV1Api(self.api_client).list_node(
-            resource_version="0", _preload_content=False
+            resource_version="0", _preload_content=False, _request_timeout=REQUEST_TIMEOUT
         )
         return json.loads(resp.data)["items"]
 
     def get_namespace(self, name: str) -> Obj | None:
         try:
-            ns = client.CoreV1Api(self.api_client).read_namespace(name)
+            ns = client.CoreV1Api(self.api_client).read_namespace(
+                name, _request_timeout=REQUEST_TIMEOUT
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -135,7 +172,9 @@ class Kube:
 
     def crd_exists(self, name: str) -> bool:
         try:
-            client.ApiextensionsV1Api(self.api_client).read_custom_resource_definition(name)
+            client.ApiextensionsV1Api(self.api_client).read_custom_resource_definition(
+                name, _request_timeout=REQUEST_TIMEOUT
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return False
@@ -145,7 +184,12 @@ class Kube:
     def get_network_attachment_definition(self, namespace: str, name: str) -> Obj | None:
         try:
             return client.CustomObjectsApi(self.api_client).get_namespaced_custom_object(
-                "k8s.cni.cncf.io", "v1", namespace, "network-attachment-definitions", name
+                "k8s.cni.cncf.io",
+                "v1",
+                namespace,
+                "network-attachment-definitions",
+                name,
+                _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -175,4 +219,6 @@ class Kube:
             last_timestamp=now,
             count=1,
         )
-        client.CoreV1Api(self.api_client).create_namespaced_event(meta["namespace"], event)
+        client.CoreV1Api(self.api_client).create_namespaced_event(
+            meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT
+        )

@@ -1,7 +1,10 @@
 """Fold received reports into KVCacheStatus and the server's retention status.
 
 Runs on a timer inside the operator. Per server with reports:
-  1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``), with the
+  0. prune pod rows that can no longer report: stale and the pod gone or
+     replaced, or silent longer than ``prune_after`` (status lists no ghosts);
+  1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``; one
+     pod's unusable report is left out, never stops the others), with the
      decode preemptions of the last minutes (``pressure.PreemptionWindow``: the
      one piece of state kept between aggregations, in memory);
   2. run the tuner (pure, ``tune``) unless the mode is Observe;
@@ -74,6 +77,7 @@ class Publisher:
         emit: Callable[[dict[str, Any], str, str, str], None],
         apply_children: Callable[[dict[str, Any]], Any],
         clock: Callable[[], float] = time.time,
+        prune_after: float = 600.0,
     ) -> None:
         self.kube = kube
         self.store = store
@@ -82,6 +86,7 @@ class Publisher:
         self.emit = emit
         self.apply_children = apply_children
         self.clock = clock
+        self.prune_after = prune_after
         self._last_write: dict[tuple[str, str], float] = {}
         self._preemptions: dict[tuple[str, str], pressure.PreemptionWindow] = {}
         self._usage: dict[tuple[str, str], pressure.UsagePeak] = {}
@@ -105,6 +110,7 @@ class Publisher:
             return
         server = api.parse_server(obj)
         now = self.clock()
+        self.prune(namespace, name, now)
         mode = server.spec.cache_tuning.mode
         applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
         received = self.store.get(namespace, name)
@@ -155,6 +161,24 @@ class Publisher:
             self._last_write[key] = now
 
         self._publish_retention(obj, server, applied, rec, agg, now)
+
+    def prune(self, namespace: str, name: str, now: float) -> None:
+        """Drop rows of pods that are gone, replaced, or silent past ``prune_after``.
+        Only stale rows cost a lookup, so a healthy server costs none."""
+        gone = []
+        for item in self.store.get(namespace, name):
+            age = now - item.received_at
+            if age <= self.stale_after:
+                continue
+            if age > self.prune_after:
+                gone.append(item.report.pod)
+                continue
+            pod = self.kube.get_pod(namespace, item.report.pod)
+            uid = ((pod or {}).get("metadata") or {}).get("uid")
+            if pod is None or (item.pod_uid and uid != item.pod_uid):
+                gone.append(item.report.pod)
+        if gone:
+            self.store.prune(namespace, name, gone)
 
     def _publish_retention(
         self,

@@ -34,6 +34,9 @@ class Settings:
     # A pod whose latest report is older than this is shown stale and left out
     # of the figures (3 missed pushes at the sidecar's default 15 s, and then some).
     report_stale_seconds: float = 90.0
+    # A stale pod's row is dropped at once when the pod is gone or replaced, and in
+    # any case after this long without a report (so status never lists ghosts).
+    report_prune_seconds: float = 600.0
     # How often reports are folded into KVCacheStatus, and the least time
     # between two status writes of one KVCacheStatus.
     publish_seconds: float = 10.0
@@ -59,6 +62,7 @@ def from_env() -> Settings:
         tls_ca_file=env("KVFERRY_TLS_CA_FILE", ""),
         report_url=env("KVFERRY_REPORT_URL", ""),
         report_stale_seconds=float(env("KVFERRY_REPORT_STALE_SECONDS", "90")),
+        report_prune_seconds=float(env("KVFERRY_REPORT_PRUNE_SECONDS", "600")),
         publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
         min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
         prerequisites_cache_seconds=float(env("KVFERRY_PREREQUISITES_CACHE_SECONDS", "30")),

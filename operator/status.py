@@ -32,6 +32,7 @@ REASON_COMPLETE = "Complete"
 REASON_HEALTHY = "Healthy"
 REASON_CRASHING = "ContainersCrashing"
 REASON_NO_REPORTS = "NoReports"
+REASON_NODE_LOST = "NodeLost"
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
@@ -50,6 +51,7 @@ class PodState:
     role: str
     unschedulable_message: str | None = None  # PodScheduled=False, reason Unschedulable
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, ImagePullBackOff
+    node: str | None = None  # spec.nodeName, once scheduled
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Observed:
     transport_reason: str = ""  # the sidecars' evidence (the publisher writes both)
     # Missing prerequisites (prerequisites.check); None = not checked.
     prerequisites: tuple[Finding, ...] | None = None
+    # Nodes as the operator sees them: name -> Ready. None: not known (no node
+    # has been seen), so no pod is taken for lost.
+    nodes: dict[str, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ def pod_state_from(pod: dict[str, Any]) -> PodState:
         role=(meta.get("labels") or {}).get(api.LABEL_ROLE, ""),
         unschedulable_message=unschedulable,
         waiting_reason=waiting,
+        node=(pod.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -219,6 +225,29 @@ def unschedulable_summary(server: Server, pods: list[PodState]) -> str | None:
     return f"{len(stuck)} pod(s) cannot be scheduled ({names}): {'; '.join(reasons)}"
 
 
+def node_lost_summary(observed: Observed) -> str | None:
+    """Pods on a node that is gone or not Ready: the StatefulSet still counts them
+    ready (nobody updates a pod whose kubelet is gone) until Kubernetes deletes
+    and replaces them, which takes a while (pod GC, node eviction)."""
+    if not observed.nodes:
+        return None
+    lost = []
+    for p in sorted(observed.pods, key=lambda p: p.name):
+        if p.node is None:
+            continue
+        if p.node not in observed.nodes:
+            lost.append(f"{p.name} on node {p.node}, which is gone")
+        elif not observed.nodes[p.node]:
+            lost.append(f"{p.name} on node {p.node}, which is not Ready")
+    if not lost:
+        return None
+    return (
+        f"{len(lost)} pod(s) lost with their node: {'; '.join(lost)}. "
+        "Kubernetes replaces them once it gives up on the node (a new node or free capacity "
+        "is needed); sessions on them lose their KV and recompute"
+    )
+
+
 def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]:
     desired = server.spec.role(role).replicas
     return {
@@ -262,6 +291,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     roles = observed.roles
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
+    node_lost = node_lost_summary(observed)
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
     not_ready = [
@@ -278,6 +308,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         )
     elif unschedulable:
         ready = ("False", REASON_UNSCHEDULABLE, unschedulable)
+    elif node_lost:
+        ready = ("False", REASON_NODE_LOST, node_lost)
     elif prereqs[0] == "False":
         # Pods never created (Pod Security) or never starting (a missing network):
         # the cause says more than "waiting for decode 0/1 ready".
@@ -303,10 +335,12 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
 
     if unschedulable:
         degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
+    elif node_lost:
+        degraded = ("True", REASON_NODE_LOST, node_lost)
     elif crashing:
         degraded = ("True", REASON_CRASHING, "containers not running: " + ", ".join(crashing))
     else:
-        degraded = ("False", REASON_HEALTHY, "no unschedulable or crashing pods")
+        degraded = ("False", REASON_HEALTHY, "no unschedulable, lost or crashing pods")
 
     transport = transport_condition(server, observed)
     out = []

@@ -24,7 +24,7 @@ from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .config import ROLE_DECODE, Settings
-from .types import HandleFate, Stage, TurnReport
+from .types import STORE_FATES, HandleFate, Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
 _log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Metrics:
         for outcome in Outcome:
             for route in Route:
                 self.turns.labels(outcome.value, route.value)
-        for fate in HandleFate:
+        for fate in STORE_FATES:
             self.handle_drops.labels(fate.value)
 
     def bind_store(self, size: Callable[[], int], ages: Callable[[], list[float]]) -> None:

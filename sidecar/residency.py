@@ -51,9 +51,9 @@ SESSION_CAP = 100_000  # sessions remembered for gaps and turn index (~100 B eac
 PENDING_CAP = 10_000  # handles taken by turns still in flight
 
 # Report keys for handle fates.
-FATE_CONSUMED = "consumed"  # P was sent the handle and the prefill succeeded
-FATE_SKIPPED = "skipped"  # taken, but D held the prefix and prefilled alone
-FATE_TAKEN = "taken"  # taken by a turn whose outcome says nothing more
+FATE_CONSUMED = HandleFate.CONSUMED.value  # P was sent the handle and the prefill succeeded
+FATE_SKIPPED = HandleFate.SKIPPED.value  # taken, but D held the prefix and prefilled alone
+FATE_TAKEN = HandleFate.TAKEN.value  # taken by a turn whose outcome says nothing more
 _TAKEN_BY_OUTCOME = {
     Outcome.REUSED: FATE_CONSUMED,
     Outcome.MISALIGNED: Outcome.MISALIGNED.value,

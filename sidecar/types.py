@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvferry_wire.protocol import Outcome, Route
+from kvferry_wire.protocol import HandleFate, Outcome, Route
 
 from .identity import KVIdentity
 
@@ -176,14 +176,15 @@ class KVHandle:
 # ------------------------------------------------------------------ outcomes
 
 
-class HandleFate(enum.StrEnum):
-    """Why a handle left the store."""
-
-    TAKEN = "taken"
-    EXPIRED = "expired"
-    EVICTED = "evicted"  # LRU cap
-    SUPERSEDED = "superseded"  # a newer turn's handle replaced it
-    CLEARED = "cleared"  # the local engine restarted
+# Why a handle left the store: the fates handles.py gives. The vocabulary (and the
+# fates a taking turn's outcome adds) is the wire's, which the operator checks.
+STORE_FATES: Final = (
+    HandleFate.TAKEN,
+    HandleFate.EXPIRED,
+    HandleFate.EVICTED,
+    HandleFate.SUPERSEDED,
+    HandleFate.CLEARED,
+)
 
 
 class Stage(enum.StrEnum):

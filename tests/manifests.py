@@ -221,6 +221,13 @@ INVALID: list[Invalid] = [
         "should be greater than or equal to 0",
     ),
     Invalid(
+        # Found by the generated specs: render ranges over the replicas (peer list).
+        "decode-replicas-too-many",
+        _spec({"decode": {"replicas": 2**31}}),
+        "spec.decode.replicas",
+        "should be less than or equal to 1000",
+    ),
+    Invalid(
         "decode-tp-zero",
         _spec({"decode": {"tensorParallelSize": 0}}),
         "spec.decode.tensorParallelSize",

@@ -74,6 +74,29 @@ class Outcome(enum.StrEnum):
     CACHED_ON_DECODE = "cached-on-decode"
 
 
+class HandleFate(enum.StrEnum):
+    """What became of a handle: the keys of the report's ``handles`` (one list, here,
+    so the sidecar that counts them and the operator that decodes them agree).
+
+    The sidecar's handle store drops a handle as TAKEN (a turn took it), EXPIRED,
+    EVICTED, SUPERSEDED or CLEARED; a taken handle is then counted by the taking
+    turn's outcome: CONSUMED (P read it), SKIPPED (D prefilled alone), MISALIGNED,
+    BELOW_THRESHOLD, PULL_FAILED, KV_MISMATCH, or TAKEN when the turn says no more.
+    """
+
+    CONSUMED = "consumed"
+    SKIPPED = "skipped"
+    TAKEN = "taken"
+    MISALIGNED = "misaligned"
+    BELOW_THRESHOLD = "below-threshold"
+    PULL_FAILED = "pull-failed"
+    KV_MISMATCH = "kv-mismatch"
+    EXPIRED = "expired"
+    EVICTED = "evicted"  # the store's LRU cap
+    SUPERSEDED = "superseded"  # a newer turn's handle replaced it
+    CLEARED = "cleared"  # the local engine restarted
+
+
 class Route(enum.StrEnum):
     """Where a turn's prompt was prefilled (``X-Kvferry-Route``)."""
 

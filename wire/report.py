@@ -14,6 +14,14 @@ REPORT_VERSION history:
       Also added in 2, with defaults: ``pinned.unusedHandles``/``unusedBlocks`` (pinned
       KV no turn will read) and ``releases`` (how handles dropped unread were freed).
 
+:func:`decode` checks every field, not only the shape: names are Kubernetes
+names, counts and sums are finite and not negative, map keys come from fixed
+vocabularies (turn buckets, :class:`~kvferry_wire.protocol.Outcome`,
+:class:`~kvferry_wire.protocol.HandleFate`), strings and maps are bounded. So
+what one pod can add to a server's KVCacheStatus is bounded, and a report the
+operator accepts can always be aggregated. The checks walk the decoded value, so
+a field added later gets them too.
+
 A peer that sends a version outside ``READABLE_VERSIONS`` is refused with a
 message naming both, rather than being half understood.
 """
@@ -21,9 +29,12 @@ message naming both, rather than being half understood.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
+
+from .protocol import HandleFate, Outcome
 
 REPORT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -49,6 +60,29 @@ TRANSPORT_TCP = "TCP"
 TRANSPORT_TCP_FALLBACK = "TCPFallback"
 TRANSPORT_UNKNOWN = "Unknown"
 TRANSPORTS = (TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN)
+
+# Bounds checked on decode. Counters are cumulative since a sidecar started: 2**53
+# is far above any real count and keeps sums of many pods exact in JSON and int64.
+MAX_COUNT = 2**53
+MAX_STRING = 1024  # any free-text field (engine build hash, reasons)
+MAX_MAP_KEYS = 64  # a map field without a fixed vocabulary
+TURN_KEYS = tuple(str(i) for i in range(1, MAX_TURN_BUCKET + 1))
+# Map fields whose keys come from a fixed vocabulary: (field path) -> allowed keys.
+MAP_KEYS: dict[str, tuple[str, ...]] = {
+    "byTurn": TURN_KEYS,
+    "outcomes": tuple(o.value for o in Outcome),
+    "handles": tuple(f.value for f in HandleFate),
+}
+# Kubernetes names: a namespace is a DNS-1123 label, pods and servers DNS-1123 subdomains.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+NAME_FIELDS = {
+    "namespace": (_DNS_LABEL, 63),
+    "server": (_DNS_SUBDOMAIN, 253),
+    "pod": (_DNS_SUBDOMAIN, 253),
+}
+# Fractions.
+UNIT_FIELDS = ("engine.kvUsage",)
 
 
 class Histogram(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
@@ -219,6 +253,51 @@ def _check_histogram(name: str, hist: Histogram, bounds: tuple[float, ...]) -> N
         raise ReportError(f"{name}.bounds differ from this operator's buckets")
 
 
+def _check_value(path: str, value: Any) -> None:
+    """Every number finite and not negative, every string and map bounded, map keys
+    from their vocabulary; recursing through structs and lists."""
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not 0 <= value <= MAX_COUNT:
+            raise ReportError(f"{path} is {value}: counts must be between 0 and 2**53")
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ReportError(f"{path} is {value}: it must be a finite number, not negative")
+        if path in UNIT_FIELDS and value > 1:
+            raise ReportError(f"{path} is {value}: it is a fraction (0..1)")
+    elif isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise ReportError(f"{path} is {len(value)} characters long; at most {MAX_STRING}")
+    elif isinstance(value, msgspec.Struct):
+        for field in msgspec.structs.fields(value):
+            name = field.encode_name
+            _check_value(f"{path}.{name}" if path else name, getattr(value, field.name))
+    elif isinstance(value, dict):
+        allowed = MAP_KEYS.get(path)
+        if allowed is None and len(value) > MAX_MAP_KEYS:
+            raise ReportError(f"{path} has {len(value)} keys; at most {MAX_MAP_KEYS}")
+        for key, item in value.items():
+            if allowed is not None and key not in allowed:
+                raise ReportError(f"{path} key {key!r} is not one of {', '.join(allowed)}")
+            if allowed is None and len(key) > 63:
+                raise ReportError(f"{path} key {key[:63]!r}... is longer than 63 characters")
+            _check_value(f"{path}[{key!r}]", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(f"{path}[{i}]", item)
+
+
+def _check_names(report: Report) -> None:
+    for name, (pattern, limit) in NAME_FIELDS.items():
+        value = getattr(report, name)
+        if len(value) > limit or not pattern.fullmatch(value):
+            raise ReportError(
+                f"{name} {value[:80]!r} is not a Kubernetes name "
+                f"(lower-case letters, digits, '-', at most {limit} characters)"
+            )
+
+
 def decode(raw: bytes) -> Report:
     """Parse and check a report; raise :class:`ReportError` naming the problem."""
     if len(raw) > MAX_REPORT_BYTES:
@@ -242,6 +321,8 @@ def decode(raw: bytes) -> Report:
     _check_histogram("ttftReused", report.ttft_reused, LATENCY_BOUNDS)
     _check_histogram("ttftRecomputed", report.ttft_recomputed, LATENCY_BOUNDS)
     _check_histogram("transfer.pullLatency", report.transfer.pull_latency, LATENCY_BOUNDS)
+    _check_names(report)
+    _check_value("", report)
     return report
 
 

@@ -48,10 +48,13 @@ def test_minimal_spec_gets_schema_defaults():
 def test_a_spec_with_only_the_model_name_loads_it_from_the_hub():
     # `vllm serve NAME`: the CRD defaults source to {hub: {}}, hub.id to model.name.
     spec = api.parse_spec({"model": {"name": "Qwen/Qwen3-0.6B"}})
-    assert spec.model.hub == api.HubSource(id="Qwen/Qwen3-0.6B")
+    # The hub's download cache defaults inside the defaulted source (an
+    # ephemeral-storage request: the pods download to their node's disk).
+    hub_default = api.HubSource(id="Qwen/Qwen3-0.6B", cache=api.HubCache(ephemeral_storage="100Gi"))
+    assert spec.model.hub == hub_default
     assert spec.model.pvc is None and spec.model.image is None
     defaulted = api.apply_defaults(SPEC_SCHEMA, {"model": {"name": "x"}})
-    assert defaulted["model"]["source"] == {"hub": {}}
+    assert defaulted["model"]["source"] == {"hub": {"cache": {"ephemeralStorage": "100Gi"}}}
 
 
 def test_an_explicit_hub_id_wins_over_the_model_name():

@@ -144,6 +144,8 @@ CALLS = [
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
+    # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
+    Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
     # Kube.apply (handlers.apply_children): every rendered child.
     Call("Kube.apply StatefulSet", "apps", "statefulsets", ("create", "patch")),
     Call("Kube.apply Service", "", "services", ("create", "patch")),
@@ -171,6 +173,8 @@ CALLS = [
     Call("Kube.crd_exists", "apiextensions.k8s.io", "customresourcedefinitions", ("get",)),
     Call("Kube.get_network_attachment_definition", "k8s.cni.cncf.io",
          "network-attachment-definitions", ("get",)),
+    # Kube.get StatefulSet (endpoint: is the reporting pod a member of our StatefulSet).
+    Call("Kube.get StatefulSet", "apps", "statefulsets", ("get",)),
     # Kube.create_event (publisher.Publisher) and kopf's event poster (kopf.info/warn).
     Call("Kube.create_event", "", "events", ("create",)),
     Call("kopf posting: kopf.info/kopf.warn", "", "events", ("create",)),

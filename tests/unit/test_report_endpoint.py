@@ -1,6 +1,13 @@
-"""The report endpoint: who may report what, and what bad input gets."""
+"""The report endpoint: who may report what, what bad input gets, and its bounds
+under load (TokenReviews, caches, per-pod rate), against fake API answers."""
 
 from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
 
 import msgspec
 import pytest
@@ -10,7 +17,24 @@ from kvferry_operator import report_endpoint as endpoint
 from kvferry_wire import report as wire
 
 NS, SERVER, POD, UID = "serving", "tiny", "tiny-decode-0", "pod-uid-1"
-GOOD_TOKEN = "good-token"
+STS_UID = "sts-uid-1"
+NOW = 100.0
+
+
+def jwt(pod: str = POD, aud: str = "kvferry", exp: float = NOW + 3600, salt: str = "") -> str:
+    """A token shaped like a projected ServiceAccount token (unsigned: the fake
+    TokenReview below is what decides, as the API server does for real)."""
+
+    def part(obj: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+    claims = {"aud": [aud], "exp": exp, "kubernetes.io": {"namespace": NS, "pod": {"name": pod}}}
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.sig{salt}"
+
+
+GOOD_TOKEN = jwt()
+UNBOUND = jwt(salt="unbound")
+OTHER_AUDIENCE_REVIEWED = jwt(salt="other-audience")
 
 
 def review(token: str) -> dict:
@@ -23,13 +47,13 @@ def review(token: str) -> dict:
                 "extra": {endpoint.POD_NAME_EXTRA: [POD], endpoint.POD_UID_EXTRA: [UID]},
             },
         }
-    if token == "unbound":
+    if token == UNBOUND:
         return {
             "authenticated": True,
             "audiences": ["kvferry"],
             "user": {"username": f"system:serviceaccount:{NS}:default"},
         }
-    if token == "other-audience":
+    if token == OTHER_AUDIENCE_REVIEWED:
         return {
             "authenticated": True,
             "audiences": ["https://kubernetes.default.svc"],
@@ -38,13 +62,55 @@ def review(token: str) -> dict:
     return {"authenticated": False, "error": "invalid bearer token"}
 
 
-PODS = {
-    (NS, POD): {"metadata": {"name": POD, "uid": UID, "labels": {api.LABEL_SERVER: SERVER}}},
-}
+def make_pod(name: str = POD, uid: str = UID, role: str = "decode", owner: str | None = None):
+    sts = owner if owner is not None else f"{SERVER}-{role}"
+    refs = [{"kind": "StatefulSet", "name": sts, "uid": STS_UID, "controller": True}]
+    return {
+        "metadata": {
+            "name": name,
+            "uid": uid,
+            "labels": {api.LABEL_SERVER: SERVER, api.LABEL_ROLE: role},
+            "ownerReferences": refs if owner != "" else [],
+        }
+    }
 
 
-def get_pod(namespace: str, name: str) -> dict | None:
-    return PODS.get((namespace, name))
+def make_sts(role: str = "decode", uid: str = STS_UID, managed_by: str = api.FIELD_MANAGER):
+    return {
+        "metadata": {
+            "name": f"{SERVER}-{role}",
+            "uid": uid,
+            "labels": {
+                api.LABEL_MANAGED_BY: managed_by,
+                api.LABEL_INSTANCE: SERVER,
+                api.LABEL_ROLE: role,
+            },
+            "ownerReferences": [
+                {"kind": api.SERVER_KIND, "name": SERVER, "uid": "srv", "controller": True}
+            ],
+        }
+    }
+
+
+class FakeApi:
+    """What the endpoint asks the API server, with call counts."""
+
+    def __init__(self) -> None:
+        self.pods = {(NS, POD): make_pod()}
+        self.sets = {(NS, f"{SERVER}-decode"): make_sts(), (NS, f"{SERVER}-prefill"): make_sts()}
+        self.pod_gets = 0
+        self.reviews = 0
+
+    def review(self, token: str) -> dict:
+        self.reviews += 1
+        return review(token)
+
+    def get_pod(self, namespace: str, name: str) -> dict | None:
+        self.pod_gets += 1
+        return self.pods.get((namespace, name))
+
+    def get_statefulset(self, namespace: str, name: str) -> dict | None:
+        return self.sets.get((namespace, name))
 
 
 def body(**overrides) -> bytes:
@@ -62,35 +128,54 @@ def body(**overrides) -> bytes:
     return msgspec.json.encode(raw)
 
 
-@pytest.fixture
-async def client(aiohttp_client):
+async def make_client(aiohttp_client, fake: FakeApi | None = None, **limits):
+    fake = fake or FakeApi()
     store = endpoint.ReportStore()
-    app = endpoint.app_factory(store, review, get_pod, clock=lambda: 100.0)
+    app = endpoint.app_factory(
+        store,
+        lambda token: fake.review(token),  # late-bound: a test may swap them
+        lambda ns, name: fake.get_pod(ns, name),
+        lambda ns, name: fake.get_statefulset(ns, name),
+        clock=lambda: NOW,
+        limits=endpoint.Limits(**limits),
+    )
     c = await aiohttp_client(app)
-    c.store = store
+    c.store, c.fake = store, fake
     return c
 
 
-async def post(client, data: bytes, token: str | None = GOOD_TOKEN):
+@pytest.fixture
+async def client(aiohttp_client):
+    return await make_client(aiohttp_client)
+
+
+async def post(client, data, token: str | None = GOOD_TOKEN):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     resp = await client.post("/v1/reports", data=data, headers=headers)
     return resp.status, (await resp.json())
+
+
+# ------------------------------------------------------------------ who may report
 
 
 async def test_a_pods_own_report_is_accepted(client):
     status, out = await post(client, body())
     assert (status, out) == (202, {"accepted": True})
     (received,) = client.store.get(NS, SERVER)
-    assert received.report.pod == POD and received.received_at == 100.0
+    assert received.report.pod == POD and received.received_at == NOW
+    assert received.pod_uid == UID
 
 
 @pytest.mark.parametrize(
     ("token", "fragment"),
     [
         (None, "missing bearer token"),
-        ("forged", "invalid bearer token"),
-        ("unbound", "not bound to a pod"),
-        ("other-audience", "audience"),
+        ("forged", "not a ServiceAccount token"),
+        (jwt(salt="forged"), "invalid bearer token"),
+        (UNBOUND, "not bound to a pod"),
+        (jwt(aud="https://kubernetes.default.svc"), "audience"),
+        (OTHER_AUDIENCE_REVIEWED, "audience"),
+        (jwt(exp=NOW - 1), "expired"),
     ],
 )
 async def test_unauthenticated_reports_get_401_and_change_nothing(client, token, fragment):
@@ -99,27 +184,66 @@ async def test_unauthenticated_reports_get_401_and_change_nothing(client, token,
     assert client.store.servers() == []
 
 
+async def test_strings_that_are_no_service_account_token_cost_no_token_review(client):
+    """A flood of garbage bearer strings must not reach the API server."""
+    for token in ("x" * 40, "a.b", "a.!!!.c", "e30.e30.e30", jwt(pod="")):
+        status, _ = await post(client, body(), token=token)
+        assert status == 401
+    assert client.fake.reviews == 0
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
         ({"server": "other"}, "belongs to server 'tiny', not 'other'"),
         ({"pod": "tiny-decode-1"}, "cannot report for pod tiny-decode-1"),
         ({"namespace": "elsewhere"}, "cannot report for elsewhere"),
+        ({"role": "prefill"}, "has role 'decode'; its report says 'prefill'"),
     ],
 )
-async def test_reports_for_another_server_or_pod_get_403(client, overrides, fragment):
+async def test_reports_for_another_server_pod_or_role_get_403(client, overrides, fragment):
     status, out = await post(client, body(**overrides))
     assert status == 403 and fragment in out["error"]
     assert client.store.servers() == []
 
 
+@pytest.mark.parametrize(
+    ("pod", "sts", "fragment"),
+    [
+        # kubectl debug --copy-to / a hand-made pod with our labels: no controller.
+        (make_pod(owner=""), make_sts(), "is not a pod of StatefulSet tiny-decode"),
+        (make_pod(owner="lookalike"), make_sts(), "is not a pod of StatefulSet tiny-decode"),
+        (make_pod(), make_sts(uid="another"), "names another StatefulSet"),
+        (make_pod(), make_sts(managed_by="someone"), "is not the operator's"),
+        (make_pod(), None, "StatefulSet tiny-decode does not exist"),
+    ],
+    ids=["no-owner", "other-owner", "sts-uid", "sts-not-ours", "no-sts"],
+)
+async def test_only_members_of_the_operators_statefulset_may_report(
+    aiohttp_client, pod, sts, fragment
+):
+    fake = FakeApi()
+    fake.pods[(NS, POD)] = pod
+    fake.sets[(NS, f"{SERVER}-decode")] = sts
+    client = await make_client(aiohttp_client, fake)
+    status, out = await post(client, body())
+    assert status == 403 and fragment in out["error"], out
+    assert client.store.servers() == []
+
+
+def test_a_pod_named_outside_the_statefulset_is_refused():
+    pod = make_pod(name="tiny-decode-debug")
+    with pytest.raises(endpoint.Forbidden, match="not named as a member"):
+        endpoint.check_membership(pod, make_sts(), SERVER, "decode")
+
+
 async def test_a_replaced_pods_token_is_refused(client):
-    PODS[(NS, POD)]["metadata"]["uid"] = "new-uid"
-    try:
-        status, out = await post(client, body())
-    finally:
-        PODS[(NS, POD)]["metadata"]["uid"] = UID
+    client.fake.pods[(NS, POD)] = make_pod(uid="new-uid")
+    status, out = await post(client, body())
     assert status == 403 and "replaced" in out["error"]
+
+
+# ------------------------------------------------------------------ what a report may say
 
 
 @pytest.mark.parametrize(
@@ -131,11 +255,27 @@ async def test_a_replaced_pods_token_is_refused(client):
         (body(role="router"), "neither prefill nor decode"),
         (body(gaps={"bounds": [1, 2], "counts": [0, 0, 0]}), "gaps.bounds differ"),
         (body(startedAt="yesterday"), "malformed report"),
+        # One bad byTurn key used to stop every later publish of the server.
+        (body(byTurn={"x": {}}), "byTurn key 'x' is not one of 1, 2, 3"),
+        (body(byTurn={"9": {}}), "byTurn key '9'"),
+        (body(byTurn={"1": {"turns": -1}}), "byTurn['1'].turns is -1"),
+        (body(outcomes={"reused": -5}), "outcomes['reused'] is -5"),
+        (body(outcomes={"x" * 200: 1}), "outcomes key"),
+        (body(handles={"stolen": 1}), "handles key 'stolen' is not one of consumed"),
+        (body(pinned={"bytes": 2**60}), "pinned.bytes is"),
+        (body(startedAt=1e400), "malformed report"),  # JSON has no infinity: it overflows
+        (body(transfer={"seconds": -1.0}), "transfer.seconds is -1.0"),
+        (body(engine={"kvUsage": 7.0}), "engine.kvUsage is 7.0: it is a fraction"),
+        (body(engineBuild="b" * 5000), "engineBuild is 5000 characters long"),
+        (body(pod="Tiny_Decode"), "pod 'Tiny_Decode' is not a Kubernetes name"),
+        (body(namespace="a" * 64), "is not a Kubernetes name"),
+        (body(server=""), "server '' is not a Kubernetes name"),
+        (body(gaps={"bounds": list(wire.GAP_BOUNDS), "counts": [0] * 26, "sum": -3}), "gaps.sum"),
     ],
 )
-async def test_malformed_reports_get_400(client, data, fragment):
+async def test_malformed_reports_get_400_naming_the_field(client, data, fragment):
     status, out = await post(client, data)
-    assert status == 400 and fragment in out["error"]
+    assert status == 400 and fragment in out["error"], out
     assert client.store.servers() == []
 
 
@@ -155,10 +295,175 @@ async def test_oversized_reports_get_413(client):
     assert client.store.servers() == []
 
 
-def test_token_reviews_are_cached_by_hash():
+async def test_a_report_sent_in_pieces_is_read_whole(client):
+    """A body that arrives in several chunks is one report, not a truncated one
+    (a single read() may return part of it: that was a bogus 400)."""
+    raw = body(outcomes={"reused": 3}, engineBuild="b" * 1000)
+
+    async def chunks():
+        for i in range(0, len(raw), 500):
+            yield raw[i : i + 500]
+            await asyncio.sleep(0.01)
+
+    status, out = await post(client, chunks())
+    assert (status, out) == (202, {"accepted": True})
+
+
+async def test_a_body_that_never_finishes_gets_408_in_time(aiohttp_client):
+    client = await make_client(aiohttp_client, read_timeout=0.3)
+
+    async def trickle():
+        yield body()[:10]
+        await asyncio.sleep(5)
+        yield b"}"
+
+    started = time.monotonic()
+    status, out = await post(client, trickle())
+    assert "did not arrive in time" in out["error"]
+    assert status == 408 and time.monotonic() - started < 3
+
+
+# ------------------------------------------------------------------ bounds under load
+
+
+async def test_token_reviews_run_a_few_at_a_time_and_excess_waits_get_503(aiohttp_client):
+    fake = FakeApi()
+    release = threading.Event()
+    running, peak = 0, 0
+    lock = threading.Lock()
+
+    def slow_review(token: str) -> dict:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        release.wait(5)
+        with lock:
+            running -= 1
+        return review(token)
+
+    fake.review = slow_review
+    client = await make_client(aiohttp_client, fake, review_concurrency=2, review_queue=3)
+    tasks = [asyncio.ensure_future(post(client, body(), token=jwt(salt=str(i)))) for i in range(8)]
+    await asyncio.sleep(0.3)
+    release.set()
+    results = await asyncio.gather(*tasks)
+    statuses = sorted(s for s, _ in results)
+    assert peak == 2
+    # 2 running + 3 waiting get an answer (refused: forged); the other 3 are told to retry.
+    assert statuses == [401] * 5 + [503] * 3
+    assert all("retry" in out["error"] for s, out in results if s == 503)
+
+
+async def test_a_token_review_that_hangs_times_out_with_503(aiohttp_client):
+    fake = FakeApi()
+    stuck = threading.Event()
+    fake.review = lambda token: (stuck.wait(5), review(token))[1]
+    client = await make_client(aiohttp_client, fake, review_timeout=0.2)
+    started = time.monotonic()
+    status, out = await post(client, body())
+    stuck.set()
+    assert status == 503 and "TokenReview took longer" in out["error"]
+    assert time.monotonic() - started < 2
+
+
+async def test_api_server_errors_are_503_not_500(aiohttp_client):
+    fake = FakeApi()
+
+    def down(*_):
+        raise ConnectionRefusedError("connection refused")
+
+    fake.review = down
+    client = await make_client(aiohttp_client, fake)
+    status, out = await post(client, body())
+    assert status == 503 and "retry" in out["error"]
+    fake.review, fake.get_pod = FakeApi().review, down
+    status, out = await post(client, body())
+    assert status == 503
+
+
+async def test_identical_tokens_in_flight_share_one_review(aiohttp_client):
+    fake = FakeApi()
+    gate = threading.Event()
     calls = []
-    cache = endpoint._TokenCache(lambda t: calls.append(t) or {"ok": 1}, clock=lambda: 0.0)
-    cache("t")
-    cache("t")
-    assert calls == ["t"]
-    assert "t" not in str(cache._cache)
+    fake.review = lambda token: calls.append(token) or (gate.wait(5), review(token))[1]
+    client = await make_client(aiohttp_client, fake)
+    tasks = [asyncio.ensure_future(post(client, body())) for _ in range(5)]
+    await asyncio.sleep(0.2)
+    gate.set()
+    assert [s for s, _ in await asyncio.gather(*tasks)] == [202] * 5
+    assert len(calls) == 1
+
+
+async def test_refused_tokens_are_cached_apart_and_cannot_evict_good_ones(aiohttp_client):
+    client = await make_client(aiohttp_client, refused_cache_size=4, review_cache_size=4)
+    assert (await post(client, body()))[0] == 202
+    for i in range(20):
+        assert (await post(client, body(), token=jwt(salt=f"forged{i}")))[0] == 401
+    reviewer = client.app[endpoint.REVIEWER_KEY]
+    assert len(reviewer.refused) == 4 and len(reviewer.accepted) == 1
+    before = client.fake.reviews
+    assert (await post(client, body()))[0] == 202
+    assert client.fake.reviews == before  # the good token is still cached
+
+
+def test_refused_reviews_expire_sooner_than_accepted_ones():
+    now = [0.0]
+    cache = endpoint.TTLCache(size=10, ttl=5.0, clock=lambda: now[0])
+    cache.put("k", {"authenticated": False})
+    now[0] = 4.9
+    assert cache.get("k") is not None
+    now[0] = 5.0
+    assert cache.get("k") is None
+    assert endpoint.Limits().refused_ttl < endpoint.Limits().review_ttl
+
+
+def test_caches_are_size_bound_lru():
+    cache = endpoint.TTLCache(size=3, ttl=60, clock=lambda: 0.0)
+    for k in "abc":
+        cache.put(k, k)
+    cache.get("a")  # recently used: survives
+    cache.put("d", "d")
+    assert [k for k in "abcd" if cache.get(k)] == ["a", "c", "d"]
+
+
+async def test_a_pod_that_reports_too_often_gets_429(aiohttp_client):
+    client = await make_client(aiohttp_client, pod_report_burst=3, pod_reports_per_second=0.001)
+    statuses = [(await post(client, body()))[0] for _ in range(5)]
+    assert statuses == [202, 202, 202, 429, 429]
+
+
+async def test_pod_lookups_are_cached_and_refreshed_when_the_uid_changes(client):
+    for _ in range(5):
+        assert (await post(client, body()))[0] == 202
+    assert client.fake.pod_gets == 1
+    # The cached pod has another uid than the token's: look again (a replaced pod).
+    client.app[endpoint.LOOKUPS_KEY].pods.put((NS, POD), make_pod(uid="old-uid"))
+    assert (await post(client, body()))[0] == 202
+    assert client.fake.pod_gets == 2
+
+
+async def test_requests_beyond_the_in_flight_bound_get_503(aiohttp_client):
+    fake = FakeApi()
+    gate = threading.Event()
+    fake.review = lambda token: (gate.wait(5), review(token))[1]
+    client = await make_client(aiohttp_client, fake, max_in_flight=2)
+    tasks = [asyncio.ensure_future(post(client, body())) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    status, out = await post(client, body())
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert status == 503 and "too many reports at once" in out["error"]
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_the_store_prunes_rows_and_forgets_an_empty_server():
+    from kvferry_operator.aggregate import Received
+
+    store = endpoint.ReportStore()
+    rep = msgspec.json.decode(body(), type=wire.Report)
+    store.put(Received(rep, NOW))
+    store.prune(NS, SERVER, [POD])
+    assert store.servers() == [] and store.get(NS, SERVER) == []

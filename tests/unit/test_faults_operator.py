@@ -1,0 +1,228 @@
+"""One pod's data can never stop a server's figures; rows of pods that are gone do
+not stay in status; the report vocabulary is one list shared by both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import kopf
+import pytest
+import urllib3
+
+from kvferry_operator import aggregate, api, publisher, status
+from kvferry_operator.report_endpoint import ReportStore
+from kvferry_sidecar import residency
+from kvferry_sidecar.types import STORE_FATES
+from kvferry_wire import report as wire
+from kvferry_wire.protocol import HandleFate, Outcome
+from tests.manifests import server
+
+NOW = 1000.0
+SERVER_OBJ = {**server(), "metadata": {"name": "tiny", "namespace": "ns", "uid": "u"}}
+SERVER = api.parse_server(SERVER_OBJ)
+
+
+def rep(pod: str, **kw) -> wire.Report:
+    return wire.Report(
+        version=1,
+        server="tiny",
+        namespace="ns",
+        pod=pod,
+        role="decode",
+        started_at=0.0,
+        generated_at=NOW,
+        **kw,
+    )
+
+
+GOOD = rep("tiny-decode-0", by_turn={"2": wire.TurnBucket(10, 9, 1000, 900)})
+# What decode now refuses, built past it (an older operator's store, a future bug).
+BAD_KEY = rep("tiny-decode-1", by_turn={"x": wire.TurnBucket(1, 1, 1, 1)})
+NOT_FINITE = rep("tiny-decode-2", engine=wire.Engine(kv_usage=math.inf))
+
+
+@pytest.mark.parametrize("bad", [BAD_KEY, NOT_FINITE], ids=["byTurn-key", "infinity"])
+def test_one_pods_unusable_report_leaves_the_others_figures_standing(bad):
+    received = [aggregate.Received(GOOD, NOW), aggregate.Received(bad, NOW)]
+    agg = aggregate.aggregate(SERVER, received, NOW, 480)
+    assert agg.status["summary"]["hitRate"] == "90%"  # the good pod's figures
+    rows = {row["name"]: row for row in agg.status["pods"]}
+    assert "excluded" not in rows["tiny-decode-0"]
+    assert rows[bad.pod]["excluded"]
+    assert f"left out (report unusable): {bad.pod}" in agg.status["message"]
+
+
+class FakeKube:
+    def __init__(self, pods: dict[str, str]) -> None:
+        self.pods = pods  # name -> uid
+        self.patches: list[tuple[str, dict]] = []
+        self.pod_gets = 0
+
+    def get(self, api_version, kind, namespace, name):
+        if kind == api.SERVER_KIND:
+            return SERVER_OBJ
+        return {"status": {}}
+
+    def get_pod(self, namespace, name):
+        self.pod_gets += 1
+        uid = self.pods.get(name)
+        return None if uid is None else {"metadata": {"name": name, "uid": uid}}
+
+    def patch_status(self, api_version, kind, namespace, name, status):
+        self.patches.append((kind, status))
+
+
+def make_publisher(kube: FakeKube, store: ReportStore) -> publisher.Publisher:
+    return publisher.Publisher(
+        kube,
+        store,
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        apply_children=lambda body: None,
+        clock=lambda: NOW,
+        prune_after=600,
+    )
+
+
+def kvcs_writes(kube: FakeKube) -> list[dict]:
+    return [st for kind, st in kube.patches if kind == api.STATUS_KIND]
+
+
+def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
+    store = ReportStore()
+    store.put(aggregate.Received(GOOD, NOW))
+    store.put(aggregate.Received(BAD_KEY, NOW))
+    kube = FakeKube({})
+    make_publisher(kube, store).publish_all(logging.getLogger("test"))
+    (written,) = kvcs_writes(kube)
+    assert written["phase"] == "Reporting" and written["summary"]["hitRate"] == "90%"
+
+
+@pytest.mark.parametrize(
+    ("age", "pods", "kept"),
+    [
+        (10, {}, True),  # fresh: kept without a lookup
+        (200, {"tiny-decode-0": "uid-0"}, True),  # stale, pod still there: shown stale
+        (200, {}, False),  # stale and the pod is gone
+        (200, {"tiny-decode-0": "uid-new"}, False),  # stale and replaced
+        (700, {"tiny-decode-0": "uid-0"}, False),  # silent past the prune bound
+    ],
+    ids=["fresh", "stale-present", "gone", "replaced", "silent-too-long"],
+)
+def test_rows_of_pods_that_cannot_report_are_pruned(age, pods, kept):
+    store = ReportStore()
+    store.put(aggregate.Received(GOOD, NOW - age, "uid-0"))
+    kube = FakeKube(pods)
+    make_publisher(kube, store).publish_all(logging.getLogger("test"))
+    assert bool(store.get("ns", "tiny")) is kept
+    if age <= 90:
+        assert kube.pod_gets == 0
+
+
+def test_every_handle_fate_the_sidecar_counts_is_in_the_wire_vocabulary():
+    fates = {f.value for f in HandleFate}
+    assert {f.value for f in STORE_FATES} <= fates
+    counted = {residency.FATE_CONSUMED, residency.FATE_SKIPPED, residency.FATE_TAKEN}
+    counted |= {residency._TAKEN_BY_OUTCOME.get(o, residency.FATE_TAKEN) for o in Outcome}
+    assert counted <= fates
+    assert set(wire.MAP_KEYS["handles"]) == fates
+    assert set(wire.MAP_KEYS["outcomes"]) == {o.value for o in Outcome}
+
+
+# ------------------------------------------------------------------ a node goes away
+
+SETTLED = status.RoleObserved(
+    exists=True,
+    observed_generation=1,
+    generation=1,
+    replicas=1,
+    ready_replicas=1,
+    updated_replicas=1,
+    current_revision="r1",
+    update_revision="r1",
+)
+PODS = [
+    status.PodState("tiny-decode-0", "decode", node="gpu-node-1"),
+    status.PodState("tiny-prefill-0", "prefill", node="gpu-node-0"),
+]
+
+
+def conditions(nodes: dict[str, bool] | None) -> dict[str, dict]:
+    obs = status.Observed(roles={"prefill": SETTLED, "decode": SETTLED}, pods=PODS, nodes=nodes)
+    return {c["type"]: c for c in status.compute_conditions(SERVER, obs)}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "says"),
+    [
+        ({"gpu-node-0": True}, "tiny-decode-0 on node gpu-node-1, which is gone"),
+        ({"gpu-node-0": True, "gpu-node-1": False}, "gpu-node-1, which is not Ready"),
+    ],
+    ids=["deleted", "not-ready"],
+)
+def test_pods_on_a_lost_node_make_the_server_degraded_and_not_ready(nodes, says):
+    # The StatefulSet still counts the pod ready: nobody updates a pod whose node is gone.
+    conds = conditions(nodes)
+    for ctype, want in ((api.COND_DEGRADED, "True"), (api.COND_READY, "False")):
+        assert conds[ctype]["status"] == want
+        assert conds[ctype]["reason"] == status.REASON_NODE_LOST
+        assert says in conds[ctype]["message"]
+
+
+@pytest.mark.parametrize("nodes", [None, {"gpu-node-0": True, "gpu-node-1": True}])
+def test_pods_on_ready_nodes_or_unknown_nodes_are_not_lost(nodes):
+    conds = conditions(nodes)
+    assert conds[api.COND_READY]["status"] == "True"
+    assert conds[api.COND_DEGRADED]["reason"] == status.REASON_HEALTHY
+
+
+def test_a_pods_node_is_read_from_its_spec():
+    pod = {"metadata": {"name": "p", "labels": {}}, "spec": {"nodeName": "n1"}, "status": {}}
+    assert status.pod_state_from(pod).node == "n1"
+
+
+# ------------------------------------------------------------------ API server away
+
+
+class UnreachableKube:
+    """Lists servers, then cannot reach the API server for anything else."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+        self.applies = 0
+
+    def list_servers(self, namespaces):
+        self.lists += 1
+        return [SERVER_OBJ]
+
+    def apply(self, child):
+        self.applies += 1
+        raise urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")
+
+
+async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(caplog):
+    from kvferry_operator import handlers
+    from kvferry_operator.settings import Settings
+
+    kube = UnreachableKube()
+    settings = Settings(sidecar_image="", resync_seconds=0.01, child_event_debounce_seconds=0)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None)
+    task = asyncio.ensure_future(
+        handlers._resync_forever(memo, settings, logging.getLogger("test"))
+    )
+    try:
+        await asyncio.wait_for(_until(lambda: kube.lists >= 3), 5)
+        assert not task.done(), task
+    finally:
+        task.cancel()
+    # Each pass stops at the first unreachable apply, with one warning line.
+    assert kube.applies == kube.lists or kube.applies == kube.lists - 1
+    assert "API server unreachable" in caplog.text and "Traceback" not in caplog.text
+
+
+async def _until(check) -> None:
+    while not check():
+        await asyncio.sleep(0.01)
