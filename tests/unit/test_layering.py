@@ -43,6 +43,7 @@ PURE = {
         "aggregate",
         "pressure",
         "validation",
+        "drift",
     ],
     "kvferry_sidecar": [
         "types",
