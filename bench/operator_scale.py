@@ -173,6 +173,15 @@ class Cluster:
             timeout=120,
         )
 
+    def component_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each control-plane process (hack/controlplane.sh's pids)."""
+        out = {}
+        for line in (self.state / "pids").read_text().splitlines():
+            name, pid = line.split()
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[name] = process_cpu_seconds(int(pid))
+        return out
+
     def kubectl(self, *args: str, input: str | None = None, timeout: float = 120) -> str:
         res = subprocess.run(
             ["kubectl", "--kubeconfig", str(self.admin_kubeconfig), *args],
@@ -193,11 +202,37 @@ class Cluster:
         ext = self.dir / "client.ext"
         ext.write_text("extendedKeyUsage=clientAuth\n")
         for cmd in (
-            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key)]
-            + ["-out", str(csr), "-subj", f"/O=system:masters/CN={OPERATOR_USER}"],
-            ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt")]
-            + ["-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-out", str(crt)]
-            + ["-days", "2", "-extfile", str(ext)],
+            [
+                "openssl",
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(csr),
+                "-subj",
+                f"/O=system:masters/CN={OPERATOR_USER}",
+            ],
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                str(csr),
+                "-CA",
+                str(pki / "ca.crt"),
+                "-CAkey",
+                str(pki / "ca.key"),
+                "-CAcreateserial",
+                "-out",
+                str(crt),
+                "-days",
+                "2",
+                "-extfile",
+                str(ext),
+            ],
         ):
             subprocess.run(cmd, check=True, capture_output=True)
         text = self.admin_kubeconfig.read_text()
@@ -360,6 +395,8 @@ class Run:
     idle_requests: int
     idle_requests_by: dict[str, int]
     startup_rss_mb: float
+    apply_seconds: float
+    control_plane_cpu: dict[str, float]  # CPU seconds to Ready, per component
 
     @property
     def requests_per_server(self) -> float:
@@ -391,7 +428,8 @@ def run_one(n: int, work: Path, port: int, idle: float, ready_timeout: float) ->
     cluster = Cluster(work / f"n{n}", port, nodes_for(n))
     shutil.rmtree(cluster.dir, ignore_errors=True)
     say(
-        f"N={n}: control plane + {cluster.nodes} kwok nodes of {GPUS_PER_NODE} GPUs (port {port}) ..."
+        f"N={n}: control plane + {cluster.nodes} kwok nodes of {GPUS_PER_NODE} GPUs "
+        f"(port {port}) ..."
     )
     cluster.up()
     op = OperatorProcess(cluster.operator_kubeconfig(), cluster.dir / "operator.log")
@@ -408,6 +446,7 @@ def run_one(n: int, work: Path, port: int, idle: float, ready_timeout: float) ->
             "items": [server_manifest(i) for i in range(n)],
         }
         cpu0 = process_cpu_seconds(op.pid)
+        cp0 = cluster.component_cpu()
         wall0 = time.time()
         t0 = time.monotonic()
         cluster.kubectl(
@@ -419,7 +458,7 @@ def run_one(n: int, work: Path, port: int, idle: float, ready_timeout: float) ->
         while time.monotonic() - t0 < ready_timeout:
             if not op.alive():
                 raise SystemExit(f"the operator exited; log {op.log_path}")
-            ready, seen = cluster.ready_count()
+            ready, _seen = cluster.ready_count()
             now = time.monotonic() - t0
             timeline.append((round(now, 2), ready))
             if ready == n:
@@ -427,6 +466,7 @@ def run_one(n: int, work: Path, port: int, idle: float, ready_timeout: float) ->
                 break
             time.sleep(1.0)
         cpu1 = process_cpu_seconds(op.pid)
+        cp1 = cluster.component_cpu()
         wall1 = time.time()
         rss = process_peak_rss_mb(op.pid)
         if ready_at is None:
@@ -458,6 +498,8 @@ def run_one(n: int, work: Path, port: int, idle: float, ready_timeout: float) ->
             idle_requests=len(quiet),
             idle_requests_by=by(quiet),
             startup_rss_mb=startup_rss,
+            apply_seconds=applied,
+            control_plane_cpu={k: round(cp1[k] - cp0.get(k, 0.0), 1) for k in cp1},
         )
     finally:
         op.stop()
@@ -578,6 +620,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         top = ", ".join(f"{k} {v}" for k, v in list(r.requests_by.items())[:6])
         print(f"N={r.n} requests to Ready: {top}")
+        cpu = ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(r.control_plane_cpu.items(), key=lambda kv: -kv[1])
+        )
+        print(
+            f"N={r.n} CPU seconds to Ready: operator {r.cpu_seconds:.0f}, {cpu}; "
+            f"kubectl apply of the {r.n} servers alone took {r.apply_seconds:.0f} s"
+        )
     result.results = {
         "runs": [
             {
@@ -586,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                 "cpuSeconds": round(r.cpu_seconds, 2),
                 "peakRssMB": round(r.peak_rss_mb, 1),
                 "startupRssMB": round(r.startup_rss_mb, 1),
+                "applySeconds": round(r.apply_seconds, 1),
+                "controlPlaneCpuSeconds": r.control_plane_cpu,
                 "apiRequests": r.requests,
                 "apiRequestsPerServer": round(r.requests_per_server, 2),
                 "apiRequestsByVerbResource": r.requests_by,

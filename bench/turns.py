@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import signal
 import socket
 import statistics
@@ -95,8 +96,19 @@ class ProxyProcess:
     def start(self, timeout: float = 30.0) -> ProxyProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.refproxy", "--port", str(self.port)]
-            + ["--prefill", self.prefill, "--decode", self.decode, "--ttl", str(self.ttl)],
+            [
+                sys.executable,
+                "-m",
+                "bench.refproxy",
+                "--port",
+                str(self.port),
+                "--prefill",
+                self.prefill,
+                "--decode",
+                self.decode,
+                "--ttl",
+                str(self.ttl),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parent.parent,
@@ -308,7 +320,7 @@ def scenario_retokenized(fronts: dict[str, Front], engine: Engine, max_seeds: in
         prompt_ids = r.body.get("prompt_token_ids") or []
         generated = prompt_ids + (r.token_ids or [])
         follow = [*first, {"role": "assistant", "content": r.text}]
-        retok = engine.tokenize_chat(follow + [{"role": "user", "content": "x"}])
+        retok = engine.tokenize_chat([*follow, {"role": "user", "content": "x"}])
         agree = next(
             (i for i, (a, b) in enumerate(zip(generated, retok, strict=False)) if a != b),
             min(len(generated), len(retok)),
@@ -346,7 +358,8 @@ def scenario_edited(fronts: dict[str, Front]) -> Scenario:
         {"role": "user", "content": filler_text("edit-1", 300)},
     ]
     r2 = ref.send(m2, "edit-probe", max_tokens=SCENARIO_ANSWER_TOKENS)
-    m3 = copy.deepcopy(m2) + [
+    m3 = [
+        *copy.deepcopy(m2),
         {"role": "assistant", "content": r2.text},
         {"role": "user", "content": filler_text("edit-2", 40)},
     ]
@@ -354,7 +367,8 @@ def scenario_edited(fronts: dict[str, Front]) -> Scenario:
     out = _replay(fronts, [m, m2, m3], "edit")
     return Scenario(
         "edited-history",
-        "3 turns (500, 300, 40 words); before turn 3 the client rewrote words 20-22 of the first message",
+        "3 turns (500, 300, 40 words); before turn 3 the client rewrote words 20-22 of "
+        "the first message",
         out,
     )
 
@@ -454,7 +468,7 @@ def interpolate(points: dict[int, float], x: float) -> float:
     xs = sorted(points)
     if x <= xs[0]:
         return points[xs[0]]
-    for a, b in zip(xs, xs[1:], strict=False):
+    for a, b in itertools.pairwise(xs):
         if x <= b:
             return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
     a, b = xs[-2], xs[-1]
@@ -868,12 +882,13 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
     count = sum(f["transfers"] for f in pulls)
     nbytes = sum(f["bytes"] for f in pulls)
     print(
-        f"\nfloor: loopback TCP {bandwidth / 1e9:.2f} GB/s; KV {bpt or 0:.0f} B/token; tail-only TTFT "
-        + ", ".join(f"{k} tok {v:.2f} s" for k, v in sorted(tails.items()))
+        f"\nfloor: loopback TCP {bandwidth / 1e9:.2f} GB/s; KV {bpt or 0:.0f} B/token; "
+        "tail-only TTFT " + ", ".join(f"{k} tok {v:.2f} s" for k, v in sorted(tails.items()))
     )
     if count:
         print(
-            f"NIXL on P (baseline + P path): {count:.0f} transfers, {nbytes / 1e6:.0f} MB in {xfer:.2f} s "
+            f"NIXL on P (baseline + P path): {count:.0f} transfers, "
+            f"{nbytes / 1e6:.0f} MB in {xfer:.2f} s "
             f"({nbytes / xfer / 1e6:.0f} MB/s inside NIXL, {xfer / count * 1e3:.0f} ms each)"
         )
     gaps = []

@@ -54,9 +54,7 @@ class SessionPlan:
 
 
 def user_words(w: Workload) -> tuple[int, ...]:
-    return (w.first_words,) + tuple(
-        w.growth[(k - 2) % len(w.growth)] for k in range(2, w.turns + 1)
-    )
+    return (w.first_words, *tuple(w.growth[(k - 2) % len(w.growth)] for k in range(2, w.turns + 1)))
 
 
 def plan(w: Workload) -> list[SessionPlan]:
