@@ -162,6 +162,11 @@ class Engine(HttpServer):
     kv_replay_port: int = field(default_factory=free_port)
     served_model_name: str = SERVED_MODEL_NAME
     served_model_aliases: tuple[str, ...] = (SERVED_MODEL_ALIAS,)
+    # vLLM's prefix cache. Off, the engine holds no session's KV of its own: every
+    # turn P gets either pulls from D or computes (what the tests prove), and there
+    # is nothing to reset. (On, resetting must wait for every held block: a P keeps
+    # a block of each handle-release request until its KV lease ends, 30 s.)
+    prefix_caching: bool = True
     block_size: int = BLOCK_SIZE
     max_model_len: int = MAX_MODEL_LEN
     extra_args: list[str] = field(default_factory=list)
@@ -230,7 +235,7 @@ class Engine(HttpServer):
             str(self.block_size),
             "--max-model-len",
             str(self.max_model_len),
-            "--enable-prefix-caching",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--prefix-caching-hash-algo",
             "sha256_cbor",
             "--kv-events-config",
@@ -386,10 +391,12 @@ class Engine(HttpServer):
         return r["tokens"]
 
     def reset_prefix_cache(self, timeout: float = 45.0) -> None:
-        """Empty the prefix cache. vLLM refuses while blocks are held (a P's blocks until
-        D has read them or its KV lease (30 s) ends: a sidecar's handle-release request
-        leaves one; a D's pinned handle blocks until read or expired): retried until
-        `timeout`, then EngineError."""
+        """Empty the prefix cache (nothing to do without one). vLLM refuses while blocks
+        are held (a P's blocks until D has read them or its KV lease (30 s) ends: a
+        sidecar's handle-release request leaves one; a D's pinned handle blocks until
+        read or expired): retried until `timeout`, then EngineError."""
+        if not self.prefix_caching:
+            return
         deadline = time.monotonic() + timeout
         while True:
             _, r = self.post("/reset_prefix_cache")
@@ -415,11 +422,16 @@ def start_pair(
     timeout: float = START_TIMEOUT,
     extra_args: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
+    prefill_prefix_caching: bool = False,
 ) -> EnginePair:
     """Start P and D together and wait for both; on failure both are stopped.
 
     Their kv-transfer configs are the operator's for `server` (default: ``tiny_server()``)
-    unless given. Usable as a context manager: ``with start_pair(...) as pair: ...``.
+    unless given. P runs without a prefix cache unless ``prefill_prefix_caching``: it
+    then holds no session's KV of its own, as a turn landing on a P that never saw the
+    session (many P replicas, or its cache evicted under load) -- the case where
+    pulling the history back from D pays. D always has one. Usable as a context
+    manager: ``with start_pair(...) as pair: ...``.
     """
     log_dir = Path(log_dir)
     if server is None and (prefill_kv_config is None or decode_kv_config is None):
@@ -440,6 +452,7 @@ def start_pair(
             cpu=cpu,
             extra_args=list(extra_args or []),
             extra_env=dict(extra_env or {}),
+            prefix_caching=role == "decode" or prefill_prefix_caching,
         )
 
     deadline = time.monotonic() + timeout
