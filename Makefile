@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo render test lint venv controlplane-up controlplane-down helm deploy-manifest dashboard \
-	bench-venv bench-turns bench-breakeven bench-sidecar bench-operator
+	bench-venv bench-turns bench-breakeven bench-sidecar bench-operator bench-pull
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -74,6 +74,10 @@ bench-breakeven: bench-venv
 # The sidecar's cost per turn on fake engines, against direct D and the reference proxy.
 bench-sidecar: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.sidecar_cost
+
+# Where a pull's time goes, under engine settings the operator can render (restarts P/D per setting).
+bench-pull: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.pull
 
 # 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests.
 bench-operator: bench-venv
