@@ -11,8 +11,10 @@ chat completions, as the sidecar must call D on vLLM 0.32 to keep handles.
 
 Front ends: **direct D** (no front end: the floor), the **reference proxy** (P then D
 every turn, no checks), the **sidecar, defaults** (the operator's default settings:
-short fake prompts are prefilled by D, so a turn is /tokenize + D), and the **sidecar,
-P path** (``skipPrefillBelowTokens: 0``: /tokenize + P + D, the reference's path).
+short fake prompts are prefilled by D, so a turn is /tokenize + D, and the handle it
+did not read goes back to P in a release request), the **sidecar, P path**
+(``skipPrefillBelowTokens: 0``: /tokenize + P + D, the reference's path), and the
+sidecar's defaults again on asyncio's own event loop instead of uvloop (before/after).
 
 Per front end and concurrency (1, 16, 64 streams): latency p50/p99 at the client,
 turns/s, and the front end's CPU time per turn (from /proc). On 2 cores the harness
@@ -56,18 +58,20 @@ from .common import (
     table,
 )
 
-DIRECT, PROXY, SC_DEFAULTS, SC_PPATH = (
+DIRECT, PROXY, SC_DEFAULTS, SC_PPATH, SC_ASYNCIO = (
     "direct-d",
     "reference-proxy",
     "sidecar-defaults",
     "sidecar-p-path",
+    "sidecar-defaults-asyncio",
 )
-FRONTS = (DIRECT, PROXY, SC_DEFAULTS, SC_PPATH)
+FRONTS = (DIRECT, PROXY, SC_DEFAULTS, SC_PPATH, SC_ASYNCIO)
 LABELS = {
     DIRECT: "direct D",
     PROXY: "reference proxy",
     SC_DEFAULTS: "sidecar, defaults",
     SC_PPATH: "sidecar, P path",
+    SC_ASYNCIO: "sidecar, defaults, asyncio loop",
 }
 TURNS_PER_SESSION = 8
 FRONT_CORE, HARNESS_CORE = 0, 1
@@ -276,7 +280,13 @@ def measure(
 def plot(rows: list[Measured], path: Path) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {DIRECT: "#888888", PROXY: "#d62728", SC_DEFAULTS: "#2ca02c", SC_PPATH: "#1f77b4"}
+    colors = {
+        DIRECT: "#888888",
+        PROXY: "#d62728",
+        SC_DEFAULTS: "#2ca02c",
+        SC_PPATH: "#1f77b4",
+        SC_ASYNCIO: "#98df8a",
+    }
     concs = sorted({r.streams for r in rows})
     width = 0.8 / len(FRONTS)
     for i, f in enumerate(FRONTS):
@@ -395,9 +405,10 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
             asyncio.run(wait_http(f"http://127.0.0.1:{port}/health"))
             url, proc_pid, stopper = f"http://127.0.0.1:{port}", proxy.pid, proxy
         else:
-            sc = sidecar(
-                front, p_url, d_url, logs, skip=None if front == SC_DEFAULTS else 0
-            ).start()
+            sc = sidecar(front, p_url, d_url, logs, skip=0 if front == SC_PPATH else None)
+            if front == SC_ASYNCIO:
+                sc.extra_env["KVFERRY_SIDECAR_EVENT_LOOP"] = "asyncio"
+            sc.start()
             assert sc.proc is not None
             url, proc_pid, stopper = sc.url, sc.proc.pid, sc
         if proc_pid:

@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import itertools
+import json
 import signal
 import socket
 import statistics
@@ -692,6 +693,8 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
                 scripts = built
             records += recs
             say(f"{LABELS[mode]}: done in {mode_seconds[mode]:.0f} s")
+        # The raw turns first: a failure further on must not lose them.
+        (logs / "turns-raw.json").write_text(json.dumps([asdict(r) for r in records]))
         truth = {(r.session, r.turn): r.answer for r in records if r.mode == NO_REUSE}
         for r in records:
             r.same_as_no_reuse = r.answer == truth.get((r.session, r.turn))
