@@ -143,12 +143,21 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _command() -> str:
+    """How this run was started, as a person would type it (``python -m bench.x ...``)."""
+    args = list(sys.argv)
+    script = Path(args[0])
+    if script.suffix == ".py" and script.parent.name == "bench":
+        args[:1] = ["python", "-m", f"bench.{script.stem}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 @dataclass
 class Result:
     """One run of one benchmark: what goes to ``<out>/<name>.json``."""
 
     name: str
-    command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
+    command: str = field(default_factory=lambda: _command())
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     machine: dict[str, Any] = field(default_factory=machine)
     versions: dict[str, Any] = field(default_factory=versions)
