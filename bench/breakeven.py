@@ -310,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
+    except EngineError as e:
+        say(f"failed: {e}")
+        return 1
     finally:
         stop_all()
         say(f"stopped; logs in {logs}")
@@ -358,10 +361,20 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 c_here, _ = slope(ns, [pts[n][1] for n in ns])
                 t_here, fixed = slope(ns, [pts[n][0] for n in ns])
                 pulled = [s for s in samples if s.pulled_tokens]
+                if not pulled:
+                    raise EngineError(
+                        f"{label}: P pulled nothing over NIXL (p2p tokens unchanged in its "
+                        f"/metrics); logs in {logs}"
+                    )
                 bpt_here = sum(s.pulled_bytes for s in pulled) / sum(
                     s.pulled_tokens for s in pulled
                 )
                 if i == 0:
+                    if c_here <= 0:
+                        raise EngineError(
+                            f"recomputing did not get slower with N ({pts}): no recompute cost "
+                            "to set the link rates from"
+                        )
                     c, bpt = c_here, bpt_here
                     for r in ratios:
                         mbit = bpt / (c / r) * 8 / 1e6
@@ -443,6 +456,11 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     }
     result.targets = []
     for r in results:
+        if "no transfer or prefill measurements" in r.tuner_reason:
+            result.targets.append(
+                Target(f"{r.label}: the tuner had measurements", None, ">=", 1, "", r.tuner_reason)
+            )
+            continue
         if r.measured_break_even is None:
             # Pull never wins: the tuner must say never pull too (the model length).
             result.targets.append(

@@ -17,7 +17,6 @@ measured here (bench.turns.loopback_bandwidth).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -244,7 +243,6 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     path = result.write(args.out)
     plot(rows, rows[0].tail_s + floor_extra, args.out / "pull.png")
     say(f"wrote {path} and {args.out / 'pull.png'} in {result.seconds:.0f} s")
-    print(json.dumps({"seconds": result.seconds}))
     return 0
 
 

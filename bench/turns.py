@@ -618,6 +618,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
+    except EngineError as e:
+        say(f"failed: {e}")
+        return 1
     finally:
         stop_all()
         say(f"stopped; logs in {logs}")
