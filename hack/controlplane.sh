@@ -18,6 +18,8 @@
 #   KVFERRY_CP_NODES   fake nodes to create (default 2): 8 nvidia.com/gpu + 1 RDMA + 2Ti disk each
 #   KVFERRY_CP_CRDS    1 (default): apply crds/ before the controllers start; 0: a bare
 #                      cluster, as a user's is before installing kvferry
+#   KVFERRY_CP_APISERVER_ARGS  more kube-apiserver flags, space-separated (the operator-scale
+#                      benchmark turns on an audit log with them)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -25,6 +27,7 @@ cache_root=${KVFERRY_CACHE:-$HOME/.cache/kvferry}
 state=${KVFERRY_CP_DIR:-/tmp/kvferry-cp}
 port=${KVFERRY_CP_PORT:-16443}
 nodes=${KVFERRY_CP_NODES:-2}
+read -r -a apiserver_args <<< "${KVFERRY_CP_APISERVER_ARGS:-}"
 k8s_version=v1.37.2
 
 log() { printf 'controlplane: %s\n' "$*" >&2; }
@@ -201,7 +204,7 @@ start_apiserver() {
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --api-audiences https://kubernetes.default.svc \
     --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
-    --endpoint-reconciler-type none --allow-privileged=true
+    --endpoint-reconciler-type none --allow-privileged=true "${apiserver_args[@]}"
   wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
 }
 

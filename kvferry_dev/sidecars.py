@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,8 @@ class SidecarProcess(HttpServer):
     log_dir: Path
     port: int
     proc: subprocess.Popen | None = None
+    # Set after the KVFERRY_* of this process's environment are dropped.
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:  # type: ignore[override]
@@ -128,6 +130,7 @@ class SidecarProcess(HttpServer):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFERRY_", "POD_"))}
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"# kvferry: {' '.join(self.argv())}\n".encode())
             log.flush()

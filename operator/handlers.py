@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from . import api, metrics, prerequisites, publisher, render, report_endpoint, status
+from . import api, drift, metrics, prerequisites, publisher, render, report_endpoint, status
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .probe import PrerequisiteProbe
 from .settings import Settings
@@ -84,6 +84,10 @@ async def configure(
     settings.watching.connect_timeout = 30
     # Events at INFO and above become Kubernetes Events on the server.
     settings.posting.level = logging.INFO
+    # The handlers are sync and wait on the API server, not on the CPU: kopf's default
+    # pool (CPU count + 4 threads: 6 on a 2-core node, however idle) queued every
+    # event behind a few in-flight requests (docs/performance.md, operator scale).
+    settings.execution.max_workers = 32
     ours: Settings = memo.settings
     memo.kube = Kube()
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
@@ -422,6 +426,20 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
                     )
 
 
+def _holds_ours(
+    owner: dict[str, Any], kind: str, name: str, body: kopf.Body, settings: Settings
+) -> bool:
+    """The observed child still has every field we render for it (drift.covers)."""
+    try:
+        children = render.render(api.parse_server(owner), settings.render_context())
+    except api.SpecError:
+        return False
+    wanted = next(
+        (c for c in children if c["kind"] == kind and c["metadata"]["name"] == name), None
+    )
+    return wanted is not None and drift.covers(dict(body), wanted)
+
+
 def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str, Any] | None:
     found = list(servers.get((namespace, labels.get(api.LABEL_INSTANCE)), []))
     return found[0] if found else None
@@ -433,6 +451,7 @@ def _on_child_event(kind: str):
         name: str,
         namespace: str,
         labels: kopf.Labels,
+        body: kopf.Body,
         memo: kopf.Memo,
         logger: logging.Logger,
         servers: kopf.Index,
@@ -445,12 +464,17 @@ def _on_child_event(kind: str):
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
-        # Re-apply this one child: a no-op unless someone edited or deleted it.
-        # A deleted child comes back; an edited one gets our fields back, while
-        # fields we never set (another manager's) stay as they are.
+        # Re-apply this one child when someone edited or deleted it. A deleted child
+        # comes back; an edited one gets our fields back, while fields we never set
+        # (another manager's) stay as they are. Its own creation and the status its
+        # controller writes change none of our fields: no request for those.
         if type == "DELETED":
             logger.info("child deleted, restoring kind=%s name=%s", kind, name)
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
+        elif _holds_ours(owner, kind, name, body, memo.settings):
+            if kind == "StatefulSet":
+                refresh_status(owner, memo.kube, statefulsets, pods)
+            return
         apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
         if kind == "StatefulSet":
             refresh_status(

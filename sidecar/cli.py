@@ -11,7 +11,9 @@ from ``--ordinal`` or the StatefulSet pod name in ``POD_NAME``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -63,6 +65,20 @@ def settings_from_args(argv: Sequence[str] | None = None) -> config.Settings:
     return config.build({k: v for k, v in args.items() if v is not None})
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop (libuv; the sidecar's turns spend much of their CPU in the
+    loop and its transports: docs/performance.md, sidecar cost), or asyncio's own with
+    ``KVFERRY_SIDECAR_EVENT_LOOP=asyncio`` or where uvloop is not installed."""
+    if os.environ.get("KVFERRY_SIDECAR_EVENT_LOOP", "uvloop") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
@@ -100,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     web.run_app(
         app_factory(settings),
+        loop=new_event_loop(),
         sock=socks,
         access_log=None,
         print=None,

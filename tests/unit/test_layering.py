@@ -44,6 +44,7 @@ PURE = {
         "pressure",
         "validation",
         "prerequisites",
+        "drift",
     ],
     "kvferry_sidecar": [
         "types",

@@ -169,3 +169,24 @@ def test_config_reads_residency_settings(files: tuple[Path, Path]) -> None:
 def test_config_rejects_a_non_http_operator_url() -> None:
     with pytest.raises(ConfigError, match="operator_url"):
         config.build({"operator_url": "kvferry-operator:8443"}, env={})
+
+
+def test_event_loop_is_uvloop_unless_asked_for_asyncio(monkeypatch) -> None:
+    """uvloop when installed (it is a dependency); KVFERRY_SIDECAR_EVENT_LOOP=asyncio
+    is the escape hatch."""
+    import asyncio
+
+    import uvloop
+
+    loop = cli.new_event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    monkeypatch.setenv("KVFERRY_SIDECAR_EVENT_LOOP", "asyncio")
+    loop = cli.new_event_loop()
+    try:
+        assert not isinstance(loop, uvloop.Loop)
+        assert isinstance(loop, asyncio.AbstractEventLoop)
+    finally:
+        loop.close()

@@ -1,0 +1,1 @@
+"""kvferry benchmarks (not tests): see docs/performance.md."""

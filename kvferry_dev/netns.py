@@ -1,0 +1,182 @@
+"""A P<->D link of a chosen bandwidth on one machine: the prefill engine in its own
+network namespace, joined to the root namespace by a veth pair whose two ends are
+shaped with ``tc`` (``tbf``; this kernel has no ``netem``). Needs root.
+
+    with ThrottledLink("kvb") as link:
+        link.set_rate(mbit=200)
+        pair = start_netns_pair(py, model, logs, link=link, server=server)
+
+P binds its HTTP port, NIXL side channel and UCX (``UCX_NET_DEVICES``) to the
+namespace's end of the veth; D binds its side channel and UCX to the root end, so
+every KV byte between them (D pulling P's prompt KV, P pulling D's handle) crosses
+the shaped link, both ways. The sidecar stays in the root namespace and reaches P over
+the same link (its requests are small).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .configs import kv_transfer_config, tiny_server
+from .engines import START_TIMEOUT, Engine, EnginePair
+from .procs import EngineError
+
+# A /24 unlikely to collide with anything on a test machine.
+ROOT_ADDR = "10.213.0.1"
+NS_ADDR = "10.213.0.2"
+# tbf must let a whole segment through: veth hands over GSO segments up to 64 KiB.
+BURST = "256kb"
+# Packets queued longer than this are dropped: keeps a slow link from buffering seconds.
+LATENCY = "400ms"
+
+
+def _run(*cmd: str) -> str:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise EngineError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+@dataclass
+class ThrottledLink:
+    """A network namespace and a veth pair into it, shaped both ways."""
+
+    name: str = "kvferry-p"
+    rate_mbit: float | None = None  # None: unshaped
+
+    @property
+    def root_dev(self) -> str:
+        return f"{self.name[:10]}-r"
+
+    @property
+    def ns_dev(self) -> str:
+        return f"{self.name[:10]}-p"
+
+    def up(self) -> ThrottledLink:
+        self.down()
+        _run("ip", "netns", "add", self.name)
+        _run("ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", self.ns_dev)
+        _run("ip", "link", "set", self.ns_dev, "netns", self.name)
+        _run("ip", "addr", "add", f"{ROOT_ADDR}/24", "dev", self.root_dev)
+        _run("ip", "link", "set", self.root_dev, "up")
+        self._ns("ip", "addr", "add", f"{NS_ADDR}/24", "dev", self.ns_dev)
+        self._ns("ip", "link", "set", self.ns_dev, "up")
+        self._ns("ip", "link", "set", "lo", "up")
+        return self
+
+    def down(self) -> None:
+        with contextlib.suppress(EngineError):
+            _run("ip", "netns", "del", self.name)
+        with contextlib.suppress(EngineError):
+            _run("ip", "link", "del", self.root_dev)
+
+    def _ns(self, *cmd: str) -> str:
+        return _run("ip", "netns", "exec", self.name, *cmd)
+
+    def set_rate(self, mbit: float | None) -> None:
+        """Shape both directions to `mbit` megabits/s (None: remove the shaping)."""
+        for dev, run in ((self.root_dev, _run), (self.ns_dev, self._ns)):
+            with contextlib.suppress(EngineError):
+                run("tc", "qdisc", "del", "dev", dev, "root")
+            if mbit is not None:
+                run(
+                    "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", f"{mbit:g}mbit", "burst", BURST, "latency", LATENCY,
+                )  # fmt: skip
+        self.rate_mbit = mbit
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def __enter__(self) -> ThrottledLink:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+@dataclass(eq=False)
+class LinkedEngine(Engine):
+    """An engine bound to one end of a ThrottledLink (P inside the namespace)."""
+
+    link: ThrottledLink | None = None
+    inside: bool = False  # in the namespace (P) or on the root end (D)
+    ucx_extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def host(self) -> str:
+        return NS_ADDR if self.inside else ROOT_ADDR
+
+    @property
+    def url(self) -> str:  # type: ignore[override]
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = super().argv()
+        i = args.index("--host")
+        args[i + 1] = self.host
+        if self.inside and self.link is not None:
+            args = [*self.link.exec_prefix(), *args]
+        return args
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        assert self.link is not None
+        env.update(
+            {
+                "VLLM_HOST_IP": self.host,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+                "UCX_NET_DEVICES": self.link.ns_dev if self.inside else self.link.root_dev,
+            }
+        )
+        env.update(self.ucx_extra_env)
+        return env
+
+
+def start_linked_pair(
+    python: Path | str,
+    model: Path | str,
+    log_dir: Path | str,
+    *,
+    link: ThrottledLink,
+    server: Any = None,
+    cpus: tuple[int | None, int | None] = (0, 1),
+    timeout: float = START_TIMEOUT,
+    extra_env: dict[str, str] | None = None,
+) -> EnginePair:
+    """P (in the link's namespace, no prefix cache) and D (root end), started and
+    healthy; on failure both are stopped."""
+    log_dir = Path(log_dir)
+    server = server or tiny_server()
+    engines = []
+    for role, cpu, inside in (("prefill", cpus[0], True), ("decode", cpus[1], False)):
+        engines.append(
+            LinkedEngine(
+                role=role,
+                python=Path(python),
+                model=Path(model),
+                kv_transfer_config=kv_transfer_config(role, server),
+                log_path=log_dir / f"{role}.log",
+                cpu=cpu,
+                extra_env=dict(extra_env or {}),
+                prefix_caching=role == "decode",
+                link=link,
+                inside=inside,
+            )
+        )
+    pair = EnginePair(*engines)
+    deadline = time.monotonic() + timeout
+    try:
+        for e in pair:
+            e.start()
+        for e in pair:
+            e.wait_healthy(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        pair.stop()
+        raise
+    return pair

@@ -1,0 +1,48 @@
+"""The benchmarks' own logic (bench/ is not a test tier; these keep its arithmetic
+honest): the workload generator and the break-even interpolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import workload as wl
+from bench.breakeven import break_even
+
+
+def test_workload_is_seeded_and_alternates_growth() -> None:
+    w = wl.Workload(sessions=3, turns=5, first_words=100, growth=(10, 50), seed=1)
+    assert wl.plan(w) == wl.plan(w)
+    assert wl.user_words(w) == (100, 10, 50, 10, 50)
+    assert [s.start for s in wl.plan(w)] == [0.0, 2.0, 4.0]
+
+
+def test_workload_gaps_are_heavy_tailed_and_capped() -> None:
+    w = wl.Workload(sessions=200, turns=6, gap_median=1.0, gap_sigma=1.0, gap_max=8.0, seed=3)
+    gaps = sorted(g for s in wl.plan(w) for g in s.gaps)
+    median = gaps[len(gaps) // 2]
+    assert 0.8 < median < 1.25
+    assert gaps[-1] == 8.0  # the cap is reached: the tail is long
+    assert gaps[int(len(gaps) * 0.95)] > 4 * median
+
+
+def test_workload_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="growth"):
+        wl.Workload(growth=())
+    with pytest.raises(ValueError, match="gaps"):
+        wl.Workload(gap_median=5, gap_max=1)
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        # pull (first) loses at 64, wins from 128: crossing halfway between (diff -1 -> +1)
+        ({64: (2.0, 1.0), 128: (2.0, 3.0), 256: (2.0, 5.0)}, 96.0),
+        ({64: (1.0, 2.0), 128: (1.0, 3.0)}, 64.0),  # pull wins everywhere
+        ({64: (2.0, 1.0), 128: (3.0, 2.0)}, None),  # never
+        # a noisy win at 64 that does not last: the last lasting crossing counts
+        ({64: (1.0, 1.5), 128: (2.0, 1.0), 256: (2.0, 4.0)}, 128 + 128 * 1.0 / 3.0),
+    ],
+)
+def test_break_even_interpolates_the_lasting_crossing(points: dict, expected: float | None) -> None:
+    got = break_even(points)
+    assert got == pytest.approx(expected) if expected is not None else got is None
