@@ -407,3 +407,31 @@ def test_dockerfiles_named_in_values_exist():
     for path in re.findall(r"\b(images/[\w/]+Dockerfile)\b", VALUES.read_text()):
         assert (ROOT / path).exists(), path
     assert not re.search(r"Dockerfile\.(operator|sidecar)", VALUES.read_text())
+
+
+# ------------------------------------------------------------------ failure modes
+
+
+def named_tests(text: str) -> list[tuple[str, str]]:
+    """`tests/x.py::test_name` and the `::test_other` that follow it in one cell."""
+    found = []
+    for cell in text.split("|"):
+        current = None
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", cell):
+            current = m.group(1) or current
+            if m.group(2) and current:
+                found.append((current, m.group(2)))
+    return found
+
+
+def test_every_test_the_failure_modes_page_names_exists():
+    text = (ROOT / "docs" / "failure-modes.md").read_text()
+    named = named_tests(text)
+    assert len(named) > 40, "the page's test names were not found: did the format change?"
+    missing = [
+        f"{path}::{name}"
+        for path, name in named
+        if not (ROOT / path).is_file()
+        or not re.search(rf"^(async )?def {name}\(", (ROOT / path).read_text(), re.M)
+    ]
+    assert not missing, f"docs/failure-modes.md names tests that do not exist: {missing}"
