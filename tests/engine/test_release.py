@@ -28,6 +28,7 @@ from tests.engine.helpers import (
     user_message,
 )
 from tests.kube import wait_until
+from tests.progress import say
 
 pytestmark = pytest.mark.engine
 
@@ -143,8 +144,8 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
     assert rep["pinned"]["handles"] == 0 and rep["pinned"]["blocks"] == 0, rep["pinned"]
     assert rep["releases"]["request"] >= 1, rep["releases"]
     idle_cpu = cpu_share(decode)
-    print(
-        f"\nrelease: D pinned only the kept handle {kept_after:.2f}s after the misaligned "
+    say(
+        f"release: D pinned only the kept handle {kept_after:.2f}s after the misaligned "
         f"turn, nothing {zero_after:.2f}s after the skip-prefill one; D CPU share with one "
         f"handle pinned {pinned_cpu:.2f}, with none {idle_cpu:.2f}; releases {rep['releases']}"
     )
