@@ -88,9 +88,10 @@ def test_a_server_with_only_a_model_name_loads_it_from_the_hub_and_becomes_ready
     name, model = sample["metadata"]["name"], sample["spec"]["model"]["name"]
     kubectl.apply(sample, "--server-side")
     wait_ready(kubectl, ns, name)
-    # What `kubectl get -o yaml` shows, and GitOps tools compare: the defaulted source.
+    # What `kubectl get -o yaml` shows, and GitOps tools compare: the defaulted source,
+    # with the hub's own default (the download goes to the node's disk).
     shown = yaml.safe_load(kubectl.run("get", "dserver", name, "-n", ns, "-o", "yaml").stdout)
-    assert shown["spec"]["model"]["source"] == {"hub": {}}
+    assert shown["spec"]["model"]["source"] == {"hub": {"cache": {"ephemeralStorage": "100Gi"}}}
     for role in ("prefill", "decode"):
         sts = kubectl.get("statefulset", f"{name}-{role}", ns)
         engine = sts["spec"]["template"]["spec"]["containers"][0]
