@@ -33,8 +33,10 @@ from tests.progress import step
 
 pytestmark = pytest.mark.engine
 
-PREFILL_BUDGET_S = 3.0
-HISTORY_WORDS = 1000  # ~1.1k tokens of history for P to pull
+# Long enough for P to prefill turn 1 (~650 tokens) on a loaded core, far shorter than
+# pulling that KV back over the shaped link (sized to take 4x this).
+PREFILL_BUDGET_S = 10.0
+HISTORY_WORDS = 600
 
 
 def _netns_missing() -> str | None:
