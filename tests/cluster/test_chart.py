@@ -225,7 +225,15 @@ def test_operator_as_chart_service_account_makes_a_server_ready(
                 "KVCacheStatus Reporting (status patch as the ServiceAccount)",
             )
             log = sa_op.log()
-            assert "forbidden" not in log.lower(), log[-4000:]
+            # RBAC refusals only: the operator watches every namespace of the shared
+            # control plane, and an Event for another test's namespace that is being
+            # deleted is refused as "forbidden ... being terminated" too.
+            refused = [
+                line
+                for line in log.splitlines()
+                if "forbidden" in line.lower() and "being terminated" not in line
+            ]
+            assert not refused, "\n".join(refused[-20:])
             assert "Traceback" not in log, log[-4000:]
         finally:
             sa_op.stop()
