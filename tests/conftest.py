@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import progress
+from tests.images import image_context, images, wheel  # noqa: F401 - fixtures
 from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures
 
 

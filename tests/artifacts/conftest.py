@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -30,11 +29,11 @@ from aiohttp import web
 
 from kvferry_operator import api, render
 from tests.artifacts.pods import Container, from_pod_spec
-from tests.manifests import ROOT, server
+from tests.images import run
+from tests.manifests import server
 from tests.progress import step
 from tests.unit.sidecar.fakes import FakeEngine
 
-IMAGES_SH = ROOT / "hack" / "images.sh"
 ROLES = ("operator", "sidecar")
 
 
@@ -42,37 +41,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/artifacts/" in str(item.fspath):
             item.add_marker(pytest.mark.artifacts)
-
-
-def run(args: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess[str]:
-    """Run ``args``; fail the test with its output when it exits non-zero."""
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kw)
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(map(str, args))} exited {proc.returncode}:\n"
-            f"{proc.stderr[-6000:]}{proc.stdout[-2000:]}",
-            pytrace=False,
-        )
-    return proc
-
-
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    with step("building the kvferry wheel (pip wheel, no test extras)"):
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)])
-    (found,) = out.glob("kvferry-*.whl")
-    return found
-
-
-@pytest.fixture(scope="session")
-def image_context(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The images' build context: the wheel and its dependency wheels (wheels/)."""
-    ctx = tmp_path_factory.mktemp("image-context")
-    env = {**os.environ, "PYTHON": sys.executable, "KVFERRY_IMAGE_CONTEXT": str(ctx)}
-    with step("dependency wheels for the images (hack/images.sh context; downloads once)"):
-        run(["bash", str(IMAGES_SH), "context", str(wheel)], env=env)
-    return ctx
 
 
 @dataclass(frozen=True)

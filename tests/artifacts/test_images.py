@@ -11,9 +11,7 @@ API server's address (this machine's loopback, as KUBERNETES_SERVICE_HOST)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,10 +22,8 @@ import pytest
 import yaml
 
 from tests.artifacts.conftest import (
-    IMAGES_SH,
     FakeEngines,
     rendered_sidecar,
-    run,
     serve_one_turn,
     wait_http_ready,
 )
@@ -43,36 +39,10 @@ from tests.artifacts.pods import (
 from tests.cluster.test_chart import _push
 from tests.cluster.test_operator import CHILDREN, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
+from tests.images import IMAGES_SH, Images
 from tests.kube import PORT, Kubectl, Operator, free_port, wait_until
 from tests.manifests import server
-from tests.progress import step
 from tests.unit.test_chart import CHART, helm
-
-TAG = "artifacts"
-
-
-@dataclass(frozen=True)
-class Images:
-    operator: str
-    sidecar: str
-
-
-@pytest.fixture(scope="session")
-def images(wheel: Path, image_context: Path) -> Images:
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "KVFERRY_IMAGE_CONTEXT": str(image_context),
-        "KVFERRY_IMAGE_TAG": TAG,
-    }
-    what = (
-        "building the operator and sidecar images (hack/images.sh build; the first run on a "
-        "machine installs podman/buildah/runc/mmdebstrap and builds the base, ~3 min)"
-    )
-    with step(what):
-        out = run(["bash", str(IMAGES_SH), "build", str(wheel)], env=env, timeout=1200)
-    operator_image, sidecar_image = out.stdout.split()
-    return Images(operator_image, sidecar_image)
 
 
 def python_in(image: str, code: str) -> subprocess.CompletedProcess[str]:

