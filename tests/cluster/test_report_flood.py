@@ -20,6 +20,7 @@ from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
+from tests.progress import say
 
 SECONDS = float(os.environ.get("KVFERRY_FLOOD_SECONDS", "20"))
 FORGERS = 32  # concurrent connections sending forged reports as fast as answered
@@ -120,8 +121,8 @@ def test_valid_pods_keep_landing_under_a_flood_of_forged_reports(
     figures = asyncio.run(flood(operator, pods))
     answered = sum(v for k, v in figures["forged"].items() if k)
     rss_end = rss_mib(operator.proc.pid)
-    print(
-        f"\nflood {figures['seconds']}s: forged answered {answered / figures['seconds']:.0f}/s "
+    say(
+        f"flood {figures['seconds']}s: forged answered {answered / figures['seconds']:.0f}/s "
         f"{figures['forged']}; valid {figures['valid']}; operator RSS start {rss_start:.0f} MiB, "
         f"max {max(figures['rss']):.0f} MiB, end {rss_end:.0f} MiB"
     )
@@ -132,7 +133,7 @@ def test_valid_pods_keep_landing_under_a_flood_of_forged_reports(
     # Caches and pools fill in the first half; after that the memory must stay flat.
     half = len(figures["rss"]) // 2
     first, second = max(figures["rss"][:half]), max(figures["rss"][half:])
-    print(f"operator RSS max first half {first:.0f} MiB, second half {second:.0f} MiB")
+    say(f"operator RSS max first half {first:.0f} MiB, second half {second:.0f} MiB")
     assert max(figures["rss"]) - rss_start < 100, "operator memory grew under the flood"
     assert second - first < 16, "operator memory still growing under the flood"
     # Both pods' rows are fresh in KVCacheStatus: the publisher kept running too.
