@@ -219,6 +219,10 @@ def tuner_threshold(
         del tokens
         time.sleep(2.5)  # the sidecar scrapes its engine's NIXL counters every ~2 s
         raw = sc.residency()
+    # The harness's sidecar runs in no pod and no namespace; the operator's decode
+    # insists on Kubernetes names, so the report gets the ones a pod would have.
+    raw["namespace"] = raw.get("namespace") or "bench"
+    raw["pod"] = raw.get("pod") or f"{server.name}-decode-0"
     rep = wire_report.decode(_json_bytes(raw))
     now = time.time()
     agg = aggregate.aggregate(server, [aggregate.Received(rep, now)], now, applied_retention=120)
