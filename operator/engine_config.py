@@ -57,6 +57,18 @@ def engine_build_hash(spec: ServerSpec) -> str:
     )
 
 
+# D keeps the KV of a turn it prefilled alone under its kv_lease_duration (the turn goes
+# to D as a prefill-side request: the one kind vLLM 0.32 both tracks and frees). D also
+# renews the leases of P's blocks it is pulling every lease/6 s, so D's lease stays at
+# most 3x P's: renewed at half of P's lease.
+DECODE_LEASE_MAX_SECONDS = 90
+
+
+def decode_lease_seconds(server: Server) -> int:
+    """D's kv_lease_duration: how long D keeps the KV of a turn it prefilled alone."""
+    return min(DECODE_LEASE_MAX_SECONDS, 3 * server.spec.kv_transfer.lease_seconds)
+
+
 def build_kv_transfer_config(server: Server, role: str) -> Obj:
     """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode).
 
@@ -79,7 +91,9 @@ def build_kv_transfer_config(server: Server, role: str) -> Obj:
             "bidirectional_kv_xfer": kv.bidirectional,
             "decoder_kv_blocks_ttl": ttl,
             "kv_recompute_threshold": kv.recompute_threshold,
-            "kv_lease_duration": kv.lease_seconds,
+            "kv_lease_duration": (
+                decode_lease_seconds(server) if role == api.ROLE_DECODE else kv.lease_seconds
+            ),
             "backends": list(kv.backends),
         },
     }

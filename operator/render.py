@@ -31,6 +31,7 @@ from .engine_config import (
     MODELS_MOUNT,
     build_engine_args,
     build_engine_env,
+    decode_lease_seconds,
     engine_build_hash,
     stable_hash,
 )
@@ -374,6 +375,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
         "bidirectional": spec.kv_transfer.bidirectional,
         "recomputeThreshold": spec.kv_transfer.recompute_threshold,
         "decodeRetentionSeconds": server.decode_retention_seconds,
+        "localHandleSeconds": decode_lease_seconds(server),
         "sessionKeys": list(spec.routing.session_keys),
         "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
         "diagnosticHeaders": spec.routing.diagnostic_headers,
@@ -387,6 +389,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
 # Settings only the decode sidecar reads: changing them must not restart prefill.
 DECODE_ONLY_SETTINGS = (
     "decodeRetentionSeconds",
+    "localHandleSeconds",
     "sessionKeys",
     "skipPrefillBelowTokens",
     "recomputeThreshold",

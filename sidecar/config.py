@@ -66,6 +66,8 @@ class Settings:
     skip_prefill_below_tokens: int = 256
     recompute_threshold: int = 64  # same as vLLM's kv_recompute_threshold
     retention_seconds: float = 480.0  # D's decoder_kv_blocks_ttl
+    # D's kv_lease_duration: how long D keeps a turn it prefilled alone (its handle).
+    local_handle_seconds: float = 30.0
     # Drop a handle this long before D frees it (the tuner assumes the same margin).
     expiry_margin_seconds: float = float(protocol.HANDLE_EXPIRY_MARGIN_SECONDS)
     handle_store_cap: int = 1024
@@ -143,6 +145,7 @@ _FILE_KEYS: dict[str, str] = {
     "skipPrefillBelowTokens": "skip_prefill_below_tokens",
     "recomputeThreshold": "recompute_threshold",
     "decodeRetentionSeconds": "retention_seconds",
+    "localHandleSeconds": "local_handle_seconds",
     "retentionSeconds": "retention_seconds",
     "expiryMarginSeconds": "expiry_margin_seconds",
     "handleStoreCap": "handle_store_cap",
@@ -299,6 +302,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("block_size must be >= 1")
     if settings.retention_seconds <= 0:
         raise ConfigError("retention_seconds must be > 0")
+    if settings.local_handle_seconds <= 0:
+        raise ConfigError("local_handle_seconds must be > 0")
     for name in (
         "connect_timeout_seconds",
         "prefill_timeout_seconds",

@@ -41,7 +41,9 @@ from .identity import compatible, kv_identity
 from .session import handle_slot, next_handle_slot, session_key, session_tag
 from .types import (
     K_DO_REMOTE_DECODE,
+    K_DO_REMOTE_PREFILL,
     K_REMOTE_BLOCK_IDS,
+    K_REMOTE_EXPIRY,
     K_REMOTE_NUM_TOKENS,
     Api,
     KVHandle,
@@ -59,7 +61,6 @@ NOT_KEPT_NONE = "engine-returned-none"
 NOT_KEPT_NO_IDS = "no-token-ids"
 NOT_KEPT_ERROR = "error"
 NOT_KEPT_TRUNCATION = "truncation"  # the engine truncates: positions are not the ids'
-NOT_KEPT_LOCAL = "prefilled-on-decode"  # D computed it alone: vLLM 0.32 cannot track it
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,8 @@ def parse_turn(
 # ------------------------------------------------------------------ handles kept or not
 
 
-def handle_not_kept(turn: TurnInput, rules: Rules, route: Route) -> str | None:
-    """None when this turn can leave a handle; else the reason it cannot. ``route``:
-    where the turn was prefilled, once known (a turn D prefilled alone leaves none)."""
+def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
+    """None when this turn can leave a handle; else the reason it cannot."""
     if not rules.bidirectional:
         return NOT_KEPT_OFF
     if not turn.single_sequence:
@@ -125,8 +125,6 @@ def handle_not_kept(turn: TurnInput, rules: Rules, route: Route) -> str | None:
         return NOT_KEPT_TRUNCATION
     if turn.stream and not rules.streaming_handles:
         return NOT_KEPT_STREAMING
-    if route is not Route.REMOTE:
-        return NOT_KEPT_LOCAL
     return None
 
 
@@ -227,15 +225,30 @@ def build_handle(
     received_wall: float,
     engine_build: str | None,
     retention_s: float,
+    local_lease_s: float,
 ) -> tuple[KVHandle | None, str | None]:
     """The handle D's answer left, and why it cannot be kept for the next turn (None:
     it can). No handle means D returned none; a handle that cannot be kept still pins
     D's blocks and must be released.
 
+    A turn D prefilled alone (sent as ``LOCAL_HANDLE_PARAMS``) comes back with
+    prefill-side params for D's own blocks, held for D's lease (``local_lease_s``):
+    they are turned into the decode-side form P pulls, the form every handle has.
+
     ``now`` is on the handle store's clock; ``received_wall`` the wall clock then.
     The handle is filed under the slot the conversation's next turn will look up."""
     params = capture.params
-    if not params or not params.get(K_DO_REMOTE_DECODE) or not params.get(K_REMOTE_BLOCK_IDS):
+    if not params or not params.get(K_REMOTE_BLOCK_IDS):
+        return None, NOT_KEPT_NONE
+    if params.get(K_DO_REMOTE_PREFILL) and not params.get(K_DO_REMOTE_DECODE):
+        params = {
+            **params,
+            K_DO_REMOTE_DECODE: True,
+            K_DO_REMOTE_PREFILL: False,
+            K_REMOTE_EXPIRY: None,
+        }
+        retention_s = min(retention_s, local_lease_s)
+    elif not params.get(K_DO_REMOTE_DECODE):
         return None, NOT_KEPT_NONE
     why = None
     try:
@@ -281,7 +294,7 @@ def response_headers(
     headers[HDR_ROUTE] = report.route.value
     if ordinal is not None:
         headers[HDR_OWNER] = str(ordinal)
-    reason = handle_not_kept(turn, rules, report.route)
+    reason = handle_not_kept(turn, rules)
     if reason == NOT_KEPT_STREAMING:
         headers[HDR_HANDLE] = (
             f"not-kept; reason={reason}; engine={engine_version or 'unknown'}; "

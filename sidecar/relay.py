@@ -43,6 +43,7 @@ from .runtime import Sidecar
 from .types import (
     F_KV_PARAMS,
     JSON,
+    LOCAL_HANDLE_PARAMS,
     Api,
     KVHandle,
     PrefillPlan,
@@ -314,8 +315,10 @@ async def run_decode(
     if timings.queue_s is None:
         timings.queue_s = time.monotonic() - turn.received_at
     p_done = time.monotonic()
+    # Prefilled by D alone: as a prefill-side request, so D keeps a handle vLLM frees.
+    local = LOCAL_HANDLE_PARAMS if plan.handle_not_kept(turn, rules) is None else None
     try:
-        upstream = await _open_decode(sc, turn, prefill.decode_params)
+        upstream = await _open_decode(sc, turn, prefill.decode_params or local)
         if upstream.status >= 500 and prefill.route is Route.REMOTE:
             # D could not pull P's blocks (P gone, lease expired): D prefills itself.
             await upstream.read()
@@ -326,7 +329,7 @@ async def run_decode(
                 upstream.status,
             )
             report.route = Route.FALLBACK
-            upstream = await _open_decode(sc, turn, None)
+            upstream = await _open_decode(sc, turn, local)
     except EngineTimeout as exc:
         report.status, report.error = 504, exc.reason
         return timed_out(sc, turn.request_id, exc.reason)
@@ -434,7 +437,7 @@ def _keep_handle(
 ) -> None:
     """Keep the handle D's answer left for the next turn; release one that cannot be
     kept (D pins it all the same)."""
-    reason = plan.handle_not_kept(turn, rules, report.route)
+    reason = plan.handle_not_kept(turn, rules)
     handle, why = plan.build_handle(
         turn,
         capture,
@@ -442,6 +445,7 @@ def _keep_handle(
         received_wall=time.time(),
         engine_build=sc.settings.engine_build,
         retention_s=sc.settings.retention_seconds,
+        local_lease_s=sc.settings.local_handle_seconds,
     )
     if handle is not None and reason is None and why is None:
         sc.store.put(handle)

@@ -71,12 +71,17 @@ PREFILL_REQUEST_PARAMS: Final[Mapping[str, Any]] = {
     K_REMOTE_PORT: None,
 }
 
-# A turn D prefills itself carries no kv_transfer_params and leaves no handle. With
-# the "no transfer" flags (both False) vLLM 0.32 would return one, but its NIXL worker
-# never tracks such a request (only do_remote_decode, or do_remote_prefill with
-# bidirectional, enter reqs_in_batch), so nothing ever reports those blocks sent: D
-# keeps them pinned until it restarts, and a P's read or release of them only makes D
-# log "unrecognized request". D's prefix cache still holds the turn (cached-on-decode).
+# A turn D prefills itself goes to D as a prefill-side request. vLLM 0.32 tracks and
+# frees only requests that entered its NIXL worker's batch (do_remote_decode, or
+# do_remote_prefill with bidirectional); with the "no transfer" flags (both False) it
+# would return a handle whose blocks nothing ever frees. A prefill-side request returns
+# P-style params for D's blocks (do_remote_prefill=True, D's engine id), held for D's
+# kv_lease_duration (``local_handle_seconds``) and freed when P reads or releases them:
+# plan.build_handle turns them into a handle P pulls like any other.
+LOCAL_HANDLE_PARAMS: Final[Mapping[str, Any]] = {
+    K_DO_REMOTE_DECODE: True,
+    K_DO_REMOTE_PREFILL: False,
+}
 
 # ------------------------------------------------------------------ the handle
 

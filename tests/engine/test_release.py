@@ -82,9 +82,10 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
 ) -> None:
     """A misaligned turn releases the handle it could not read (riding on its own
     prefill), so D pins only the one kept for the next turn, exactly as many blocks as
-    the residency reports say; a skip-prefill turn that keeps none (D prefilled it
-    alone) releases the last one with a release request: D pins nothing within 5 s,
-    and nothing after a further short turn D serves from its prefix cache."""
+    the residency reports say. Short turns D prefills alone keep a handle of their own
+    (a prefill-side request, which vLLM tracks and frees) and release the one before:
+    still exactly the kept handle pinned. When the sidecar stops, D pins nothing
+    within 5 s: no turn left blocks that nothing frees."""
     # Earlier tests' sessions may still pin handles on D until their retention ends.
     wait_until(lambda: pinned_on_decode(decode) == 0, 60, "D to pin nothing before the test")
     session = "release-1"
@@ -118,34 +119,42 @@ def test_unread_handles_are_released_and_pinned_figures_match_decode(
     assert rep["releases"]["rider"] >= 1, rep["releases"]  # turn 1's handle, unread
     pinned_cpu = cpu_share(decode)
 
-    # A short follow-up: D holds the prefix and prefills the tail alone. The turn keeps
-    # no handle (vLLM 0.32 cannot free a locally prefilled request's blocks), so the
-    # kept one is released by a one-token request through P.
-    messages = [*copy.deepcopy(messages), assistant(second.reply), short_message(2)]
-    last = send(sidecar, prefill, messages, session)
-    assert last.reply.outcome == "skipped-prefill", last.why()
-    assert last.reply.token_ids == reference(prefill, messages)
+    # Two short follow-ups: D holds the prefix and prefills the tail alone, as a
+    # prefill-side request: each keeps D's handle of its own turn and releases the one
+    # before (a release request through P: nothing rides, no prefill was sent).
+    for n in (2, 3):
+        messages = [*copy.deepcopy(messages), assistant(second.reply), short_message(n)]
+        second = send(sidecar, prefill, messages, session)
+        assert second.reply.outcome == "skipped-prefill", second.why()
+        assert second.reply.token_ids == reference(prefill, messages)
+        started = time.monotonic()
+        rep = wait_until(one_kept, 5, f"D to pin only short turn {n}'s handle")
+    local_after = time.monotonic() - started
+    assert rep["releases"]["request"] >= 2, rep["releases"]
+
+    # The session's next long turn pulls the last short turn's handle through P.
+    messages = [*copy.deepcopy(messages), assistant(second.reply), user_message(31, 4)]
+    long = send(sidecar, prefill, messages, session)
+    assert long.reply.outcome == "reused", long.why()
+    assert long.reply.reused_tokens > 0 and long.p.pulled_tokens > 0, long.why()
+    assert long.reply.token_ids == reference(prefill, messages)
+    wait_until(one_kept, 5, "D to pin only the long turn's handle")
+
+    # Stopping the sidecar releases what it holds; D then pins nothing.
+    sidecar.stop()
     started = time.monotonic()
 
     def none_pinned() -> bool:
         on_decode = pinned_on_decode(decode)
-        assert on_decode == 0, (on_decode, residency(sidecar)["pinned"])
+        assert on_decode == 0, on_decode
         return True
 
-    wait_until(none_pinned, 5, "D to pin nothing after the last turn")
+    wait_until(none_pinned, 5, "D to pin nothing once the sidecar stopped")
     zero_after = time.monotonic() - started
-    # Another short one: no handle now, D's prefix cache serves it; still nothing pinned.
-    messages = [*copy.deepcopy(messages), assistant(last.reply), short_message(3)]
-    again = send(sidecar, prefill, messages, session)
-    assert again.reply.outcome == "cached-on-decode", again.why()
-    assert again.reply.token_ids == reference(prefill, messages)
-    wait_until(none_pinned, 5, "D to pin nothing after a cached-on-decode turn")
-    rep = residency(sidecar)
-    assert rep["pinned"]["handles"] == 0 and rep["pinned"]["blocks"] == 0, rep["pinned"]
-    assert rep["releases"]["request"] >= 1, rep["releases"]
     idle_cpu = cpu_share(decode)
     say(
         f"release: D pinned only the kept handle {kept_after:.2f}s after the misaligned "
-        f"turn, nothing {zero_after:.2f}s after the skip-prefill one; D CPU share with one "
-        f"handle pinned {pinned_cpu:.2f}, with none {idle_cpu:.2f}; releases {rep['releases']}"
+        f"turn, {local_after:.2f}s after a short turn D prefilled alone, nothing "
+        f"{zero_after:.2f}s after the sidecar stopped; D CPU share with one handle pinned "
+        f"{pinned_cpu:.2f}, with none {idle_cpu:.2f}; releases {rep['releases']}"
     )

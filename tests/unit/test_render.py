@@ -164,9 +164,18 @@ class TestKVTransferConfig:
             "bidirectional_kv_xfer": True,
             "decoder_kv_blocks_ttl": 90,
             "kv_recompute_threshold": 128,
-            "kv_lease_duration": 12,
+            # D's own lease: 3x P's (D renews P's leases every lease/6 s), at most 90 s.
+            "kv_lease_duration": 36,
             "backends": ["UCX", "LIBFABRIC"],
         }
+        prefill = json.loads(
+            arg_after(engine(rendered(server(spec)), "prefill"), "--kv-transfer-config")
+        )
+        assert prefill["kv_connector_extra_config"]["kv_lease_duration"] == 12
+        default = json.loads(
+            arg_after(engine(rendered(server()), "decode"), "--kv-transfer-config")
+        )
+        assert default["kv_connector_extra_config"]["kv_lease_duration"] == 90
 
     def test_no_keys_vllm_032_rejects(self):
         cfg = json.loads(arg_after(engine(rendered(server()), "prefill"), "--kv-transfer-config"))

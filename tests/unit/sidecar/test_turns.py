@@ -14,7 +14,7 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
-from kvferry_sidecar.types import PREFILL_REQUEST_PARAMS
+from kvferry_sidecar.types import LOCAL_HANDLE_PARAMS, PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 
 from .conftest import Engines, MakeSidecar, sidecar_of
@@ -337,7 +337,9 @@ async def test_handle_single_use_across_turns(make_sidecar: MakeSidecar, engines
 async def test_skip_prefill_short_tail_decodes_locally(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """Turn 2's uncached tail (9 tokens) is below skipPrefillBelowTokens: P is skipped."""
+    """Turn 2's uncached tail (9 tokens) is below skipPrefillBelowTokens: P is skipped.
+    D prefills it as a prefill-side request, so it keeps a handle vLLM can free, and
+    turn 3 (a long tail) pulls that handle through P."""
     client = await make_sidecar(skip_prefill_below_tokens=10)
     conv = Conversation(client)
     await conv.ask(LONG_QUESTION)  # 13 tokens, nothing held: goes to P
@@ -345,16 +347,25 @@ async def test_skip_prefill_short_tail_decodes_locally(
     resp, _ = await conv.ask("and you")  # 21 tokens, D holds 12 (3 blocks)
     assert outcome(resp) == "skipped-prefill"
     assert resp.headers["X-Kvferry-Reused-Tokens"] == "12"
-    # D prefills alone, carrying no kv_transfer_params (vLLM 0.32 never frees blocks of
-    # a request with the "no transfer" flags), so the turn leaves no handle behind.
-    assert kv(engines.decode.last().body) is None
-    assert resp.headers["X-Kvferry-Handle"] == "not-kept; reason=prefilled-on-decode"
-    # P computed nothing of the turn: its only other request is the one-token release
-    # of turn 1's handle, which D no longer needs (its prefix cache holds the turn).
+    # Not the "no transfer" flags: vLLM 0.32 returns a handle for those but never
+    # frees its blocks. A prefill-side request is tracked and freed.
+    assert kv(engines.decode.last().body) == LOCAL_HANDLE_PARAMS
+    assert "X-Kvferry-Handle" not in resp.headers  # kept
+    local = engines.decode.handles[-1]
+    assert local["do_remote_prefill"] and not local["do_remote_decode"]
+    # P computed nothing of turn 2: its only other request is the one-token release
+    # of turn 1's handle, superseded by turn 2's.
     await releases_done(client)
     (release,) = prefill_bodies(engines)[1:]
     assert release["max_tokens"] == 1 and len(release["prompt"]) == 1
     assert kv(release) == rider(engines.decode.handles[0])
+    # Turn 3, a long tail: P pulls D's local handle as it pulls any decode handle.
+    resp, _ = await conv.ask(LONG_QUESTION)
+    assert outcome(resp) == "reused", resp.headers
+    pulled = kv(prefill_bodies(engines)[-1])
+    assert pulled is not None
+    assert pulled["remote_block_ids"] == local["remote_block_ids"]
+    assert pulled["do_remote_decode"] and not pulled["do_remote_prefill"]
 
 
 async def test_skip_prefill_short_first_turn(make_sidecar: MakeSidecar, engines: Engines) -> None:
@@ -474,7 +485,8 @@ async def test_all_prefill_engines_failing_falls_back_to_decode(
     resp, _ = await conv.ask("hello")
     assert resp.status == 200
     assert resp.headers["X-Kvferry-Route"] == "fallback"
-    assert kv(engines.decode.last().body) is None
+    # D prefills alone and keeps a handle for the next turn (a prefill-side request).
+    assert kv(engines.decode.last().body) == LOCAL_HANDLE_PARAMS
 
 
 async def test_prefill_client_error_lets_decode_answer(
@@ -498,7 +510,7 @@ async def test_decode_failed_pull_from_prefill_recomputes_on_decode(
     resp, _ = await conv.ask("hello")
     assert resp.status == 200
     assert resp.headers["X-Kvferry-Route"] == "fallback"
-    assert kv(engines.decode.last().body) is None
+    assert kv(engines.decode.last().body) == LOCAL_HANDLE_PARAMS
 
 
 async def test_decode_client_error_is_passed_through(
