@@ -99,12 +99,22 @@ def run_conversation(
     session: str,
     reset_prefill: bool,
 ) -> list[Turn]:
+    """The turns of one run, in order. Each run salts its prompts with its session
+    (``cache_salt``): D's prefix cache then holds nothing of another run's (every run
+    sends the same messages), so a run with reuse off computes its prompts, and one with
+    reuse on reuses only its own turns."""
     out = []
     for messages in turns:
         if reset_prefill:
             prefill.reset_prefix_cache()
         before = prefill.metrics()
-        r = sc.chat(messages, max_tokens=1, session_id=session, request_id=f"demo-{session}")
+        r = sc.chat(
+            messages,
+            max_tokens=1,
+            session_id=session,
+            request_id=f"demo-{session}",
+            cache_salt=session,
+        )
         if r.status != 200:
             raise EngineError(f"turn failed: {r.status} {r.body}")
         out.append(Turn(r, PrefillFigures.between(before, prefill.metrics())))
