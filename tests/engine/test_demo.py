@@ -1,6 +1,7 @@
 """Engine tier: the README's first command, `make demo` (``python -m kvferry_dev.demo``),
 run as a user runs it, shorter (3 turns, 2 runs per mode). It starts its own P and D
-next to the tier's, so it runs after the tier's own tests need their cores.
+and needs none of the tier's fixtures that start engines, so it runs first, with the
+cores to itself.
 
 What it must show, whatever the machine's speed: every turn after the first reused
 what D held (in every run: a later run must not be served from an earlier run's
