@@ -445,6 +445,27 @@ def _owner(namespace: str, labels: kopf.Labels, servers: kopf.Index) -> dict[str
     return found[0] if found else None
 
 
+def _refresh(
+    owner: dict[str, Any],
+    memo: kopf.Memo,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index,
+) -> None:
+    """Step 4-5 for a server found through one of its children, pods or nodes: every
+    caller passes the same inputs (prerequisites and nodes too), so no event path
+    computes a status that another path would then flip back."""
+    refresh_status(
+        {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
+        memo.kube,
+        statefulsets,
+        pods,
+        memo.probe,
+        memo.settings,
+        nodes=nodes,
+    )
+
+
 def _on_child_event(kind: str):
     def child_changed(
         type: str | None,
@@ -473,13 +494,11 @@ def _on_child_event(kind: str):
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
         elif _holds_ours(owner, kind, name, body, memo.settings):
             if kind == "StatefulSet":
-                refresh_status(owner, memo.kube, statefulsets, pods)
+                _refresh(owner, memo, statefulsets, pods, nodes)
             return
         apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
         if kind == "StatefulSet":
-            refresh_status(
-                owner, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes
-            )
+            _refresh(owner, memo, statefulsets, pods, nodes)
 
     return child_changed
 
@@ -503,15 +522,7 @@ def pod_changed(
 ) -> None:
     owner = _owner(namespace, {api.LABEL_INSTANCE: labels[api.LABEL_SERVER]}, servers)
     if owner is not None and not owner["metadata"].get("deletionTimestamp"):
-        refresh_status(
-            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
-            memo.kube,
-            statefulsets,
-            pods,
-            memo.probe,
-            memo.settings,
-            nodes=nodes,
-        )
+        _refresh(owner, memo, statefulsets, pods, nodes)
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -534,12 +545,4 @@ def node_changed(
             continue
         if type == "DELETED":
             logger.warning("node %s deleted with pods of %s/%s on it", name, namespace, server)
-        refresh_status(
-            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
-            memo.kube,
-            statefulsets,
-            pods,
-            memo.probe,
-            memo.settings,
-            nodes=nodes,
-        )
+        _refresh(owner, memo, statefulsets, pods, nodes)

@@ -226,3 +226,29 @@ async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(ca
 async def _until(check) -> None:
     while not check():
         await asyncio.sleep(0.01)
+
+
+def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypatch):
+    """A StatefulSet event that changed none of our fields (the common one: its
+    controller's status) once refreshed status without the prerequisite probe and the
+    node index, so its status lost Prerequisites and NodeLost until another event put
+    them back."""
+    from kvferry_operator import handlers
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(handlers, "refresh_status", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(handlers, "_holds_ours", lambda *a: True)
+    owner = {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {}}
+    memo = kopf.Memo(kube="kube", settings="settings", probe="probe")
+    servers = {("ns", "tiny"): [owner]}
+    nodes = {"gpu-node-1": [True]}
+    child = handlers._on_child_event("StatefulSet")
+    labels = {api.LABEL_INSTANCE: "tiny", api.LABEL_SERVER: "tiny"}
+    common = dict(memo=memo, servers=servers, statefulsets={}, pods={}, nodes=nodes)
+    child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels, body={},
+          logger=logging.getLogger("test"), **common)  # fmt: skip
+    handlers.pod_changed(namespace="ns", labels=labels, **common)
+    assert len(calls) == 2
+    for args, kw in calls:
+        assert args[1:] == ("kube", {}, {}, "probe", "settings"), args
+        assert kw == {"nodes": nodes}
