@@ -93,7 +93,8 @@ class Metrics:
         )
         self.prefill_attempts = Counter(
             "kvferry_prefill_attempts",
-            "Prefill requests sent, by result.",
+            "Prefill requests sent, by result (ok, unavailable, timeout, no-params, "
+            "pull-failed, error, abandoned: the client left while P computed).",
             ["result"],
             registry=r,
         )

@@ -152,6 +152,7 @@ async def run_prefill(
                         timeout=s.prefill_timeout_seconds,
                     )
             except asyncio.CancelledError:
+                sc.metrics.prefill_attempts.labels("abandoned").inc()
                 carried.broke_off(sc)  # the client left while P had the request
                 raise
             except EngineUnavailable as exc:

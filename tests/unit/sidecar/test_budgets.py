@@ -93,8 +93,9 @@ async def test_client_gone_mid_prefill_aborts_it_and_keeps_the_handle_counted(
         await asyncio.sleep(0.05)
     assert sum(p.aborted for p in engines.prefill) == 1
     assert engines.decode.completions()[-1:] and len(engines.decode.completions()) == 1
-    pinned = sidecar_of(client).ledger.figures(sidecar_of(client).store.now())
-    assert pinned.handles == 1
+    sc = sidecar_of(client)
+    assert sc.ledger.figures(sc.store.now()).handles == 1
+    assert sc.metrics.prefill_attempts.labels("abandoned")._value.get() == 1
 
 
 async def test_forward_hop_waits_no_longer_than_both_budgets(
