@@ -229,36 +229,32 @@ class FakeEngine:
         remote = len(prompt) + len(output) - 1
         first = 1000 * self._count
         asked = body["kv_transfer_params"]
-        if asked.get("do_remote_decode") and not asked.get("remote_block_ids"):
-            # Prefilled here alone, sent as a prefill-side request: vLLM returns P-style
-            # params for this engine's blocks, held for its KV lease.
-            return {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [list(range(first, first + -(-remote // self.block_size)))],
-                "remote_engine_id": self.name,
-                "remote_request_id": f"{self.name}-{rid}",
-                "remote_host": "10.0.0.2",
-                "remote_port": 5601,
-                "tp_size": 1,
-                "remote_num_tokens": remote,
-                "remote_blocks_expiry_time": None,
-                "transfer_mode": "pull",
-            }
-        return {
-            "do_remote_prefill": False,
-            "do_remote_decode": True,
+        blocks = {
             "remote_block_ids": [list(range(first, first + -(-remote // self.block_size)))],
             "remote_engine_id": self.name,
             "remote_request_id": f"{self.name}-{rid}",
             "remote_host": "10.0.0.2",
             "remote_port": 5601,
             "tp_size": 1,
+            "remote_num_tokens": remote,
+            "transfer_mode": "pull",
+        }
+        if asked.get("do_remote_decode") and not asked.get("remote_block_ids"):
+            # Prefilled here alone, sent as a prefill-side request: vLLM returns P-style
+            # params for this engine's blocks, held for its KV lease.
+            return {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                **blocks,
+                "remote_blocks_expiry_time": None,
+            }
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            **blocks,
             "dcp_size": 1,
             "pp_size": 1,
-            "remote_num_tokens": remote,
             "remote_blocks_expiry_time": time.perf_counter() + self.ttl,
-            "transfer_mode": "pull",
         }
 
     async def _decode_answer(
