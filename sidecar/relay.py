@@ -10,8 +10,10 @@ client and asks ``plan`` what to do at each step.
       4. plan.plan_turn   the session's handle (taken from the store: single use),
                           expiry and alignment; the route: P (with/without handle)
                           or D alone
-      5. run_prefill      least-loaded ready P; retries; pull failure -> recompute;
-                          plan.settle gives the turn's outcome
+      5. run_prefill      a loop over attempts on the least-loaded ready P;
+                          retries; pull failure -> recompute; plan.settle gives the
+                          turn's outcome; what the requests carry is a release.Ride,
+                          and the releaser settles the taken handle afterwards
       6. run_decode       local D with P's params; stream or not, as the client asked;
                           restore the client's view; plan.build_handle keeps the next
       7. record_turn      TurnReport -> series, one log line, the residency model

@@ -1,7 +1,8 @@
 """The sidecar's long-lived state and its background loops.
 
 One ``Sidecar`` per app: settings, the HTTP client session, the local engine, the
-prefill pool, the handle store, metrics, the residency model. ``start`` opens
+prefill pool, the handle store, the releaser (``release.Releaser``, given the
+one-token release request to send), metrics, the residency model. ``start`` opens
 clients and probes once (so a test or a warm pod serves its first request with
 capabilities known). Background loops (``background``): ``run`` keeps probing,
 scrapes the engine's metrics, purges expired handles and re-reads the topology
