@@ -10,8 +10,10 @@ client and asks ``plan`` what to do at each step.
       4. plan.plan_turn   the session's handle (taken from the store: single use),
                           expiry and alignment; the route: P (with/without handle)
                           or D alone
-      5. run_prefill      least-loaded ready P; retries; pull failure -> recompute;
-                          plan.settle gives the turn's outcome
+      5. run_prefill      a loop over attempts on the least-loaded ready P;
+                          retries; pull failure -> recompute; plan.settle gives the
+                          turn's outcome; what the requests carry is a release.Ride,
+                          and the releaser settles the taken handle afterwards
       6. run_decode       local D with P's params; stream or not, as the client asked;
                           restore the client's view; plan.build_handle keeps the next
       7. record_turn      TurnReport -> series, one log line, the residency model
@@ -38,21 +40,26 @@ from aiohttp import web
 from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
 
 from . import forward, plan, rewrite
-from .release import PINNED_PULL_FAILED, release_params
+from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
     F_KV_PARAMS,
     JSON,
     LOCAL_HANDLE_PARAMS,
     Api,
-    KVHandle,
     PrefillPlan,
     PrefillResult,
     TurnInput,
     TurnReport,
     TurnTimings,
 )
-from .upstream import EngineTimeout, EngineUnavailable, EngineUnreachable, UpstreamError
+from .upstream import (
+    EngineTimeout,
+    EngineUnavailable,
+    EngineUnreachable,
+    PrefillEngine,
+    UpstreamError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,144 +95,129 @@ def _valid_prefill_params(data: Any) -> Mapping[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-@dataclass
-class _Carried:
-    """What the prefill requests carry besides the prompt: the session's handle to
-    pull, or a handle riding along only to be released (release.py): the turn's own
-    unread one, or one the sidecar was waiting to release (``queued``)."""
+# Prefill attempt results (the kvferry_prefill_attempts_total label).
+ATTEMPT_OK = "ok"
+ATTEMPT_ABANDONED = "abandoned"  # the client left while P had the request
+ATTEMPT_UNAVAILABLE = "unavailable"
+ATTEMPT_TIMEOUT = "timeout"
+ATTEMPT_NO_PARAMS = "no-params"  # P answered without kv_transfer_params
+ATTEMPT_PULL_FAILED = "pull-failed"  # P failed with something to pull or release
+ATTEMPT_ERROR = "error"
 
-    pull: Mapping[str, Any] | None
-    rider: KVHandle | None
-    queued: bool
-    taken_unknown: bool = False  # an attempt that carried the taken handle broke off
 
-    def params(self) -> Mapping[str, Any] | None:
-        if self.pull is not None:
-            return self.pull
-        return release_params(self.rider.params) if self.rider is not None else None
+@dataclass(frozen=True)
+class _Attempt:
+    """One prefill request's result, and what the turn does next."""
 
-    def broke_off(self, sc: Sidecar) -> bool:
-        """An attempt that carried something got no clear answer: P may have read or
-        released it, or not. Nothing is sent twice (a completed read frees D's blocks:
-        a second one could read freed memory). True when the pull was dropped."""
-        pulled = self.pull is not None
-        if self.rider is not None and self.queued:
-            sc.rider_done(self.rider, freed=False)
-        elif self.rider is not None or pulled:
-            self.taken_unknown = True
-        self.pull, self.rider = None, None
-        return pulled
+    result: str
+    params: Mapping[str, Any] | None = None  # P's kv_transfer_params (result ok)
+    broke_off: bool = False  # it reached P carrying something: state unknown now
+    fails_pull: bool = False  # a pull it dropped makes the turn's outcome pull-failed
+    next_engine: bool = False  # the next attempt goes to another engine
+    again: bool = True  # another attempt may follow
+
+
+async def _attempt(sc: Sidecar, engine: PrefillEngine, turn: TurnInput, ride: Ride) -> _Attempt:
+    """Send the prefill request once and classify what came back."""
+    carrying = ride.params()
+    body = rewrite.prefill_body(turn.body, carrying, _session_id(sc, turn))
+    try:
+        with sc.pool.in_flight(engine):
+            status, data = await engine.client.post_json(
+                turn.api.path,
+                body,
+                request_id=turn.request_id,
+                timeout=sc.settings.prefill_timeout_seconds,
+            )
+    except asyncio.CancelledError:
+        sc.metrics.prefill_attempts.labels(ATTEMPT_ABANDONED).inc()
+        ride.broke_off()
+        raise
+    except EngineUnavailable as exc:
+        sc.pool.mark_down(engine.url)
+        log.warning("prefill engine unavailable request_id=%s err=%s", turn.request_id, exc)
+        # Never connected: what it carried is untouched, the next engine gets it.
+        reached = not isinstance(exc, EngineUnreachable)
+        return _Attempt(
+            ATTEMPT_UNAVAILABLE, broke_off=reached, fails_pull=reached, next_engine=True
+        )
+    except EngineTimeout as exc:
+        log.warning("prefill timed out request_id=%s err=%s", turn.request_id, exc)
+        return _Attempt(ATTEMPT_TIMEOUT, broke_off=True, fails_pull=True, next_engine=True)
+    params = _valid_prefill_params(data) if status == 200 else None
+    if params is not None:
+        return _Attempt(ATTEMPT_OK, params, again=False)
+    if status == 200:
+        log.warning(
+            "prefill engine returned no kv_transfer_params (is it running the "
+            "NixlConnector?) request_id=%s engine=%s",
+            turn.request_id,
+            engine.url,
+        )
+        return _Attempt(ATTEMPT_NO_PARAMS, broke_off=True, again=False)
+    if carrying is not None:
+        # A failed pull (handle expired, D gone) under kv_load_failure_policy=fail is
+        # an immediate 500: retry at once without the handle = recompute.
+        log.warning(
+            "prefill failed with a handle; recomputing request_id=%s status=%s",
+            turn.request_id,
+            status,
+        )
+        return _Attempt(ATTEMPT_PULL_FAILED, broke_off=True, fails_pull=True)
+    if 400 <= status < 500:
+        # Let D answer: if the request is invalid, D's error is the canonical one.
+        return _Attempt(ATTEMPT_ERROR, again=False)
+    log.warning(
+        "prefill failed request_id=%s engine=%s status=%s",
+        turn.request_id,
+        engine.url,
+        status,
+    )
+    return _Attempt(ATTEMPT_ERROR, next_engine=True)
 
 
 async def run_prefill(
     sc: Sidecar, turn: TurnInput, planned: PrefillPlan, rules: plan.Rules, timings: TurnTimings
 ) -> PrefillResult:
+    """The turn's prefill on the least-loaded ready P: each engine once, plus one
+    retry without the handle after a failed pull; a fallback (D prefills) otherwise."""
     if planned.route is Route.SKIP:
         outcome, reused = plan.settle(planned, Route.SKIP, planned.outcome)
         # D prefills alone and carries no kv_transfer_params (types.py: no handle).
         return PrefillResult(Route.SKIP, outcome, None, reused)
-    s = sc.settings
     outcome = planned.outcome
-    own = planned.taken if planned.handle_params is None else None
-    queued = sc.take_rider() if planned.handle_params is None and own is None else None
-    carried = _Carried(planned.handle_params, own or queued, queued is not None)
     tried: set[str] = set()
     attempts = 0
     started = time.monotonic()
-    # Each engine once, plus one retry without the handle after a failed pull.
     budget = len(sc.pool.engines) + 1
-    try:
-        while attempts < budget:
-            engine = sc.pool.choose(tried)
-            if engine is None:
-                break
+    with sc.releaser.ride(planned.handle_params, planned.taken) as ride:
+        while attempts < budget and (engine := sc.pool.choose(tried)) is not None:
             attempts += 1
             if timings.queue_s is None:
                 timings.queue_s = time.monotonic() - turn.received_at
-            body = rewrite.prefill_body(turn.body, carried.params(), _session_id(sc, turn))
-            try:
-                with sc.pool.in_flight(engine):
-                    status, data = await engine.client.post_json(
-                        turn.api.path,
-                        body,
-                        request_id=turn.request_id,
-                        timeout=s.prefill_timeout_seconds,
-                    )
-            except asyncio.CancelledError:
-                sc.metrics.prefill_attempts.labels("abandoned").inc()
-                carried.broke_off(sc)  # the client left while P had the request
-                raise
-            except EngineUnavailable as exc:
-                sc.metrics.prefill_attempts.labels("unavailable").inc()
-                sc.pool.mark_down(engine.url)
-                tried.add(engine.url)
-                log.warning("prefill engine unavailable request_id=%s err=%s", turn.request_id, exc)
-                # Never connected: what it carried is untouched, the next engine gets it.
-                if not isinstance(exc, EngineUnreachable) and carried.broke_off(sc):
-                    outcome = Outcome.PULL_FAILED
-                continue
-            except EngineTimeout as exc:
-                sc.metrics.prefill_attempts.labels("timeout").inc()
-                tried.add(engine.url)
-                log.warning("prefill timed out request_id=%s err=%s", turn.request_id, exc)
-                if carried.broke_off(sc):
-                    outcome = Outcome.PULL_FAILED
-                continue
-            params = _valid_prefill_params(data) if status == 200 else None
-            if params is not None:
-                sc.metrics.prefill_attempts.labels("ok").inc()
+            attempt = await _attempt(sc, engine, turn, ride)
+            sc.metrics.prefill_attempts.labels(attempt.result).inc()
+            if attempt.params is not None:
                 outcome, reused = plan.settle(planned, Route.REMOTE, outcome)
-                freed = carried.pull is not None or (carried.rider is own and own is not None)
-                if queued is not None and carried.rider is queued:
-                    sc.rider_done(queued, freed=True)
-                carried.rider = None
                 return PrefillResult(
                     Route.REMOTE,
                     outcome,
-                    params,
+                    attempt.params,
                     reused,
                     engine.url,
                     attempts,
                     time.monotonic() - started,
-                    handle_freed=freed,
-                    handle_unknown=carried.taken_unknown,
+                    handle_freed=ride.answered(),
+                    handle_unknown=ride.taken_unknown,
                 )
-            if status == 200:
-                sc.metrics.prefill_attempts.labels("no-params").inc()
-                log.warning(
-                    "prefill engine returned no kv_transfer_params (is it running the "
-                    "NixlConnector?) request_id=%s engine=%s",
-                    turn.request_id,
-                    engine.url,
-                )
-                carried.broke_off(sc)
-                break
-            if carried.params() is not None:
-                # A failed pull (handle expired, D gone) under kv_load_failure_policy=
-                # fail is an immediate 500: retry at once without the handle = recompute.
-                sc.metrics.prefill_attempts.labels("pull-failed").inc()
-                log.warning(
-                    "prefill failed with a handle; recomputing request_id=%s status=%s",
-                    turn.request_id,
-                    status,
-                )
-                if carried.broke_off(sc):
+            if attempt.broke_off:
+                if attempt.fails_pull and ride.pulling:
                     outcome = Outcome.PULL_FAILED
-                continue
-            sc.metrics.prefill_attempts.labels("error").inc()
-            if 400 <= status < 500:
-                # Let D answer: if the request is invalid, D's error is the canonical one.
+                ride.broke_off()
+            if attempt.next_engine:
+                tried.add(engine.url)
+            if not attempt.again:
                 break
-            tried.add(engine.url)
-            log.warning(
-                "prefill failed request_id=%s engine=%s status=%s",
-                turn.request_id,
-                engine.url,
-                status,
-            )
-    finally:
-        if carried.rider is not None and queued is not None and carried.rider is queued:
-            sc.release(queued)  # never sent: back to waiting for a ride or a request
     elapsed = time.monotonic() - started if attempts else None
     outcome, reused = plan.settle(planned, Route.FALLBACK, outcome)
     return PrefillResult(
@@ -236,24 +228,8 @@ async def run_prefill(
         None,
         attempts,
         elapsed,
-        handle_unknown=carried.taken_unknown,
+        handle_unknown=ride.taken_unknown,
     )
-
-
-def settle_taken(sc: Sidecar, planned: PrefillPlan, prefill: PrefillResult) -> None:
-    """The session's taken handle, if P neither read nor released it: release it, or
-    keep it in the pinned figures until D's deadline when its state is unknown."""
-    taken = planned.taken
-    if taken is None:
-        return
-    if prefill.handle_freed:
-        if prefill.outcome is not Outcome.REUSED:
-            sc.released_by_rider()
-        return
-    if prefill.handle_unknown:
-        sc.pin_until_expiry(taken, PINNED_PULL_FAILED)
-    else:
-        sc.release(taken)
 
 
 # ------------------------------------------------------------------ 6. decode
@@ -455,12 +431,12 @@ def _keep_handle(
         return
     report.handle_not_kept_reason = reason or why
     if handle is not None:
-        sc.release(handle)
+        sc.releaser.release(handle)
     elif report.route is Route.REMOTE and reason == plan.NOT_KEPT_STREAMING:
         # D was asked to keep its KV (it read P's) but streams no handle back: pinned
         # until its deadline, nobody knows where.
         tokens = (report.prompt_tokens or 0) + len(capture.output_ids)
-        sc.pin_unreturned(turn.request_id, tokens)
+        sc.releaser.pin_unreturned(turn.request_id, tokens, sc.local.block_size)
 
 
 # ------------------------------------------------------------------ the turn
@@ -526,10 +502,10 @@ async def serve_turn(
         # The client went away mid-prefill (aiohttp cancels the handler, which closes
         # P's connection: P aborts). The taken handle may have reached P: unknown.
         if planned.taken is not None:
-            sc.pin_until_expiry(planned.taken, PINNED_PULL_FAILED)
+            sc.releaser.pin_until_expiry(planned.taken, PINNED_PULL_FAILED)
         _client_gone(sc, report, received_at)
         raise
-    settle_taken(sc, planned, prefill)
+    sc.releaser.settle_taken(planned.taken, prefill)
     report.outcome, report.route = prefill.outcome, prefill.route
     report.reused_tokens = prefill.reused_tokens
     report.prefill_engine, report.prefill_attempts = prefill.engine, prefill.attempts

@@ -28,16 +28,43 @@ half way (P may or may not have read it), a handle already within the expiry mar
 (D frees it soon; a late notification would only make D log an error), and a vLLM
 0.32 streaming turn whose handle D pinned but never returned.
 
-Pure: the runtime sends the requests (``runtime.Sidecar.release``).
+The ``Releaser`` owns all of it: the ledger, the handles waiting for a ride, the
+release requests in flight and what each turn's prefill carries (a ``Ride``). It
+sends nothing itself: the runtime gives it a send function (the one-token request to
+a P), its clock, the store's expiry test and a counter for each release. Rules (each
+has a test named after it, ``tests/unit/sidecar/test_releaser.py``):
+
+- waits for a ride: a handle to release waits ``after_s`` for a prefill this sidecar
+  sends anyway; a prefill that carries nothing of its own takes the one waiting
+  longest; only then does a release request of its own carry it.
+- expiring is not released: a handle within the expiry margin is pinned until D's
+  deadline, counted under no release method (D frees it shortly).
+- pinned until settled: a handle counts in the ledger (``releasing``) from the moment
+  it is handed over until P took its release; a failed request leaves it
+  ``release-failed`` (or ``no-prefill``) until D's deadline.
+- bounded: at most ``concurrency`` release requests are in flight at once.
+- nothing sent twice: a prefill attempt that broke off with a handle on it (P may have
+  read or released it) ends the handle's ride; a queued rider is pinned
+  ``pull-failed``, the turn's own handle is settled as unknown.
+- an unsent rider waits again: a queued rider on a prefill that never reached P goes
+  back to waiting for a ride or a request.
+- settle on take: the turn's taken handle, after its prefill, is counted as released
+  by rider when P freed it without reading it, pinned when its state is unknown, and
+  released otherwise.
+- release all on stop: a stopping sidecar sends every held and waiting handle at
+  once and waits a bounded time for the requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvferry_wire.protocol import Outcome
 
 from .types import (
     F_KV_PARAMS,
@@ -47,6 +74,7 @@ from .types import (
     K_REMOTE_NUM_TOKENS,
     PREFILL_REQUEST_PARAMS,
     KVHandle,
+    PrefillResult,
 )
 
 # Why a handle is in the ledger (metric label).
@@ -64,6 +92,13 @@ RELEASE_FAILED = "failed"  # the release request failed: pinned until D's deadli
 RELEASE_UNRELEASABLE = "unreleasable"  # no way to release it: pinned until D's deadline
 
 LEDGER_CAP = 100_000
+# Release requests in flight at once: a burst of evictions must not flood P.
+RELEASE_CONCURRENCY = 4
+
+# Sends a handle's release request to a P: None when P took it, else why it stays
+# pinned (PINNED_NO_PREFILL or PINNED_RELEASE_FAILED).
+SendRelease = Callable[[KVHandle], Awaitable[str | None]]
+Clock = Callable[[], float]
 
 
 def release_params(handle_params: Mapping[str, Any]) -> JSON:
@@ -168,3 +203,223 @@ def ledger_key(handle: KVHandle) -> str:
     """D's request id names the pinned blocks (the release notification carries it)."""
     rid = handle.params.get("remote_request_id")
     return str(rid) if rid else f"{handle.session}@{handle.created_at}"
+
+
+class Releaser:
+    """The one owner of handles D pins that no turn will read (the module's rules)."""
+
+    def __init__(
+        self,
+        *,
+        send: SendRelease,
+        clock: Clock,
+        expired: Callable[[KVHandle, float], bool],
+        count: Callable[[str], None],
+        retention_s: float,
+        after_s: float,
+        concurrency: int = RELEASE_CONCURRENCY,
+        ledger_cap: int = LEDGER_CAP,
+    ) -> None:
+        self._send = send
+        self._clock = clock
+        self._expired = expired
+        self._count = count  # one release method (RELEASE_*) happened
+        self._retention_s = retention_s
+        self._after_s = after_s
+        self.ledger = Ledger(ledger_cap)
+        # Handles waiting for a ride on a prefill, oldest first.
+        self._waiting: OrderedDict[str, KVHandle] = OrderedDict()
+        self._sending: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(concurrency)
+
+    @property
+    def idle(self) -> bool:
+        """No handle waits for a ride and no release request is in flight."""
+        return not self._waiting and not self._sending
+
+    async def sent(self) -> None:
+        """Wait for the release requests in flight now."""
+        await asyncio.gather(*list(self._sending))
+
+    def figures(self) -> LedgerFigures:
+        return self.ledger.figures(self._clock())
+
+    def purge(self) -> int:
+        return self.ledger.purge(self._clock())
+
+    # ------------------------------------------------------------ handing a handle over
+
+    def release(self, handle: KVHandle) -> None:
+        """Let D free a handle no turn will read, through a prefill engine.
+
+        Returns at once. The handle first waits ``after_s`` for a ride on a prefill
+        request this sidecar sends anyway (free); then a one-token release request of
+        its own carries it (which costs P one block until its KV lease ends). It
+        counts as pinned until released or, failing that, until D's deadline."""
+        if self._expired(handle, self._clock()):
+            self.pin_until_expiry(handle, PINNED_EXPIRING)
+            return
+        self._pin(handle, PINNED_RELEASING)
+        key = ledger_key(handle)
+        self._waiting[key] = handle
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller in a test): stays pinned
+            self._waiting.pop(key)
+            self._settled(handle, PINNED_RELEASE_FAILED)
+            return
+        loop.call_later(self._after_s, self._send_now, key)
+
+    def pin_until_expiry(self, handle: KVHandle, reason: str) -> None:
+        """A handle D keeps that will not be released: in the figures until its
+        deadline (counted as unreleasable unless it is merely expiring)."""
+        self._pin(handle, reason)
+        if reason != PINNED_EXPIRING:
+            self._count(RELEASE_UNRELEASABLE)
+
+    def pin_unreturned(self, request_id: str, tokens: int, block_size: int | None) -> None:
+        """D pinned a turn's KV but never said where (vLLM 0.32 streaming)."""
+        self.ledger.add_unreturned(request_id, tokens, block_size, self._clock(), self._retention_s)
+        self._count(RELEASE_UNRELEASABLE)
+
+    def _pin(self, handle: KVHandle, reason: str) -> None:
+        self.ledger.add_handle(handle, reason, retention_s=self._retention_s)
+
+    # ------------------------------------------------------------ riders
+
+    def ride(self, pull: Mapping[str, Any] | None, taken: KVHandle | None) -> Ride:
+        """What one turn's prefill requests carry besides the prompt: the params to
+        pull, else the turn's own unread handle, else the handle waiting longest."""
+        own = taken if pull is None else None
+        queued = self._take_rider() if pull is None and own is None else None
+        return Ride(self, pull, own, queued)
+
+    def _take_rider(self) -> KVHandle | None:
+        now = self._clock()
+        while self._waiting:
+            _, handle = self._waiting.popitem(last=False)
+            if not self._expired(handle, now):
+                return handle
+            self.pin_until_expiry(handle, PINNED_EXPIRING)
+        return None
+
+    def rider_done(self, handle: KVHandle, *, freed: bool) -> None:
+        """A waiting handle rode on a prefill: P notified D (``freed``), or the
+        request broke off and nobody knows (pinned until D's deadline)."""
+        if freed:
+            self.ledger.remove(handle)
+            self._count(RELEASE_RIDER)
+        else:
+            self.pin_until_expiry(handle, PINNED_PULL_FAILED)
+
+    def settle_taken(self, taken: KVHandle | None, prefill: PrefillResult) -> None:
+        """The session's taken handle after its prefill: freed by P without being read
+        (a rider), unknown (pinned until D's deadline), or still to release."""
+        if taken is None:
+            return
+        if prefill.handle_freed:
+            if prefill.outcome is not Outcome.REUSED:
+                self._count(RELEASE_RIDER)
+            return
+        if prefill.handle_unknown:
+            self.pin_until_expiry(taken, PINNED_PULL_FAILED)
+        else:
+            self.release(taken)
+
+    # ------------------------------------------------------------ release requests
+
+    def _send_now(self, key: str) -> None:
+        handle = self._waiting.pop(key, None)
+        if handle is None:
+            return  # it rode on a prefill meanwhile
+        task = asyncio.get_running_loop().create_task(self._send_one(handle))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send_one(self, handle: KVHandle) -> None:
+        async with self._slots:
+            self._settled(handle, await self._send(handle))
+
+    def _settled(self, handle: KVHandle, failure: str | None) -> None:
+        if failure is None:
+            self.ledger.remove(handle)
+            self._count(RELEASE_REQUEST)
+            return
+        self._pin(handle, failure)
+        failed = failure == PINNED_RELEASE_FAILED
+        self._count(RELEASE_FAILED if failed else RELEASE_UNRELEASABLE)
+
+    async def release_all(self, handles: Iterable[KVHandle], timeout_s: float) -> None:
+        """Stopping: send ``handles`` and every waiting one now, waiting at most
+        ``timeout_s`` for the requests."""
+        for handle in handles:
+            self.release(handle)
+        for key in list(self._waiting):
+            self._send_now(key)
+        if self._sending:
+            await asyncio.wait(list(self._sending), timeout=timeout_s)
+
+    async def cancel(self) -> None:
+        """Abandon the release requests still in flight (their handles stay pinned)."""
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
+
+
+class Ride:
+    """What one turn's prefill requests carry besides the prompt: the session's handle
+    to pull, or a handle riding along only to be released (the turn's own unread one,
+    or one the releaser had waiting). Used as a context manager around the attempts:
+    a waiting rider that never reached P goes back to waiting."""
+
+    def __init__(
+        self,
+        releaser: Releaser,
+        pull: Mapping[str, Any] | None,
+        own: KVHandle | None,
+        queued: KVHandle | None,
+    ) -> None:
+        self._releaser = releaser
+        self._pull = pull
+        self._own = own
+        self._queued = queued
+        self._rider = own if own is not None else queued
+        # An attempt that carried the taken handle broke off: read or not, unknown.
+        self.taken_unknown = False
+
+    def __enter__(self) -> Ride:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._queued is not None and self._rider is self._queued:
+            self._releaser.release(self._queued)  # never sent: waits again
+
+    @property
+    def pulling(self) -> bool:
+        """The requests still carry the session's handle to pull."""
+        return self._pull is not None
+
+    def params(self) -> Mapping[str, Any] | None:
+        """kv_transfer_params for the next attempt (None: nothing to carry)."""
+        if self._pull is not None:
+            return self._pull
+        return release_params(self._rider.params) if self._rider is not None else None
+
+    def broke_off(self) -> None:
+        """An attempt that carried something got no clear answer: P may have read or
+        released it, or not. Nothing is sent twice (a completed read frees D's blocks:
+        a second one could read freed memory), so later attempts carry nothing."""
+        if self._rider is not None and self._rider is self._queued:
+            self._releaser.rider_done(self._rider, freed=False)
+        elif self._rider is not None or self._pull is not None:
+            self.taken_unknown = True
+        self._pull, self._rider = None, None
+
+    def answered(self) -> bool:
+        """P answered with params: what this attempt carried is read or released.
+        True when that was the turn's taken handle (``PrefillResult.handle_freed``)."""
+        freed = self._pull is not None or (self._own is not None and self._rider is self._own)
+        if self._queued is not None and self._rider is self._queued:
+            self._releaser.rider_done(self._queued, freed=True)
+        self._rider = None
+        return freed

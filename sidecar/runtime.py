@@ -1,7 +1,8 @@
 """The sidecar's long-lived state and its background loops.
 
 One ``Sidecar`` per app: settings, the HTTP client session, the local engine, the
-prefill pool, the handle store, metrics, the residency model. ``start`` opens
+prefill pool, the handle store, the releaser (``release.Releaser``, given the
+one-token release request to send), metrics, the residency model. ``start`` opens
 clients and probes once (so a test or a warm pod serves its first request with
 capabilities known). Background loops (``background``): ``run`` keeps probing,
 scrapes the engine's metrics, purges expired handles and re-reads the topology
@@ -15,7 +16,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -35,15 +35,8 @@ from .push import Pusher
 from .release import (
     PINNED_EXPIRING,
     PINNED_NO_PREFILL,
-    PINNED_PULL_FAILED,
     PINNED_RELEASE_FAILED,
-    PINNED_RELEASING,
-    RELEASE_FAILED,
-    RELEASE_REQUEST,
-    RELEASE_RIDER,
-    RELEASE_UNRELEASABLE,
-    Ledger,
-    ledger_key,
+    Releaser,
     release_body,
 )
 from .residency import Identity, PinnedFigures, Residency
@@ -52,8 +45,6 @@ from .upstream import EngineClient, LocalEngine, PrefillPool, UpstreamError
 
 log = logging.getLogger(__name__)
 
-# Release requests in flight at once: a burst of evictions must not flood P.
-RELEASE_CONCURRENCY = 4
 # How long a stopping sidecar waits for the releases of the handles it held.
 SHUTDOWN_RELEASE_SECONDS = 5.0
 
@@ -81,13 +72,15 @@ class Sidecar:
         if self._topology is not None:
             self._topology.last = (settings.prefill_engines, settings.decode_sidecars)
         self.kv_index = BlockIndex()
-        # Handles pinned on D that no turn will read (release.py), and the release
-        # requests in flight.
-        self.ledger = Ledger()
-        # Handles waiting for a ride on a prefill (release.py), oldest first.
-        self._pending: OrderedDict[str, KVHandle] = OrderedDict()
-        self._releases: set[asyncio.Task[None]] = set()
-        self._release_slots = asyncio.Semaphore(RELEASE_CONCURRENCY)
+        # Handles pinned on D that no turn will read, and how they are let go.
+        self.releaser = Releaser(
+            send=self._send_release,
+            clock=self.store.now,
+            expired=self.store.is_expired,
+            count=self._count_release,
+            retention_s=settings.retention_seconds,
+            after_s=settings.release_after_seconds,
+        )
         # RDMA devices come and go only with the pod; re-read on every probe anyway
         # (cheap: a few sysfs files) so a late device plugin shows.
         self.rdma_devices = transport.read_rdma_devices(settings.rdma_sysfs)
@@ -111,16 +104,15 @@ class Sidecar:
         self.metrics.on_drop(fate)
         self.residency.on_handle_drop(fate, handle.session)
         if fate in (HandleFate.SUPERSEDED, HandleFate.EVICTED):
-            self.release(handle)  # D still pins it, and nobody will ask for it again
+            self.releaser.release(handle)  # D still pins it; nobody will ask for it again
         elif fate is HandleFate.EXPIRED:
             # Dropped a margin before D frees it: pinned until then.
-            self.pin_until_expiry(handle, PINNED_EXPIRING)
+            self.releaser.pin_until_expiry(handle, PINNED_EXPIRING)
 
     def _pinned(self) -> PinnedFigures:
         handles = self.store.values()
         local = getattr(self, "local", None)
-        now = self.store.now()
-        unused = self.ledger.figures(now)
+        unused = self.releaser.figures()
         return PinnedFigures(
             handles=len(handles) + unused.handles,
             blocks=sum(h.blocks for h in handles) + unused.blocks,
@@ -132,114 +124,32 @@ class Sidecar:
 
     # ------------------------------------------------------------ releasing handles
 
-    def release(self, handle: KVHandle) -> None:
-        """Let D free a handle no turn will read, through a prefill engine (release.py).
-
-        Returns at once. The handle first waits ``release_after_seconds`` for a ride
-        on a prefill request this sidecar sends anyway (free); then a one-token
-        release request of its own carries it (which costs P one block until its KV
-        lease ends). It counts as pinned until released or, failing that, until D's
-        deadline."""
-        if self.store.is_expired(handle, self.store.now()):
-            self.pin_until_expiry(handle, PINNED_EXPIRING)
-            return
-        self.ledger.add_handle(
-            handle, PINNED_RELEASING, retention_s=self.settings.retention_seconds
-        )
-        key = ledger_key(handle)
-        self._pending[key] = handle
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller in a test): stays pinned
-            self._pending.pop(key)
-            self._released(handle, PINNED_RELEASE_FAILED)
-            return
-        loop.call_later(self.settings.release_after_seconds, self._release_now, key)
-
-    def _release_now(self, key: str) -> None:
-        handle = self._pending.pop(key, None)
-        if handle is None:
-            return  # it rode on a prefill meanwhile
-        task = asyncio.get_running_loop().create_task(self._send_release(handle))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    def take_rider(self) -> KVHandle | None:
-        """The handle waiting longest for release, to ride on a prefill request that
-        carries none of its own (``rider_done`` says how it went)."""
-        now = self.store.now()
-        while self._pending:
-            _, handle = self._pending.popitem(last=False)
-            if not self.store.is_expired(handle, now):
-                return handle
-            self.pin_until_expiry(handle, PINNED_EXPIRING)
-        return None
-
-    def rider_done(self, handle: KVHandle, *, freed: bool) -> None:
-        """A waiting handle rode on a prefill: P notified D (``freed``), or the request
-        broke off and nobody knows (pinned in the figures until D's deadline)."""
-        if freed:
-            self.ledger.remove(handle)
-            self._count_release(RELEASE_RIDER)
-        else:
-            self.pin_until_expiry(handle, PINNED_PULL_FAILED)
-
-    def pin_until_expiry(self, handle: KVHandle, reason: str) -> None:
-        """A handle D keeps that will not be released: in the figures until its
-        deadline (counted as unreleasable unless it is merely expiring)."""
-        self.ledger.add_handle(handle, reason, retention_s=self.settings.retention_seconds)
-        if reason != PINNED_EXPIRING:
-            self._count_release(RELEASE_UNRELEASABLE)
-
-    def pin_unreturned(self, request_id: str, tokens: int) -> None:
-        """D pinned a turn's KV but never said where (vLLM 0.32 streaming)."""
-        now = self.store.now()
-        self.ledger.add_unreturned(
-            request_id, tokens, self.local.block_size, now, self.settings.retention_seconds
-        )
-        self._count_release(RELEASE_UNRELEASABLE)
-
     def _count_release(self, kind: str) -> None:
         self.metrics.releases.labels(kind).inc()
         self.residency.on_release(kind)
 
-    def released_by_rider(self) -> None:
-        """A handle rode on a turn's own prefill request and P notified D."""
-        self._count_release(RELEASE_RIDER)
-
-    def _released(self, handle: KVHandle, failure: str | None) -> None:
-        if failure is None:
-            self.ledger.remove(handle)
-            self._count_release(RELEASE_REQUEST)
-            return
-        self.ledger.add_handle(handle, failure, retention_s=self.settings.retention_seconds)
-        failed = failure == PINNED_RELEASE_FAILED
-        self._count_release(RELEASE_FAILED if failed else RELEASE_UNRELEASABLE)
-
-    async def _send_release(self, handle: KVHandle) -> None:
-        async with self._release_slots:
-            engine = self.pool.choose(set()) if self.is_decode else None
-            if engine is None:
-                self._released(handle, PINNED_NO_PREFILL)
-                return
-            body = release_body(handle, handle.identity.model or self.settings.model)
-            try:
-                with self.pool.in_flight(engine):
-                    status, _ = await engine.client.post_json(
-                        PATH_COMPLETIONS,
-                        body,
-                        request_id=f"kvferry-release-{handle.request_id or handle.session}",
-                        timeout=self.settings.connect_timeout_seconds * 10,
-                    )
-            except UpstreamError as exc:
-                log.warning("handle release failed engine=%s err=%s", engine.url, exc)
-                self._released(handle, PINNED_RELEASE_FAILED)
-                return
-            if status != 200:
-                log.warning("handle release refused engine=%s status=%s", engine.url, status)
-                self._released(handle, PINNED_RELEASE_FAILED)
-                return
-            self._released(handle, None)
+    async def _send_release(self, handle: KVHandle) -> str | None:
+        """The one-token release request to the least-loaded P (release.py): None when
+        P took it, else why the handle stays pinned."""
+        engine = self.pool.choose(set()) if self.is_decode else None
+        if engine is None:
+            return PINNED_NO_PREFILL
+        body = release_body(handle, handle.identity.model or self.settings.model)
+        try:
+            with self.pool.in_flight(engine):
+                status, _ = await engine.client.post_json(
+                    PATH_COMPLETIONS,
+                    body,
+                    request_id=f"kvferry-release-{handle.request_id or handle.session}",
+                    timeout=self.settings.connect_timeout_seconds * 10,
+                )
+        except UpstreamError as exc:
+            log.warning("handle release failed engine=%s err=%s", engine.url, exc)
+            return PINNED_RELEASE_FAILED
+        if status != 200:
+            log.warning("handle release refused engine=%s status=%s", engine.url, status)
+            return PINNED_RELEASE_FAILED
+        return None
 
     # ------------------------------------------------------------ D's prefix cache
 
@@ -320,15 +230,8 @@ class Sidecar:
         if self.is_decode and getattr(self, "pool", None) is not None:
             # The handles die with this process: let D free them now, not at their
             # deadline (best effort, bounded: a pod's grace period is short).
-            for handle in self.store.values():
-                self.release(handle)
-            for key in list(self._pending):
-                self._release_now(key)
-            if self._releases:
-                await asyncio.wait(list(self._releases), timeout=SHUTDOWN_RELEASE_SECONDS)
-        for task in list(self._releases):
-            task.cancel()
-        await asyncio.gather(*self._releases, return_exceptions=True)
+            await self.releaser.release_all(self.store.values(), SHUTDOWN_RELEASE_SECONDS)
+        await self.releaser.cancel()
         await self.http.close()
 
     def engine_restarted(self) -> None:
@@ -397,7 +300,7 @@ class Sidecar:
             purged = self.store.purge_expired()
             if purged:
                 log.debug("expired handles dropped count=%s", purged)
-            self.ledger.purge(self.store.now())
+            self.releaser.purge()
             if time.monotonic() >= next_topology:
                 next_topology = time.monotonic() + s.topology_reload_seconds
                 self.reload_topology()

@@ -94,7 +94,7 @@ async def test_client_gone_mid_prefill_aborts_it_and_keeps_the_handle_counted(
     assert sum(p.aborted for p in engines.prefill) == 1
     assert engines.decode.completions()[-1:] and len(engines.decode.completions()) == 1
     sc = sidecar_of(client)
-    assert sc.ledger.figures(sc.store.now()).handles == 1
+    assert sc.releaser.figures().handles == 1
     assert sc.metrics.prefill_attempts.labels("abandoned")._value.get() == 1
 
 

@@ -71,9 +71,9 @@ async def releases_done(client: TestClient) -> None:
     sc = sidecar_of(client)
     for _ in range(100):
         await asyncio.sleep(0)  # let call_later(0) fire
-        if not sc._pending and not sc._releases:
+        if sc.releaser.idle:
             return
-        await asyncio.gather(*list(sc._releases))
+        await sc.releaser.sent()
     raise AssertionError("releases did not finish")
 
 
