@@ -146,7 +146,7 @@ def partial(
     extra: tuple[tuple[str, Any], ...] = (),
 ) -> type[msgspec.Struct]:
     """A struct with ``of``'s fields (and ``extra`` (name, type) pairs), each unset
-    unless given: one layer of settings."""
+    unless given: what one source (a file, the environment, the flags) says."""
     fields = [(f.name, f.type | UnsetType, UNSET) for f in msgspec.structs.fields(of)]
     fields += [(field, kind | UnsetType, UNSET) for field, kind in extra]
     return msgspec.defstruct(
@@ -154,6 +154,8 @@ def partial(
     )
 
 
+# Derived, not declared: a missing key must fall through to the next layer and the
+# operator writes only what it decides, and the field list exists once.
 SettingsFile = partial(
     SidecarSettings,
     "SettingsFile",
@@ -207,9 +209,10 @@ def convert(data: Mapping[str, Any], into: type[S], origin: str) -> S:
         match = _AT.match(str(exc))
         if match is None:
             raise SettingsError(f"{origin}: {exc}") from exc
-        field = fields.get(match["key"])
-        name = field.name if field is not None else match["key"]
-        raise SettingsError(f"{origin}: {name}: {match['what']}") from exc
+        key = match["key"]
+        name = fields[key].name if key in fields else key
+        value = f": {data[key]!r}" if key in data else ""
+        raise SettingsError(f"{origin}: {name}: {match['what']}{value}") from exc
 
 
 def _kinds(annotation: Any) -> tuple[set[Any], bool]:

@@ -294,8 +294,10 @@ def test_the_expiry_margin_is_the_wire_constant_not_a_setting() -> None:
 
 
 def test_env_and_flag_errors_name_where_and_the_field(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ConfigError, match="env KVFERRY_BLOCK_SIZE: block_size"):
+    with pytest.raises(ConfigError, match=r"env KVFERRY_BLOCK_SIZE: block_size: .*'many'"):
         config.build({}, env={"KVFERRY_BLOCK_SIZE": "many"})
+    with pytest.raises(ConfigError, match=r"env KVFERRY_BIDIRECTIONAL: bidirectional: .*'maybe'"):
+        config.build({}, env={"KVFERRY_BIDIRECTIONAL": "maybe"})
     assert cli.main(["--block-size", "many"]) == 2
     assert "flag --block-size: block_size" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="flag --port: listen_port"):
@@ -323,7 +325,7 @@ def test_the_current_key_wins_over_its_alias(tmp_path: Path) -> None:
 def test_null_where_a_value_is_needed_names_the_field(tmp_path: Path) -> None:
     path = tmp_path / "sidecar.json"
     path.write_text(json.dumps({"listenPort": None}))
-    with pytest.raises(ConfigError, match=f"{path}: listen_port: Expected `int`, got `null`"):
+    with pytest.raises(ConfigError, match=f"{path}: listen_port: Expected `int`, got `null`: None"):
         config.build({"settings_path": str(path)}, env={})
 
 
