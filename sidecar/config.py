@@ -28,7 +28,7 @@ import msgspec
 import yaml
 
 from kvferry_wire import settings as wire
-from kvferry_wire.protocol import ROLE_DECODE as ROLE_DECODE  # re-exported: app, metrics
+from kvferry_wire.protocol import ROLE_DECODE as ROLE_DECODE  # re-exported: app, metrics, runtime
 from kvferry_wire.protocol import ROLES
 from kvferry_wire.settings import DEFAULT_SESSION_KEYS as DEFAULT_SESSION_KEYS
 from kvferry_wire.settings import SETTINGS_VERSION
