@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry_wire.protocol import ROLE_DECODE
 from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
@@ -262,7 +263,7 @@ def _aggregate(
     # 3. retention vs gaps
     gaps = merge_histograms([r.gaps for r in fresh], GAP_BOUNDS)
     usage = [
-        r.engine.kv_usage for r in fresh if r.role == "decode" and r.engine.kv_usage is not None
+        r.engine.kv_usage for r in fresh if r.role == ROLE_DECODE and r.engine.kv_usage is not None
     ]
     tuning = None
     if fresh:

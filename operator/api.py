@@ -18,6 +18,10 @@ from typing import Any
 
 import yaml
 
+# Roles are the wire contract's; the operator reaches them as api.ROLE_* too.
+from kvferry_wire.protocol import ROLE_DECODE, ROLE_PREFILL
+from kvferry_wire.protocol import ROLES as ROLES
+
 GROUP = "kvferry.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -52,10 +56,6 @@ ANNOTATION_BUILD_HASH = "kvferry.io/engine-build"
 ANNOTATION_CONFIG_HASH = "kvferry.io/config-hash"
 # Multus network attachment list, on pod templates when RDMA networks are set.
 ANNOTATION_MULTUS = "k8s.v1.cni.cncf.io/networks"
-
-ROLE_PREFILL = "prefill"
-ROLE_DECODE = "decode"
-ROLES = (ROLE_PREFILL, ROLE_DECODE)
 
 # Condition types on DisaggregatedServer.status.conditions.
 COND_READY = "Ready"

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvferry_wire.protocol import ROLE_DECODE
 from kvferry_wire.report import Report
 
 # Long enough to outlast a burst of preemptions and a few publish cycles; short
@@ -40,7 +41,7 @@ class PreemptionWindow:
         """Fold in the decode pods' latest reports; preemptions within the window."""
         rise = 0
         for rep in reports:
-            if rep.role != "decode":
+            if rep.role != ROLE_DECODE:
                 continue  # pinned handles live on decode: its pressure is what retention moves
             count = rep.engine.preemptions
             before = self._seen.get(rep.pod)
@@ -69,7 +70,7 @@ class UsagePeak:
         usage = [
             r.engine.kv_usage
             for r in reports
-            if r.role == "decode" and r.engine.kv_usage is not None
+            if r.role == ROLE_DECODE and r.engine.kv_usage is not None
         ]
         if usage:
             self._samples.append((now, max(usage)))

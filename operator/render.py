@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry_wire import protocol
+from kvferry_wire import settings as wire_settings
 
 from . import api
 from .api import Role, Server, ServerSpec
@@ -356,44 +357,51 @@ def peer_urls(server: Server, role: str, port: int) -> list[str]:
 
 
 def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
+    """``sidecar.json``: a ``kvferry_wire.settings.SettingsFile`` with what the
+    operator decides (the rest keeps the sidecar's defaults), as a JSON object."""
     spec = server.spec
     ctx = ctx or Context()
     report: Obj = {}
     if ctx.report_url:
-        report["operatorUrl"] = ctx.report_url
+        report["operator_url"] = ctx.report_url
         if ctx.report_ca_pem:
-            report["operatorCaFile"] = f"{CONFIG_MOUNT}/{CONFIG_KEY_OPERATOR_CA}"
-    return {
-        **report,
-        "version": 1,
-        "server": server.name,
-        "model": spec.model.name,
-        "engineBuild": engine_build_hash(spec),
-        "enginePort": protocol.ENGINE_PORT,
-        "listenPort": protocol.SIDECAR_PORT,
-        "internalPort": protocol.SIDECAR_INTERNAL_PORT,
-        "bidirectional": spec.kv_transfer.bidirectional,
-        "recomputeThreshold": spec.kv_transfer.recompute_threshold,
-        "decodeRetentionSeconds": server.decode_retention_seconds,
-        "localHandleSeconds": decode_lease_seconds(server),
-        "sessionKeys": list(spec.routing.session_keys),
-        "skipPrefillBelowTokens": spec.routing.skip_prefill_below_tokens,
-        "diagnosticHeaders": spec.routing.diagnostic_headers,
-        "transport": spec.network.transport,
-        "rdmaEnabled": spec.network.rdma.enabled,
-        "kvEvents": f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
-        "kvEventsReplay": f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",
-    }
+            report["operator_ca_file"] = f"{CONFIG_MOUNT}/{CONFIG_KEY_OPERATOR_CA}"
+    return wire_settings.encode_file(
+        wire_settings.SettingsFile(
+            **report,
+            version=wire_settings.SETTINGS_VERSION,
+            server=server.name,
+            model=spec.model.name,
+            engine_build=engine_build_hash(spec),
+            engine_port=protocol.ENGINE_PORT,
+            listen_port=protocol.SIDECAR_PORT,
+            internal_port=protocol.SIDECAR_INTERNAL_PORT,
+            bidirectional=spec.kv_transfer.bidirectional,
+            recompute_threshold=spec.kv_transfer.recompute_threshold,
+            retention_seconds=server.decode_retention_seconds,
+            local_handle_seconds=decode_lease_seconds(server),
+            session_keys=tuple(spec.routing.session_keys),
+            skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+            diagnostic_headers=spec.routing.diagnostic_headers,
+            requested_transport=spec.network.transport,
+            rdma_enabled=spec.network.rdma.enabled,
+            kv_events=f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
+            kv_events_replay=f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",
+        )
+    )
 
 
 # Settings only the decode sidecar reads: changing them must not restart prefill.
-DECODE_ONLY_SETTINGS = (
-    "decodeRetentionSeconds",
-    "localHandleSeconds",
-    "sessionKeys",
-    "skipPrefillBelowTokens",
-    "recomputeThreshold",
-    "diagnosticHeaders",
+DECODE_ONLY_SETTINGS = tuple(
+    wire_settings.file_key(name)
+    for name in (
+        "retention_seconds",
+        "local_handle_seconds",
+        "session_keys",
+        "skip_prefill_below_tokens",
+        "recompute_threshold",
+        "diagnostic_headers",
+    )
 )
 
 

@@ -3,7 +3,8 @@
     kvferry-sidecar --role decode --config /etc/kvferry/sidecar.json \\
         --topology /etc/kvferry/topology.json
 
-Every flag has a ``KVFERRY_<FIELD>`` environment twin (e.g. ``KVFERRY_ENGINE_URL``);
+Every setting (``kvferry_sidecar.config.Settings``) has a flag ``--<field>`` (e.g.
+``--engine-url``) and an environment twin ``KVFERRY_<FIELD>`` (``KVFERRY_ENGINE_URL``);
 flags win over the environment, which wins over the files. The pod's ordinal comes
 from ``--ordinal`` or the StatefulSet pod name in ``POD_NAME``.
 """
@@ -23,40 +24,30 @@ from kvferry_wire import extras
 
 from . import config
 
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
+# What --help says beyond the flag's name.
+_HELP = {
+    "settings_path": "settings file (JSON or YAML)",
+    "topology_path": "topology file, re-read live",
+    "internal_port": "peers, /metrics, /v1/residency (0 = --port)",
+    "engine_url": "the vLLM server in this pod",
+    "prefill_engines": "comma-separated prefill engine URLs",
+    "decode_sidecars": "comma-separated decode sidecar URLs, by ordinal",
+    "ordinal": "this pod's ordinal (default: from POD_NAME)",
+    "session_keys": "comma-separated, in order of preference",
+    "operator_url": "POST residency reports here ('' = off)",
+    "operator_ca_file": "CA bundle for the operator's TLS",
+    "kv_events": "engine KV-event PUB endpoint ('' = off)",
+    "kv_events_replay": "engine KV-event replay endpoint",
+}
 
 
 def parser() -> argparse.ArgumentParser:
+    """One flag per setting (``config.flag_names``); values are read as the
+    environment's are (``config.build``), so a bad one names its flag."""
     p = argparse.ArgumentParser(prog="kvferry-sidecar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--role", choices=config.ROLES)
-    p.add_argument("--config", dest="settings_path", help="settings file (JSON or YAML)")
-    p.add_argument("--topology", dest="topology_path", help="topology file, re-read live")
-    p.add_argument("--host", dest="listen_host")
-    p.add_argument("--port", dest="listen_port", type=int)
-    p.add_argument("--internal-port", type=int, help="peers, /metrics, /v1/residency (0 = --port)")
-    p.add_argument("--engine-url", help="the vLLM server in this pod")
-    p.add_argument("--prefill-engines", type=_csv, help="comma-separated prefill engine URLs")
-    p.add_argument(
-        "--decode-sidecars", type=_csv, help="comma-separated decode sidecar URLs, by ordinal"
-    )
-    p.add_argument("--ordinal", type=int, help="this pod's ordinal (default: from POD_NAME)")
-    p.add_argument("--model")
-    p.add_argument("--engine-build")
-    p.add_argument("--session-keys", type=_csv)
-    p.add_argument("--skip-prefill-below-tokens", type=int)
-    p.add_argument("--recompute-threshold", type=int)
-    p.add_argument("--retention-seconds", type=float)
-    p.add_argument("--expiry-margin-seconds", type=float)
-    p.add_argument("--handle-store-cap", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--operator-url", help="POST residency reports here ('' = off)")
-    p.add_argument("--operator-ca-file", help="CA bundle for the operator's TLS")
-    p.add_argument("--report-interval-seconds", type=float)
-    p.add_argument("--kv-events", help="engine KV-event PUB endpoint ('' = off)")
-    p.add_argument("--kv-events-replay", help="engine KV-event replay endpoint")
-    p.add_argument("--log-level")
+    for name in config.FIELDS:
+        choices = config.ROLES if name == "role" else None
+        p.add_argument(*config.flag_names(name), dest=name, choices=choices, help=_HELP.get(name))
     return p
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from kvferry_wire import report
+from kvferry_wire import protocol, report
 
 from . import config, enginemetrics, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
@@ -59,7 +59,7 @@ class Sidecar:
         self.metrics = Metrics()
         self.store = HandleStore(
             cap=settings.handle_store_cap,
-            margin_s=settings.expiry_margin_seconds,
+            margin_s=protocol.HANDLE_EXPIRY_MARGIN_SECONDS,
             engine_build=settings.engine_build,
             clock=clock,
             on_drop=self._on_drop,

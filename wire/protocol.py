@@ -20,12 +20,20 @@ NIXL_SIDE_CHANNEL_PORT: Final = 5600
 KV_EVENTS_PORT: Final = 5557
 KV_EVENTS_REPLAY_PORT: Final = 5558
 
+# ------------------------------------------------------------------ roles
+
+# The two kinds of engine pod: the operator's StatefulSets, the sidecar's --role and
+# the report's ``role``.
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLES: Final = (ROLE_PREFILL, ROLE_DECODE)
+
 # ------------------------------------------------------------------ handle expiry
 
 # The sidecar stops offering a handle this long before D frees its blocks: vLLM's P
 # declines reads in a handle's last 5 s, and a prefill may queue before it reads. The
 # tuner adds the same margin to the inter-turn gap it wants covered, so the two
-# cannot drift apart.
+# cannot drift apart (which is why it is no setting).
 HANDLE_EXPIRY_MARGIN_SECONDS: Final = 15
 
 # ------------------------------------------------------------------ the report endpoint

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from .protocol import HandleFate, Outcome
+from .protocol import ROLES, HandleFate, Outcome
 
 REPORT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -313,7 +313,7 @@ def decode(raw: bytes) -> Report:
         report = msgspec.json.decode(raw, type=Report)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ReportError(f"malformed report: {exc}") from exc
-    if report.role not in ("prefill", "decode"):
+    if report.role not in ROLES:
         raise ReportError(f"role {report.role!r} is neither prefill nor decode")
     if report.transport not in TRANSPORTS:
         raise ReportError(f"transport {report.transport!r} is not one of {TRANSPORTS}")

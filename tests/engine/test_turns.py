@@ -42,7 +42,7 @@ from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.figures import PrefillFigures
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
-from kvferry_sidecar.config import Settings
+from kvferry_wire import protocol
 from tests.engine.helpers import (
     ANSWER_TOKENS,
     LONG_RETENTION_S,
@@ -269,9 +269,9 @@ def test_expired_handle_recomputes_or_uses_what_decode_still_holds(
     long_s, short_s = "expire-1", "expire-2"
     history = {long_s: [user_message(9, 0)], short_s: [user_message(10, 0)]}
     firsts = {s: send(sidecar, prefill, m, s) for s, m in history.items()}
-    # The sidecar stops offering a handle `expiry_margin_seconds` before D frees it
-    # (D's decoder_kv_blocks_ttl = the server's decodeRetentionSeconds).
-    usable_s = server.decode_retention_seconds - Settings().expiry_margin_seconds
+    # The sidecar stops offering a handle HANDLE_EXPIRY_MARGIN_SECONDS before D frees
+    # it (D's decoder_kv_blocks_ttl = the server's decodeRetentionSeconds).
+    usable_s = server.decode_retention_seconds - protocol.HANDLE_EXPIRY_MARGIN_SECONDS
     time.sleep(usable_s + 2)  # from the handles' arrival (the turns just returned)
     history[long_s] += [assistant(firsts[long_s].reply), user_message(9, 1)]
     history[short_s] += [

@@ -209,7 +209,7 @@ def code_text() -> str:
 def _sidecar_env_twins() -> set[str]:
     from kvferry_sidecar import config
 
-    return {f"KVFERRY_{f.upper()}" for f in config.Settings.__dataclass_fields__}
+    return {f"KVFERRY_{f.upper()}" for f in config.FIELDS}
 
 
 _ENV = r"\b((?:KVFERRY|E2E|UCX|VLLM|HF|HELM)_[A-Z0-9_]*[A-Z0-9])\b"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvferry_sidecar import cli, config
 from kvferry_sidecar.config import ConfigError, TopologyWatch
+from kvferry_wire import settings as wire_settings
 
 # What operator/render.py writes to sidecar.json and topology.json.
 OPERATOR_SETTINGS = {
@@ -190,3 +193,150 @@ def test_event_loop_is_uvloop_unless_asked_for_asyncio(monkeypatch) -> None:
         assert isinstance(loop, asyncio.AbstractEventLoop)
     finally:
         loop.close()
+
+
+# ------------------------------------------------------------------ one contract
+
+
+def test_the_rendered_file_is_read_key_for_key(tmp_path: Path) -> None:
+    """Every key the operator renders is one the sidecar reads, into the field it
+    means (a fact the two sides could otherwise word differently)."""
+    from kvferry_operator import api, render
+    from tests.manifests import server
+
+    manifest = server({"network": {"transport": "tcp"}, "routing": {"diagnosticHeaders": True}})
+    manifest["metadata"]["uid"] = "u"
+    ctx = render.Context(report_url="https://op:8443/v1/reports", report_ca_pem="pem")
+    rendered = render.build_sidecar_settings(api.parse_server(manifest), ctx)
+    assert wire_settings.unknown_keys(rendered) == []
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps(rendered))
+    s = config.build({"settings_path": str(path)}, env={})
+    assert s.engine_url == f"http://127.0.0.1:{rendered['enginePort']}"
+    assert (s.server, s.model, s.engine_build) == (
+        rendered["server"],
+        rendered["model"],
+        rendered["engineBuild"],
+    )
+    assert (s.listen_port, s.internal_port) == (rendered["listenPort"], rendered["internalPort"])
+    assert s.retention_seconds == rendered["decodeRetentionSeconds"]
+    assert s.local_handle_seconds == rendered["localHandleSeconds"]
+    assert s.session_keys == tuple(rendered["sessionKeys"])
+    assert (s.requested_transport, s.rdma_enabled) == ("tcp", False)
+    assert s.diagnostic_headers is True
+    assert (s.operator_url, s.operator_ca_file) == (
+        "https://op:8443/v1/reports",
+        "/etc/kvferry/operator-ca.crt",
+    )
+    assert (s.kv_events, s.kv_events_replay) == (rendered["kvEvents"], rendered["kvEventsReplay"])
+    assert OPERATOR_SETTINGS.keys() <= rendered.keys()
+
+
+def test_the_operator_writes_only_what_it_set() -> None:
+    file = wire_settings.SettingsFile(version=1, retention_seconds=120, session_keys=("a",))
+    assert wire_settings.encode_file(file) == {
+        "version": 1,
+        "decodeRetentionSeconds": 120,
+        "sessionKeys": ["a"],
+    }
+
+
+# Every flag and environment variable the sidecar has had: scripts and pods use them.
+KEPT_FLAGS = (
+    "--role", "--config", "--topology", "--host", "--port", "--internal-port",
+    "--engine-url", "--prefill-engines", "--decode-sidecars", "--ordinal", "--model",
+    "--engine-build", "--session-keys", "--skip-prefill-below-tokens",
+    "--recompute-threshold", "--retention-seconds", "--handle-store-cap", "--block-size",
+    "--operator-url", "--operator-ca-file", "--report-interval-seconds", "--kv-events",
+    "--kv-events-replay", "--log-level",
+)  # fmt: skip
+KEPT_FIELDS = (
+    "role", "listen_host", "listen_port", "internal_port", "engine_url", "prefill_engines",
+    "decode_sidecars", "ordinal", "model", "engine_build", "bidirectional",
+    "diagnostic_headers", "session_keys", "skip_prefill_below_tokens", "recompute_threshold",
+    "retention_seconds", "local_handle_seconds", "handle_store_cap", "release_after_seconds",
+    "block_size", "streaming_handles", "tag_session_id", "probe_interval_seconds",
+    "connect_timeout_seconds", "prefill_timeout_seconds", "decode_timeout_seconds",
+    "stream_idle_timeout_seconds", "server", "pod_name", "namespace", "operator_url",
+    "operator_ca_file", "token_file", "report_interval_seconds", "kv_events",
+    "kv_events_replay", "requested_transport", "rdma_enabled", "engine_ucx_tls",
+    "engine_ucx_net_devices", "rdma_sysfs", "settings_path", "topology_path",
+    "topology_reload_seconds", "log_level",
+)  # fmt: skip
+
+
+def test_every_flag_the_sidecar_had_is_kept() -> None:
+    known = {opt for action in cli.parser()._actions for opt in action.option_strings}
+    assert set(KEPT_FLAGS) <= known
+
+
+def test_every_setting_has_an_env_twin_and_a_flag() -> None:
+    """The environment and the flags are derived from the one type: every field has
+    both, and the fields the sidecar had are all still there."""
+    assert set(KEPT_FIELDS) == set(config.FIELDS)
+    dests = {a.dest for a in cli.parser()._actions if a.option_strings and a.dest != "help"}
+    assert dests == set(config.FIELDS)
+    samples = {"str": "x", "int": "7", "float": "7.5", "bool": "false", "tuple": "a,b"}
+    for f in msgspec.structs.fields(config.Settings):
+        kind = next(k for k in samples if k in str(f.type))
+        assert f.name in config.from_env({config.env_name(f.name): samples[kind]}), f.name
+        args = vars(cli.parser().parse_args([config.flag_names(f.name)[-1], "prefill"]))
+        assert args[f.name] == "prefill"
+
+
+def test_the_expiry_margin_is_the_wire_constant_not_a_setting() -> None:
+    """The operator's tuner adds protocol.HANDLE_EXPIRY_MARGIN_SECONDS back: a pod
+    with another margin would make its recommendations wrong."""
+    assert "expiry_margin_seconds" not in config.FIELDS
+    assert "expiryMarginSeconds" in wire_settings.unknown_keys({"expiryMarginSeconds": 1})
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["--expiry-margin-seconds", "1"])
+
+
+def test_env_and_flag_errors_name_where_and_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"env KVFERRY_BLOCK_SIZE: block_size: .*'many'"):
+        config.build({}, env={"KVFERRY_BLOCK_SIZE": "many"})
+    with pytest.raises(ConfigError, match=r"env KVFERRY_BIDIRECTIONAL: bidirectional: .*'maybe'"):
+        config.build({}, env={"KVFERRY_BIDIRECTIONAL": "maybe"})
+    assert cli.main(["--block-size", "many"]) == 2
+    assert "flag --block-size: block_size" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="flag --port: listen_port"):
+        config.build({"listen_port": "x"}, env={})
+
+
+def test_file_values_are_read_as_a_person_writes_them(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(
+        "sessionKeys: 'user, session_id'\nstreamingHandles: auto\ntagSessionId: 'no'\n"
+        "recomputeThreshold: '32'\nretentionSeconds: 60\nmodel: 7\n"
+    )
+    s = config.build({"settings_path": str(path)}, env={"KVFERRY_BIDIRECTIONAL": "Yes"})
+    assert s.session_keys == ("user", "session_id")
+    assert (s.streaming_handles, s.tag_session_id, s.bidirectional) == (None, False, True)
+    assert (s.recompute_threshold, s.retention_seconds, s.model) == (32, 60.0, "7")
+
+
+def test_the_current_key_wins_over_its_alias(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps({"retentionSeconds": 60, "decodeRetentionSeconds": 90}))
+    assert config.build({"settings_path": str(path)}, env={}).retention_seconds == 90.0
+
+
+def test_null_where_a_value_is_needed_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps({"listenPort": None}))
+    with pytest.raises(ConfigError, match=f"{path}: listen_port: Expected `int`, got `null`: None"):
+        config.build({"settings_path": str(path)}, env={})
+
+
+def test_unknown_keys_are_ignored_and_a_newer_file_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older sidecar reads a newer operator's file: it says so, and goes on."""
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps({"version": 2, "someNewKey": {"a": 1}, "blockSize": 16}))
+    with caplog.at_level(logging.DEBUG, logger="kvferry_sidecar.config"):
+        s = config.build({"settings_path": str(path)}, env={})
+    assert s.block_size == 16
+    assert "key=someNewKey" in caplog.text
+    assert "settings file is newer than this sidecar" in caplog.text

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient
 
 from kvferry_sidecar.types import LOCAL_HANDLE_PARAMS, PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
+from kvferry_wire import protocol
 
 from .conftest import Engines, MakeSidecar, sidecar_of
 from .fakes import EOS, chat_ids, ids
@@ -310,9 +311,9 @@ async def test_alignment_below_threshold_recomputes(
 
 async def test_expired_handle_is_not_sent(make_sidecar: MakeSidecar, engines: Engines) -> None:
     """Past expiry - margin the handle is dropped and turn 2 recomputes."""
-    conv = Conversation(await make_sidecar(expiry_margin_seconds=15))
+    conv = Conversation(await make_sidecar())
     await conv.ask(LONG_QUESTION)
-    engines.clock.advance(engines.decode.ttl - 15)
+    engines.clock.advance(engines.decode.ttl - protocol.HANDLE_EXPIRY_MARGIN_SECONDS)
     resp, _ = await conv.ask("and then")
     assert outcome(resp) == "expired"
     assert kv(prefill_bodies(engines)[-1]) == PREFILL_REQUEST_PARAMS
