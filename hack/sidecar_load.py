@@ -148,7 +148,7 @@ async def handles_held(url: str) -> str:
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
         text = await resp.text()
     return "\n".join(
-        line for line in text.splitlines() if line.startswith("kvferry_handles_pinned")
+        line for line in text.splitlines() if line.startswith("kvferry_pinned_handles")
     )
 
 

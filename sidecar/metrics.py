@@ -1,6 +1,14 @@
 """Prometheus series and the per-turn log line. Request code returns a TurnReport;
 this module alone turns it into numbers.
 
+One series per fact, from one of two sources. ``Metrics`` holds the series the
+request path counts (turns by outcome and route, TTFT stages, prefill attempts,
+forwards, releases, report pushes, readiness); ``report_families`` exports the
+residency report's other figures (inter-turn gaps, handle fates, pinned KV, tokens
+by turn index, transfers, engine and KV-event state) from its snapshot at scrape
+time, so a dashboard, an alert and the operator read the same number. The series
+removed to get there, with PromQL rewrites: docs/upgrading.md.
+
 Each app gets its own registry (tests build many apps in one process).
 """
 
@@ -24,15 +32,13 @@ from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .config import ROLE_DECODE, Settings
-from .types import STORE_FATES, HandleFate, Stage, TurnReport
+from .types import Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
 _log = logging.getLogger(__name__)
 
 # TTFT spans ms (a short tail on D) to minutes (a cold 100k-token prefill).
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-# Inter-turn gaps: what the tuner compares with decodeRetentionSeconds (max 1800).
-GAP_BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 180, 240, 300, 480, 600, 900, 1200, 1800, 3600)
 TOKEN_BUCKETS = (0, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
@@ -54,14 +60,6 @@ class Metrics:
             ["outcome", "route"],
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            "kvferry_prompt_tokens", "Prompt tokens of turns served here.", registry=r
-        )
-        self.reused_tokens = Counter(
-            "kvferry_reused_tokens",
-            "Prompt tokens not recomputed: pulled from D's handle, or held by D on a skip.",
-            registry=r,
-        )
         self.reused_per_turn = Histogram(
             "kvferry_reused_tokens_per_turn",
             "Reused tokens per turn, by outcome.",
@@ -75,15 +73,6 @@ class Metrics:
             ["stage", "outcome"],
             buckets=STAGE_BUCKETS,
             registry=r,
-        )
-        self.gap = Histogram(
-            "kvferry_turn_gap_seconds",
-            "Age of a session's handle when its next turn arrived (inter-turn gap).",
-            buckets=GAP_BUCKETS,
-            registry=r,
-        )
-        self.handle_drops = Counter(
-            "kvferry_handle_drops", "Handles leaving the store, by fate.", ["fate"], registry=r
         )
         self.handles_not_kept = Counter(
             "kvferry_handles_not_kept",
@@ -102,16 +91,6 @@ class Metrics:
             "kvferry_forwarded",
             "Requests forwarded to the session's owner, by result.",
             ["result"],
-            registry=r,
-        )
-        self.pinned = Gauge(
-            "kvferry_handles_pinned",
-            "Handles held here (each pins KV blocks on D).",
-            registry=r,
-        )
-        self.oldest = Gauge(
-            "kvferry_handle_oldest_age_seconds",
-            "Age of the oldest handle held here.",
             registry=r,
         )
         self.engine_ready = Gauge(
@@ -141,12 +120,6 @@ class Metrics:
         for outcome in Outcome:
             for route in Route:
                 self.turns.labels(outcome.value, route.value)
-        for fate in STORE_FATES:
-            self.handle_drops.labels(fate.value)
-
-    def bind_store(self, size: Callable[[], int], ages: Callable[[], list[float]]) -> None:
-        self.pinned.set_function(lambda: float(size()))
-        self.oldest.set_function(lambda: max(ages(), default=0.0))
 
     def bind_settings(self, settings: Settings) -> None:
         if settings.role == ROLE_DECODE:
@@ -159,22 +132,13 @@ class Metrics:
     def on_push(self, ok: bool) -> None:
         self.report_pushes.labels("ok" if ok else "error").inc()
 
-    def on_drop(self, fate: HandleFate) -> None:
-        self.handle_drops.labels(fate.value).inc()
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def record(self, report: TurnReport) -> None:
         outcome = report.outcome.value
         self.turns.labels(outcome, report.route.value).inc()
-        if report.prompt_tokens:
-            self.prompt_tokens.inc(report.prompt_tokens)
-        if report.reused_tokens:
-            self.reused_tokens.inc(report.reused_tokens)
         self.reused_per_turn.labels(outcome).observe(report.reused_tokens)
-        if report.handle_age_s is not None:
-            self.gap.observe(report.handle_age_s)
         t = report.timings
         for stage, value in (
             (Stage.QUEUE, t.queue_s),
@@ -288,7 +252,12 @@ def report_families(r: rpt.Report) -> list:
             [],
         ),
         _labelled_counter(
-            "kvferry_handle_fates", "Handles by what became of them.", "fate", r.handles
+            "kvferry_handle_fates",
+            "Handles by what became of them: a taken handle by its turn's outcome "
+            "(consumed, skipped, misaligned, ...), the others by the store's fate "
+            "(expired, evicted, superseded, cleared).",
+            "fate",
+            r.handles,
         ),
         _labelled_counter("kvferry_turns_by_index", "Turns by turn index.", "turn", turns),
         _labelled_counter(
@@ -309,7 +278,11 @@ def report_families(r: rpt.Report) -> list:
             "turn",
             {k: b.reused_tokens for k, b in r.by_turn.items()},
         ),
-        _gauge("kvferry_pinned_handles", "Handles pinning KV on this D.", r.pinned.handles),
+        _gauge(
+            "kvferry_pinned_handles",
+            "Handles pinning KV on this D: held for a next turn, or unused.",
+            r.pinned.handles,
+        ),
         _gauge("kvferry_pinned_blocks", "KV blocks pinned by held handles.", r.pinned.blocks),
         _gauge(
             "kvferry_pinned_bytes",
@@ -328,7 +301,7 @@ def report_families(r: rpt.Report) -> list:
         ),
         _gauge(
             "kvferry_pinned_oldest_age_seconds",
-            "Age of the oldest held handle.",
+            "Age of the oldest handle pinning KV here (held or unused).",
             r.pinned.oldest_age_seconds,
         ),
         _counter("kvferry_pulls", "Turns served with KV pulled from a handle.", r.transfer.pulls),

@@ -64,7 +64,6 @@ class Sidecar:
             clock=clock,
             on_drop=self._on_drop,
         )
-        self.metrics.bind_store(lambda: len(self.store), self.store.ages)
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
         self._topology = (
             config.TopologyWatch(settings.topology_path) if settings.topology_path else None
@@ -101,7 +100,6 @@ class Sidecar:
         self.metrics.bind_settings(settings)
 
     def _on_drop(self, fate: HandleFate, handle: KVHandle) -> None:
-        self.metrics.on_drop(fate)
         self.residency.on_handle_drop(fate, handle.session)
         if fate in (HandleFate.SUPERSEDED, HandleFate.EVICTED):
             self.releaser.release(handle)  # D still pins it; nobody will ask for it again

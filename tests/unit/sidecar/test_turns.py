@@ -639,10 +639,13 @@ async def test_metrics_recorded_per_outcome(make_sidecar: MakeSidecar) -> None:
     assert 'kvferry_turns_total{outcome="reused",route="remote"} 1.0' in text
     for stage in ("queue", "prefill", "p_to_d", "first_token"):
         assert f'kvferry_ttft_stage_seconds_count{{outcome="reused",stage="{stage}"}} 1.0' in text
-    assert "kvferry_turn_gap_seconds_count 1.0" in text
-    assert "kvferry_handles_pinned 1.0" in text
-    assert 'kvferry_handle_drops_total{fate="taken"} 1.0' in text
-    assert "kvferry_reused_tokens_total 15.0" in text
+    assert "kvferry_inter_turn_gap_seconds_count 1.0" in text
+    # Turn 2 holds its handle for a next turn; none is pinned unused.
+    assert "kvferry_pinned_handles 1.0" in text
+    assert "kvferry_pinned_unused_handles 0.0" in text
+    # The handle turn 2 took, by the fate its pull gave it.
+    assert 'kvferry_handle_fates_total{fate="consumed"} 1.0' in text
+    assert 'kvferry_reused_tokens_by_index_total{turn="2"} 15.0' in text
 
 
 async def test_metrics_count_pull_failures_and_not_kept(
