@@ -46,7 +46,6 @@ AWAITING_MERGE = frozenset(
         "operator/reports.py",
         "kvferry_dev/fakeengines.py",
         "tests/static",
-        "release.Releaser",
     }
 )
 # Texts a user reads that are not Markdown but make the same kind of claims.
