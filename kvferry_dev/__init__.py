@@ -12,5 +12,5 @@ Not shipped: it is not in the wheel or the images (it needs a clone: ``hack/`` h
 the engine recipe), and is importable from the repository root (``python -m
 kvferry_dev.demo``; pytest puts the root on ``sys.path``). May import
 ``kvferry_operator``, ``kvferry_sidecar`` and ``kvferry_wire``; none of them may
-import it (``tests/unit/test_layering.py``).
+import it (``tests/static/test_layering.py``).
 """

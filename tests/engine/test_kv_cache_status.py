@@ -172,7 +172,7 @@ def prometheus(
 ) -> Iterator[Prometheus]:
     """Prometheus scraping the sidecar, both engines and the operator, labelled as the
     chart's PodMonitor labels them (its own relabelings, the pods' real labels)."""
-    from tests.unit.test_chart import one, template
+    from tests.helm import one, template
 
     try:
         binary = prometheus_binary()
