@@ -1,170 +1,146 @@
-"""Import layering, read from the source (no imports executed).
+"""Import layering: the contracts in pyproject.toml (``[tool.importlinter]``), checked
+by import-linter from the source (no project code is imported).
 
-- ``kvferry_wire`` (the contract) imports none of our packages; the operator and the
-  sidecar import it and never each other; the dev harness may import all three and
-  none of them imports it (it is not shipped).
-- No import cycle, between packages or between the modules of one package.
-- The pure cores import no I/O framework: they stay testable without a cluster, a
-  socket or an event loop.
+- ``kvferry_wire`` (the contract) imports neither role; the operator and the sidecar
+  import it and never each other; the dev harness may import all three and nothing
+  shipped imports it, the benchmarks or the tests; the harness, ``bench/`` and the
+  ``hack/`` scripts import no tests.
+- No import cycle, between packages (the forbidden edges leave none possible) or
+  between the modules of one package.
+- The pure cores import no I/O framework, not even through another module: they stay
+  testable without a cluster, a socket or an event loop.
+
+Each contract is also shown to break: the import it forbids is added to the real graph
+and the contract must report it.
 """
 
 from __future__ import annotations
 
-import ast
+import copy
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+import grimp
 import pytest
+from importlinter import configuration
+from importlinter.application import use_cases
+from importlinter.contracts.acyclic_siblings import AcyclicSiblingsContract
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.domain.contract import Contract
 
 from tests.manifests import ROOT
 
-# Import name -> folder.
-PACKAGES = {
-    "kvferry_wire": ROOT / "wire",
-    "kvferry_operator": ROOT / "operator",
-    "kvferry_sidecar": ROOT / "sidecar",
-    "kvferry_dev": ROOT / "kvferry_dev",
+PYPROJECT = ROOT / "pyproject.toml"
+CONTRACT_TYPES: dict[str, type[Contract]] = {
+    "forbidden": ForbiddenContract,
+    "acyclic_siblings": AcyclicSiblingsContract,
 }
-# Which of our packages each may import (itself aside).
-ALLOWED = {
-    "kvferry_wire": set(),
-    "kvferry_operator": {"kvferry_wire"},
-    "kvferry_sidecar": {"kvferry_wire"},
-    "kvferry_dev": {"kvferry_wire", "kvferry_operator", "kvferry_sidecar"},
-}
-IO_PACKAGES = {"kopf", "kubernetes", "aiohttp", "zmq"}
-PURE = {
-    "kvferry_wire": ["protocol", "report", "extras"],
-    "kvferry_operator": [
-        "api",
-        "engine_config",
-        "render",
-        "status",
-        "tune",
-        "aggregate",
-        "pressure",
-        "validation",
-        "prerequisites",
-        "drift",
-    ],
-    "kvferry_sidecar": [
-        "types",
-        "plan",
-        "session",
-        "align",
-        "handles",
-        "rewrite",
-        "config",
-        "residency",
-        "kvevents",
-        "blockindex",
-        "promtext",
-        "enginemetrics",
-        "transport",
-    ],
-}
+# One import each contract forbids (several edges: a cycle), added to the real graph.
+Edge = tuple[str, str]
+VIOLATIONS: list[tuple[str, list[Edge]]] = [
+    ("wire-alone", [("kvferry_wire.report", "kvferry_sidecar.plan")]),
+    ("wire-alone", [("kvferry_wire.protocol", "kvferry_operator.api")]),
+    ("sidecar-not-operator", [("kvferry_sidecar.relay", "kvferry_operator.render")]),
+    ("operator-not-sidecar", [("kvferry_operator.render", "kvferry_sidecar.config")]),
+    ("shipped-alone", [("kvferry_operator.handlers", "kvferry_dev.procs")]),
+    ("shipped-alone", [("kvferry_sidecar.app", "tests.kube")]),
+    ("shipped-alone", [("kvferry_wire.report", "bench.common")]),
+    ("tools-not-tests", [("bench.turns", "tests.manifests")]),
+    ("tools-not-tests", [("hack.sidecar_load", "tests.kube")]),
+    ("tools-not-tests", [("kvferry_dev.demo", "tests.kube")]),
+    ("harness-not-bench", [("kvferry_dev.demo", "bench.workload")]),
+    ("pure-cores", [("kvferry_sidecar.plan", "aiohttp")]),
+    # Through another module: status -> kube -> kubernetes.
+    ("pure-cores", [("kvferry_operator.status", "kvferry_operator.kube")]),
+    (
+        "no-module-cycles",
+        [
+            ("kvferry_sidecar.plan", "kvferry_sidecar.align"),
+            ("kvferry_sidecar.align", "kvferry_sidecar.plan"),
+        ],
+    ),
+    ("no-module-cycles", [("kvferry_wire.protocol", "kvferry_wire.report")]),
+]
 
 
-def modules(package: str) -> dict[str, Path]:
-    folder = PACKAGES[package]
-    return {p.stem: p for p in sorted(folder.glob("*.py")) if p.stem != "__init__"}
+@pytest.fixture(scope="module")
+def options() -> Any:
+    configuration.configure()
+    return use_cases.read_user_options(str(PYPROJECT))
 
 
-def imports(path: Path, package: str) -> set[str]:
-    """Absolute names imported anywhere in the file (functions too), relative ones
-    resolved against ``package``."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module:
-                base = node.module
-            elif node.level == 1:
-                base = f"{package}.{node.module}" if node.module else package
-            else:
-                continue
-            names.add(base)
-            if base == package:  # from . import x, y
-                names |= {f"{package}.{a.name}" for a in node.names}
-    return names
+@pytest.fixture(scope="module")
+def graph(options: Any) -> grimp.ImportGraph:
+    """The graph lint-imports builds: the repository root is the working directory and
+    on sys.path (``hack`` is found there as a namespace package)."""
+    assert str(ROOT) in sys.path or str(Path.cwd()) == str(ROOT)
+    session = options.session_options
+    return grimp.build_graph(
+        *session["root_packages"],
+        include_external_packages=session.get("include_external_packages", False),
+        cache_dir=None,
+    )
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
+def contract(options: Any, contract_id: str) -> Contract:
+    found = [c for c in options.contracts_options if c["id"] == contract_id]
+    assert len(found) == 1, f"no contract {contract_id!r} in pyproject.toml"
+    opts = found[0]
+    return CONTRACT_TYPES[opts["type"]](
+        name=opts["name"], session_options=options.session_options, contract_options=opts
+    )
 
 
-def package_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for package in PACKAGES:
-        deps = graph.setdefault(package, set())
-        for path in PACKAGES[package].glob("*.py"):
-            deps |= {n.split(".")[0] for n in imports(path, package)} & set(PACKAGES)
-        deps.discard(package)
-    return graph
+def test_the_import_contracts_hold():
+    """What CI runs and a developer can run alone: ``lint-imports``."""
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lint-imports"),
+            "--no-cache",
+            "--config",
+            str(PYPROJECT),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_package_imports_only_what_its_layer_allows(package):
-    """The operator and the sidecar share the wire contract, never each other's code;
-    nothing shipped imports the dev harness."""
-    assert package_graph()[package] - ALLOWED[package] == set()
-
-
-def test_no_cycle_between_packages():
-    assert find_cycle(package_graph()) is None
-
-
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_no_cycle_between_modules_of_a_package(package):
-    mods = modules(package)
-    graph = {
-        name: {
-            n.split(".")[1]
-            for n in imports(path, package)
-            if n.startswith(package + ".") and n.split(".")[1] in mods
-        }
-        - {name}
-        for name, path in mods.items()
-    }
-    assert find_cycle(graph) is None
+def test_every_contract_has_a_violation_below(options):
+    """A new contract comes with an import that breaks it."""
+    assert {c["id"] for c in options.contracts_options} == {cid for cid, _ in VIOLATIONS}
 
 
 @pytest.mark.parametrize(
-    ("package", "module"), [(p, m) for p, mods in sorted(PURE.items()) for m in mods]
+    ("contract_id", "edges"), VIOLATIONS, ids=[f"{c}:{e[0][0]}" for c, e in VIOLATIONS]
 )
-def test_pure_module_imports_no_io_framework(package, module):
-    path = PACKAGES[package] / f"{module}.py"
-    assert {n.split(".")[0] for n in imports(path, package)} & IO_PACKAGES == set()
+def test_each_contract_breaks_on_the_import_it_forbids(options, graph, contract_id, edges):
+    checked = contract(options, contract_id)
+    assert checked.check(copy.deepcopy(graph), verbose=False).kept
+    broken = copy.deepcopy(graph)
+    for importer, imported in edges:
+        broken.add_import(importer=importer, imported=imported)
+    assert not checked.check(broken, verbose=False).kept
 
 
-def test_cycle_finder_finds_a_cycle():
-    """The checks above can fail: a two-module loop is reported."""
-    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
+def operator_cycle_breakers(graph: grimp.ImportGraph) -> set[tuple[str, str]]:
+    """grimp keeps no root module for a namespace portion (operator/ has no
+    __init__.py, so that it can never shadow the stdlib ``operator``): add it, then ask
+    which imports would have to go for the operator's modules to form no cycle."""
+    graph.add_module("kvferry_operator")
+    return graph.nominate_cycle_breakers("kvferry_operator")
 
 
-def test_wire_layer_check_sees_a_forbidden_import(tmp_path, monkeypatch):
-    """A wire module importing the sidecar is caught (guards the checker itself)."""
-    bad = tmp_path / "wire"
-    bad.mkdir()
-    (bad / "leak.py").write_text("from kvferry_sidecar import plan\n")
-    monkeypatch.setitem(PACKAGES, "kvferry_wire", bad)
-    assert package_graph()["kvferry_wire"] == {"kvferry_sidecar"}
+def test_no_cycle_between_the_operators_modules(graph):
+    assert operator_cycle_breakers(copy.deepcopy(graph)) == set()
+
+
+def test_the_operator_cycle_check_sees_a_cycle(graph):
+    broken = copy.deepcopy(graph)
+    broken.add_import(importer="kvferry_operator.api", imported="kvferry_operator.status")
+    assert operator_cycle_breakers(broken) != set()
