@@ -119,6 +119,8 @@ class FakeEngine:
     handles: list[dict[str, Any] | None] = field(default_factory=list)
     url: str = ""
     _count: int = 0
+    # Set on every abort; waiters clear it before they wait again.
+    _aborts: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def restart(self) -> None:
         """A new engine process on the same port (its pinned blocks are gone)."""
@@ -131,6 +133,12 @@ class FakeEngine:
 
     def last(self) -> Seen:
         return self.completions()[-1]
+
+    async def wait_aborted(self, count: int = 1) -> None:
+        """Return once `count` requests have been aborted by their caller."""
+        while self.aborted < count:
+            self._aborts.clear()
+            await self._aborts.wait()
 
     # -------------------------------------------------------------- the app
 
@@ -182,6 +190,7 @@ class FakeEngine:
         except asyncio.CancelledError:
             # The caller closed the connection: vLLM aborts the request here.
             self.aborted += 1
+            self._aborts.set()
             raise
 
     async def _complete_request(self, request: web.Request) -> web.StreamResponse:
