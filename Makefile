@@ -60,7 +60,7 @@ deploy-manifest:
 	deploy/render.sh
 
 # Regenerate charts/kvferry/dashboards/kvferry.json (the Grafana dashboard) from
-# kvferry_dev/dashboard.py; tests/unit/test_chart.py fails while it is stale.
+# kvferry_dev/dashboard.py; tests/static/test_chart.py fails while it is stale.
 dashboard: venv
 	$(BIN)/python -m kvferry_dev.dashboard
 

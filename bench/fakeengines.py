@@ -1,4 +1,4 @@
-"""The unit tier's fake vLLM engines (tests/unit/sidecar/fakes.py), a prefill and a
+"""The unit tier's fake vLLM engines (kvferry_dev/fakeengines.py), a prefill and a
 decode, served on real ports by one process:
 
     python -m bench.fakeengines --prefill-port P --decode-port D [--version 0.32.0]
@@ -16,7 +16,7 @@ import sys
 
 from aiohttp import web
 
-from tests.unit.sidecar.fakes import FakeEngine
+from kvferry_dev.fakeengines import FakeEngine
 
 
 async def serve(prefill_port: int, decode_port: int, version: str) -> None:

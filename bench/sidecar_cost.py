@@ -2,12 +2,13 @@
 against the reference-style proxy (bench/refproxy.py), on fake engines.
 
 ``python -m bench.sidecar_cost`` (``make bench-sidecar``; holds the engine lock: it
-pins cores). The unit tier's fake vLLM engines (bench/fakeengines.py) serve P and D
-on real ports; the front end under test (the real ``kvferry-sidecar`` process with the
-operator's settings, or the reference proxy) runs alone on core 0; the fakes and this
-load generator share core 1. Each stream is a conversation of 8 turns (history
-growing, ``session_id`` and ``conversation_id`` set), then a new one; non-streaming
-chat completions, as the sidecar must call D on vLLM 0.32 to keep handles.
+pins cores). The unit tier's fake vLLM engines (kvferry_dev/fakeengines.py, served by
+bench/fakeengines.py) serve P and D on real ports; the front end under test (the real
+``kvferry-sidecar`` process with the operator's settings, or the reference proxy) runs
+alone on core 0; the fakes and this load generator share core 1. Each stream is a
+conversation of 8 turns (history growing, ``session_id`` and ``conversation_id`` set),
+then a new one; non-streaming chat completions, as the sidecar must call D on vLLM
+0.32 to keep handles.
 
 Front ends: **direct D** (no front end: the floor), the **reference proxy** (P then D
 every turn, no checks), the **sidecar, defaults** (the operator's default settings:

@@ -2,7 +2,7 @@
 # Regenerates deploy/kvferry.yaml, the plain-manifest install, from charts/kvferry.
 #
 #   deploy/render.sh        rewrite deploy/kvferry.yaml
-#   deploy/render.sh -      print it instead (tests/unit/test_chart.py compares the two)
+#   deploy/render.sh -      print it instead (tests/static/test_chart.py compares the two)
 #
 # Default values except one: TLS comes from a Secret you create with deploy/gen-tls.sh,
 # because a generated key in a committed file would be the same key for every user.

@@ -1,5 +1,5 @@
 """How much memory and CPU the decode sidecar needs: the real ``kvferry-sidecar``
-process in front of fake vLLM engines (tests/unit/sidecar/fakes.py, in a process of
+process in front of fake vLLM engines (kvferry_dev/fakeengines.py, in a process of
 their own so their work is not counted), driven by many concurrent multi-turn
 sessions until its handle store is full (1,024 handles, each with its token array).
 
@@ -33,8 +33,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvferry_dev import fakeengines as fakes  # noqa: E402
 from kvferry_dev.procs import free_port  # noqa: E402
-from tests.unit.sidecar import fakes  # noqa: E402
 
 BLOCK_SIZE = 16
 # A vocabulary of this many distinct words: token ids spread like a real tokenizer's.

@@ -1,5 +1,7 @@
-"""The real decode sidecar (``kvferry-sidecar``) as a subprocess in front of a local
-P/D pair, configured with the operator's own settings file for the server."""
+"""The real decode sidecar (``kvferry-sidecar``) as a subprocess: the one launcher the
+demo, the engine tier and the cluster tier start it with (``spawn_sidecar``,
+``sidecar_running``), and ``SidecarProcess`` in front of a local P/D pair, configured
+with the operator's own settings file for the server."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,54 @@ from kvferry_sidecar.promtext import Scrape
 from .client import HttpServer
 from .engines import EnginePair
 from .procs import LIVE, EngineError, free_port, stop_group, tail
+
+
+def sidecar_argv(
+    config: Path, *, topology: Path | None = None, flags: Sequence[str] = ()
+) -> list[str]:
+    """``kvferry-sidecar --role decode --config CONFIG [--topology T] FLAGS...`` from this
+    python's venv (its console script, or the module where the script is missing)."""
+    script = Path(sys.executable).parent / "kvferry-sidecar"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvferry_sidecar.cli"]
+    where = ["--topology", str(topology)] if topology is not None else []
+    return [*cmd, "--role", "decode", "--config", str(config), *where, *flags]
+
+
+def spawn_sidecar(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in a process group of its own (``stop_group`` ends it and anything
+    it forked), from ``/`` so that nothing is read from the checkout by accident, its
+    output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            cwd="/",
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@contextmanager
+def sidecar_running(
+    config: Path,
+    log_path: Path,
+    env: Mapping[str, str],
+    *,
+    topology: Path | None = None,
+    flags: Sequence[str] = (),
+    stop_timeout: float = 20.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The decode sidecar with the settings file `config` for the length of the block;
+    SIGTERM to its group at the end (SIGKILL after `stop_timeout`)."""
+    proc = spawn_sidecar(sidecar_argv(config, topology=topology, flags=flags), log_path, env)
+    try:
+        yield proc
+    finally:
+        stop_group(proc, stop_timeout)
 
 
 def sidecar_files(
@@ -112,17 +163,7 @@ class SidecarProcess(HttpServer):
         topology_path = self.log_dir / f"{self.name}.topology.json"
         settings_path.write_text(json.dumps(self.settings, indent=2) + "\n")
         topology_path.write_text(json.dumps(self.topology, indent=2) + "\n")
-        script = Path(sys.executable).parent / "kvferry-sidecar"
-        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvferry_sidecar.cli"]
-        return [
-            *cmd,
-            "--role",
-            "decode",
-            "--config",
-            str(settings_path),
-            "--topology",
-            str(topology_path),
-        ]
+        return sidecar_argv(settings_path, topology=topology_path)
 
     def start(self, timeout: float = 60.0) -> SidecarProcess:
         if self.proc is not None:
@@ -131,18 +172,10 @@ class SidecarProcess(HttpServer):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFERRY_", "POD_"))}
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.extra_env)
+        argv = self.argv()
         with open(self.log_path, "ab") as log:
-            log.write(f"# kvferry: {' '.join(self.argv())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.argv(),
-                cwd="/",
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            log.write(f"# kvferry: {' '.join(argv)}\n".encode())
+        self.proc = spawn_sidecar(argv, self.log_path, env)
         LIVE.add(self)
         self.wait_ready(timeout)
         return self

@@ -6,5 +6,5 @@ subscriber and the engine probes. ``README.md`` in this folder is the map.
 
 May import ``kvferry_wire`` (the contract with the operator and clients); never
 ``kvferry_operator`` nor the dev harness ``kvferry_dev``
-(``tests/unit/test_layering.py`` checks it).
+(``tests/static/test_layering.py`` checks it).
 """

@@ -16,6 +16,6 @@ Owns what both sides must agree on and nothing else:
   without it says which ``pip install`` fixes it.
 
 May import: the standard library and msgspec. Never ``kvferry_operator``,
-``kvferry_sidecar`` or ``kvferry_dev`` (``tests/unit/test_layering.py`` checks it):
+``kvferry_sidecar`` or ``kvferry_dev`` (``tests/static/test_layering.py`` checks it):
 both runtime packages import this one, so it must not pull either into the other.
 """

@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from kvferry_dev.fakeengines import FakeEngine
 from kvferry_operator import api, render
 from tests.artifacts.pods import Container, from_pod_spec
 from tests.images import run
 from tests.manifests import server
 from tests.progress import step
-from tests.unit.sidecar.fakes import FakeEngine
 
 ROLES = ("operator", "sidecar")
 
@@ -108,7 +108,7 @@ class FakeEngines:
 
 
 class _EngineThread:
-    """The in-process fake vLLM engines (tests/unit/sidecar/fakes.py) served on real
+    """The in-process fake vLLM engines (kvferry_dev/fakeengines.py) served on real
     ports by an event loop in a thread, for a sidecar in another process to call."""
 
     def __init__(self) -> None:

@@ -39,10 +39,10 @@ from tests.artifacts.pods import (
 from tests.cluster.test_chart import _push
 from tests.cluster.test_operator import CHILDREN, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
+from tests.helm import CHART, helm
 from tests.images import IMAGES_SH, Images
 from tests.kube import PORT, Kubectl, Operator, free_port, wait_until
 from tests.manifests import server
-from tests.unit.test_chart import CHART, helm
 
 
 def python_in(image: str, code: str) -> subprocess.CompletedProcess[str]:

@@ -19,11 +19,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -33,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kvferry_dev.sidecars import sidecar_running
 from tests.cluster.conftest import Kubectl, Operator, free_port, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token
@@ -100,32 +98,17 @@ def decode_sidecar(kubectl: Kubectl, ns: str, folder: Path, token: str) -> Itera
         "KVFERRY_SERVER": "tiny",
         "KVFERRY_TOKEN_FILE": str(folder / "token"),
     }
-    log = open(folder / "sidecar.log", "wb")  # noqa: SIM115 - the process owns it
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvferry_sidecar.cli",
-            "--role=decode",
-            f"--config={folder / 'sidecar.json'}",
-            "--host=127.0.0.1",
-            f"--port={port}",
-            f"--internal-port={internal}",
-            f"--engine-url=http://127.0.0.1:{free_port()}",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd="/",
-    )
+    flags = [
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--internal-port={internal}",
+        f"--engine-url=http://127.0.0.1:{free_port()}",
+    ]
     try:
-        yield f"http://127.0.0.1:{internal}/metrics"  # /metrics: the internal port only
+        with sidecar_running(folder / "sidecar.json", folder / "sidecar.log", env, flags=flags):
+            yield f"http://127.0.0.1:{internal}/metrics"  # /metrics: the internal port only
     finally:
         sync.stopped.set()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-        log.close()
 
 
 def pushes(metrics_url: str) -> dict[str, float]:

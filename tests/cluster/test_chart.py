@@ -20,7 +20,7 @@ import yaml
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import CHILDREN, make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
-from tests.unit.test_chart import CHART, RELEASE, helm, set_args
+from tests.helm import CHART, RELEASE, helm, set_args
 
 TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
 

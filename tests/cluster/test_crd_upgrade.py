@@ -5,7 +5,7 @@ Helm installs charts/kvferry/crds/ once, as field manager "helm", and never
 updates it. A server-side apply of changed CRDs then conflicts on every field
 whose value changed (a description, a default), because "helm" owns it; the
 documented command takes those fields over with --force-conflicts. This test runs
-the command as the docs print it (tests/unit/test_docs.py checks every doc that
+the command as the docs print it (tests/static/test_docs.py checks every doc that
 mentions the upgrade prints the same one).
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import yaml
 
 from tests.cluster.conftest import Kubectl
+from tests.helm import CHART, RELEASE, helm
 from tests.kube import bare_control_plane
 from tests.manifests import ROOT, server
-from tests.unit.test_chart import CHART, RELEASE, helm
 
 # What every doc tells a user to run before `helm upgrade` (from the release's source).
 UPGRADE_CRDS = "kubectl apply --server-side --force-conflicts -f crds/"

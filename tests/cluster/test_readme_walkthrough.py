@@ -39,10 +39,10 @@ import pytest
 import yaml
 
 from tests.cluster.conftest import Kubectl, free_port, wait_until
+from tests.helm import helm_binary
 from tests.images import Images
 from tests.kube import bare_control_plane
 from tests.manifests import ROOT
-from tests.unit.test_chart import helm_binary
 
 SECTION = "## Quickstart on a GPU cluster"
 # Images built elsewhere from this tree; unset: the session builds them.

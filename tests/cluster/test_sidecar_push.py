@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvferry_dev.sidecars import sidecar_running
 from tests.cluster.conftest import Kubectl, Operator, free_port, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token
@@ -39,37 +38,14 @@ def sidecar_process(
         "KVFERRY_SERVER": "tiny",
         "KVFERRY_TOKEN_FILE": str(folder / "token"),
     }
-    log = open(folder / "sidecar.log", "wb")  # noqa: SIM115 - the process owns it
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvferry_sidecar.cli",
-            "--role",
-            "decode",
-            "--config",
-            str(folder / "sidecar.json"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--internal-port",
-            str(free_port()),
-            "--engine-url",
-            f"http://127.0.0.1:{free_port()}",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd="/",
-    )
-    try:
+    flags = [
+        *("--host", "127.0.0.1"),
+        *("--port", str(free_port())),
+        *("--internal-port", str(free_port())),
+        *("--engine-url", f"http://127.0.0.1:{free_port()}"),
+    ]
+    with sidecar_running(folder / "sidecar.json", folder / "sidecar.log", env, flags=flags) as proc:
         yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-        log.close()
 
 
 def pod_rows(kubectl: Kubectl, ns: str) -> dict[str, dict]:

@@ -17,9 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -43,7 +40,7 @@ from kvferry_dev.prom import (
     pod_target,
     prometheus_binary,
 )
-from kvferry_dev.sidecars import sidecar_files
+from kvferry_dev.sidecars import sidecar_files, sidecar_running
 from tests.cluster.test_reports import bound_token
 from tests.kube import Kubectl, Operator, wait_for_event, wait_until
 
@@ -172,7 +169,7 @@ def prometheus(
 ) -> Iterator[Prometheus]:
     """Prometheus scraping the sidecar, both engines and the operator, labelled as the
     chart's PodMonitor labels them (its own relabelings, the pods' real labels)."""
-    from tests.unit.test_chart import one, template
+    from tests.helm import one, template
 
     try:
         binary = prometheus_binary()
@@ -243,38 +240,23 @@ def run(
         "KVFERRY_SERVER": SERVER,
         "KVFERRY_TOKEN_FILE": str(log_dir / "token"),
     }
-    log = open(log_dir / "sidecar.log", "wb")  # noqa: SIM115 - the process owns it
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvferry_sidecar.cli",
-            "--role",
-            "decode",
-            "--config",
-            str(log_dir / "sidecar.json"),
-            "--topology",
-            str(log_dir / "topology.json"),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd="/",
-    )
     url = f"http://127.0.0.1:{sidecar_port}"
     try:
-        wait_until(lambda: _ready(url), 60, "the sidecar ready")
-        prometheus.wait_for_targets_up(4)
-        started = time.time()
-        outcomes, errors = run_threads(
-            lambda s, o, e: conversation(url, s, o, e), SESSIONS, timeout=900
-        )
-        yield Run(namespace, url, started, log_dir, outcomes, errors)
+        with sidecar_running(
+            log_dir / "sidecar.json",
+            log_dir / "sidecar.log",
+            env,
+            topology=log_dir / "topology.json",
+            stop_timeout=30,
+        ):
+            wait_until(lambda: _ready(url), 60, "the sidecar ready")
+            prometheus.wait_for_targets_up(4)
+            started = time.time()
+            outcomes, errors = run_threads(
+                lambda s, o, e: conversation(url, s, o, e), SESSIONS, timeout=900
+            )
+            yield Run(namespace, url, started, log_dir, outcomes, errors)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
         print((log_dir / "sidecar.log").read_text()[-3000:])
 
 

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from kvferry_dev.fakeengines import FakeClock, FakeEngine
 from kvferry_sidecar.app import SIDECAR, app_factory
 from kvferry_sidecar.config import Settings
 from kvferry_sidecar.runtime import Sidecar
-
-from .fakes import FakeClock, FakeEngine
 
 
 @dataclass

@@ -7,12 +7,29 @@ import contextlib
 
 import aiohttp
 
+from kvferry_sidecar.runtime import Sidecar
+from kvferry_sidecar.types import TurnReport
+
 from .conftest import Engines, MakeSidecar, sidecar_of
 from .test_turns import CHAT, LONG_QUESTION, Conversation
 
 
 def chat(**extra: object) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": LONG_QUESTION}], **extra}
+
+
+def turns_recorded(sc: Sidecar) -> asyncio.Event:
+    """Set once the sidecar has recorded a turn (for a client gone, the handler's last
+    step, after the engine's request is aborted or not)."""
+    done = asyncio.Event()
+    record = sc.record_turn
+
+    def recording(turn: TurnReport) -> None:
+        record(turn)
+        done.set()
+
+    sc.record_turn = recording  # type: ignore[method-assign]
+    return done
 
 
 async def test_deeply_nested_json_is_a_400_not_a_500(make_sidecar: MakeSidecar) -> None:
@@ -60,16 +77,15 @@ async def test_client_gone_mid_decode_aborts_the_decode(
     """A non-streaming client that disconnects stops D too (vLLM aborts a request
     whose connection closed), instead of generating to max_tokens for nobody."""
     client = await make_sidecar()
+    recorded = turns_recorded(sidecar_of(client))
     engines.decode.delay = 5.0
     timeout = aiohttp.ClientTimeout(total=0.3)
     with contextlib.suppress(TimeoutError):
         await client.post(CHAT, json=chat(), timeout=timeout)
-    for _ in range(50):
-        if engines.decode.aborted:
-            break
-        await asyncio.sleep(0.05)
+    async with asyncio.timeout(5):
+        await engines.decode.wait_aborted()
+        await recorded.wait()
     assert engines.decode.aborted == 1
-    await asyncio.sleep(0.05)
     assert sidecar_of(client).metrics.turns.labels("no-handle", "remote")._value.get() == 1
 
 
@@ -85,12 +101,15 @@ async def test_client_gone_mid_prefill_aborts_it_and_keeps_the_handle_counted(
         p.delay = 5.0
     conv.messages.append({"role": "user", "content": "and then"})
     body = {"model": "m", "session_id": "s", "messages": conv.messages}
+    recorded = turns_recorded(sidecar_of(client))
     with contextlib.suppress(TimeoutError):
         await client.post(CHAT, json=body, timeout=aiohttp.ClientTimeout(total=0.3))
-    for _ in range(50):
-        if sum(p.aborted for p in engines.prefill):
-            break
-        await asyncio.sleep(0.05)
+    async with asyncio.timeout(5), asyncio.TaskGroup() as waits:
+        aborts = [waits.create_task(p.wait_aborted()) for p in engines.prefill]
+        await asyncio.wait(aborts, return_when=asyncio.FIRST_COMPLETED)
+        await recorded.wait()
+        for task in aborts:
+            task.cancel()
     assert sum(p.aborted for p in engines.prefill) == 1
     assert engines.decode.completions()[-1:] and len(engines.decode.completions()) == 1
     sc = sidecar_of(client)

@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvferry_dev.fakeengines import FakeEngine
 from kvferry_sidecar.app import app_factory
 from kvferry_sidecar.session import owner
 
 from .conftest import Engines, sidecar_of, sidecar_settings, start
-from .fakes import FakeEngine
 
 CHAT = "/v1/chat/completions"
 UNUSED = "http://127.0.0.1:9"  # a ring slot the test never calls

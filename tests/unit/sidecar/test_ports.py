@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvferry_dev.fakeengines import FakeEngine
 from kvferry_sidecar.app import app_factory
 from kvferry_sidecar.session import owner
 from tests.kube import free_port
 
 from .conftest import Engines, sidecar_settings, start
-from .fakes import FakeEngine
 
 CHAT = "/v1/chat/completions"
 

@@ -1,5 +1,5 @@
 """Reuse only when the KV is provably the same, and no handle left pinned for nothing:
-the turn protocol against fake engines (tests/unit/sidecar/fakes.py)."""
+the turn protocol against fake engines (kvferry_dev/fakeengines.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
+from kvferry_dev.fakeengines import chat_ids
 from kvferry_sidecar.blockhash import prefix_block_hashes
 from kvferry_sidecar.kvevents import Batch, Stored
 from kvferry_wire import report
 
 from .conftest import Engines, MakeSidecar, sidecar_of
-from .fakes import chat_ids
 from .test_turns import (
     LONG_QUESTION,
     Conversation,

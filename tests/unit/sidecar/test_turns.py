@@ -14,12 +14,12 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
+from kvferry_dev.fakeengines import EOS, chat_ids, ids
 from kvferry_sidecar.types import LOCAL_HANDLE_PARAMS, PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 from kvferry_wire import protocol
 
 from .conftest import Engines, MakeSidecar, sidecar_of
-from .fakes import EOS, chat_ids, ids
 
 CHAT = "/v1/chat/completions"
 LONG_QUESTION = "one two three four five six seven eight nine ten"

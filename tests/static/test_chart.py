@@ -11,12 +11,9 @@ and the security of the server pods the operator renders.
 from __future__ import annotations
 
 import base64
-import functools
 import inspect
 import json
-import os
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +25,19 @@ import yaml
 
 from kvferry_operator import api, handlers, kube, render
 from kvferry_wire import protocol
+from tests.helm import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    helm,
+    one,
+    operator_container,
+    set_args,
+    template,
+)
 from tests.manifests import EXAMPLES, ROOT, load_example
-from tests.progress import step
 
-CHART = ROOT / "charts" / "kvferry"
-HELM_SH = ROOT / "hack" / "helm.sh"
 K8S_VERSION = "1.37.0"
-RELEASE = "kvferry"
-NAMESPACE = "kvferry-system"
 # Every optional part on (ServiceMonitor is a CRD kind: not in the built-in schemas).
 ALL_OPTIONS = [
     "watchNamespaces={team-a,team-b}",
@@ -47,63 +49,6 @@ ALL_OPTIONS = [
     "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
     "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
 ]
-
-
-# ------------------------------------------------------------------ helm
-
-
-@functools.cache
-def helm_binary() -> str:
-    """Build (once, cached under ~/.cache/kvferry) and return the helm binary."""
-    with step("helm (hack/helm.sh build; the first run on a machine builds it, ~3.5 min)"):
-        proc = subprocess.run(
-            ["bash", str(HELM_SH), "build"], capture_output=True, text=True, timeout=1800
-        )
-    assert proc.returncode == 0, f"hack/helm.sh build failed:\n{proc.stderr[-4000:]}"
-    return proc.stdout.strip().splitlines()[-1]
-
-
-def helm_env() -> dict[str, str]:
-    """helm's own config/cache/data folders out of $HOME."""
-    base = Path(tempfile.gettempdir()) / f"kvferry-helm-home-{os.getuid()}"
-    return {
-        **os.environ,
-        "HELM_CONFIG_HOME": str(base / "config"),
-        "HELM_CACHE_HOME": str(base / "cache"),
-        "HELM_DATA_HOME": str(base / "data"),
-    }
-
-
-def helm(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [helm_binary(), *args], capture_output=True, text=True, env=helm_env(), timeout=120, **kw
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}{proc.stdout}")
-    return proc
-
-
-def set_args(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
-
-
-def template_text(*sets: str, namespace: str = NAMESPACE, crds: bool = False) -> str:
-    args = ["template", RELEASE, str(CHART), "--namespace", namespace, *set_args(list(sets))]
-    return helm(*args, *(["--include-crds"] if crds else [])).stdout
-
-
-def template(*sets: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(template_text(*sets, namespace=namespace)) if d]
-
-
-def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
-    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
-    return found[0]
-
-
-def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
-    return one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
 # ------------------------------------------------------------------ RBAC table

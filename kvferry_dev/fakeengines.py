@@ -1,4 +1,6 @@
-"""In-process fake vLLM engines (prefill and decode) that record what they received.
+"""In-process fake vLLM engines (prefill and decode) that record what they received:
+the unit tier's engines, and the ones ``bench/`` and ``hack/sidecar_load.py`` serve on
+real ports.
 
 Shapes follow vLLM 0.32/0.33's OpenAI server: ``/tokenize`` -> ``tokens``; chat and
 completions answers with ``prompt_token_ids`` / ``choices[].token_ids`` when
@@ -23,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
+from packaging.version import Version
 
 EOS = "<eos>"
 VOCAB: dict[str, int] = {"<system>": 1, "<user>": 2, "<assistant>": 3, EOS: 4, "<tool>": 5}
@@ -116,6 +119,8 @@ class FakeEngine:
     handles: list[dict[str, Any] | None] = field(default_factory=list)
     url: str = ""
     _count: int = 0
+    # Set on every abort; waiters clear it before they wait again.
+    _aborts: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def restart(self) -> None:
         """A new engine process on the same port (its pinned blocks are gone)."""
@@ -128,6 +133,12 @@ class FakeEngine:
 
     def last(self) -> Seen:
         return self.completions()[-1]
+
+    async def wait_aborted(self, count: int = 1) -> None:
+        """Return once `count` requests have been aborted by their caller."""
+        while self.aborted < count:
+            self._aborts.clear()
+            await self._aborts.wait()
 
     # -------------------------------------------------------------- the app
 
@@ -179,6 +190,7 @@ class FakeEngine:
         except asyncio.CancelledError:
             # The caller closed the connection: vLLM aborts the request here.
             self.aborted += 1
+            self._aborts.set()
             raise
 
     async def _complete_request(self, request: web.Request) -> web.StreamResponse:
@@ -303,7 +315,7 @@ class FakeEngine:
         for word, tok in zip(words, output, strict=False):
             chunks.append({**base, "choices": [choice(word + " ", [tok], None)]})
         final = {**base, "choices": [choice("", [output[-1]], "stop")]}
-        if params is not None and _version_at_least(self.version, (0, 33)):
+        if params is not None and Version(self.version) >= Version("0.33"):
             final["kv_transfer_params"] = params
         chunks.append(final)
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -320,11 +332,6 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-def _version_at_least(version: str, wanted: tuple[int, int]) -> bool:
-    major, minor = (int(p) for p in version.split(".")[:2])
-    return (major, minor) >= wanted
 
 
 def _error(status: int, message: str = "injected failure") -> web.Response:
