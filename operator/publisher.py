@@ -36,12 +36,6 @@ EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
 
 
-def applied_retention(server_obj: dict[str, Any], spec_value: int) -> int:
-    return int(
-        ((server_obj.get("status") or {}).get("retention") or {}).get("applied") or spec_value
-    )
-
-
 def without_nulls(value: Any) -> Any:
     """``value`` with every null-valued key dropped, at any depth."""
     if isinstance(value, dict):
@@ -112,7 +106,8 @@ class Publisher:
         now = self.clock()
         self.prune(namespace, name, now)
         mode = server.spec.cache_tuning.mode
-        applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
+        # What the pods render (Auto's applied value, else the spec's): one function.
+        applied = server.decode_retention_seconds
         received = self.store.get(namespace, name)
         fresh = [r.report for r in received if not aggregate.is_stale(r, now, self.stale_after)]
         key = (namespace, name)
