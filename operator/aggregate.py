@@ -38,7 +38,25 @@ from kvferry_wire.report import (
 )
 
 from . import tune
-from .api import Server, iso_time
+from .api import MODE_OBSERVE, Server, iso_time
+
+# The KVCacheStatus before any sidecar has reported: the reconcile writes it when it
+# creates the object, aggregate() when the reports it had are gone.
+NO_REPORTS_PHASE = "NoReports"
+NO_REPORTS_MESSAGE = "no residency reports yet: figures appear once the sidecars report"
+NO_REPORTS_STATUS: dict[str, Any] = {
+    "phase": NO_REPORTS_PHASE,
+    "message": NO_REPORTS_MESSAGE,
+    "summary": {
+        "hitRate": "-",
+        "reusedTokenShare": "-",
+        "gapP95": "-",
+        "retention": "-",
+        "recommendedRetention": "-",
+        "ttftP95": "-",
+        "transport": TRANSPORT_UNKNOWN,
+    },
+}
 
 DEFAULT_STALE_SECONDS = 90.0
 
@@ -203,10 +221,7 @@ def _aggregate(
         for r in sorted(received, key=lambda r: r.report.pod)
     ]
     if not received:
-        phase, message = (
-            "NoReports",
-            "no residency reports yet: figures appear once sidecars report",
-        )
+        phase, message = NO_REPORTS_PHASE, NO_REPORTS_MESSAGE
     elif not fresh:
         phase = "Stale"
         message = f"every report is older than {stale_after:.0f}s: sidecars are not reporting"
@@ -286,7 +301,7 @@ def _aggregate(
                 recompute_seconds / recompute_tokens if recompute_tokens else None
             ),
             current_threshold=spec.kv_transfer.recompute_threshold,
-            max_model_len=spec.model.max_model_len or 131072,
+            max_model_len=spec.model.max_model_len or tune.DEFAULT_MAX_MODEL_LEN,
         )
 
     # 4. ttft
@@ -367,7 +382,7 @@ def with_recommendations(
     threshold: tune.Recommendation | None,
 ) -> dict[str, Any]:
     """Add the tuner's recommendations; Observe shows figures only."""
-    if mode == "Observe" or retention is None:
+    if mode == MODE_OBSERVE or retention is None:
         return status
     out = {**status, "summary": {**status["summary"]}}
     out["summary"]["recommendedRetention"] = f"{retention.value}s"

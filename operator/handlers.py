@@ -24,7 +24,19 @@ from typing import Any
 
 import kopf
 
-from . import api, drift, metrics, prerequisites, publisher, render, report_endpoint, status
+from kvferry_wire.report import TRANSPORT_UNKNOWN
+
+from . import (
+    aggregate,
+    api,
+    drift,
+    metrics,
+    prerequisites,
+    publisher,
+    render,
+    report_endpoint,
+    status,
+)
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .probe import PrerequisiteProbe
 from .settings import Settings
@@ -46,21 +58,6 @@ CHILD_KINDS = [
     ("policy", "v1", "poddisruptionbudgets", "policy/v1", "PodDisruptionBudget"),
     (api.GROUP, api.VERSION, api.STATUS_PLURAL, api.API_VERSION, api.STATUS_KIND),
 ]
-
-NO_REPORTS_STATUS = {
-    "phase": "NoReports",
-    "message": "no residency reports yet: figures appear once the sidecars report",
-    "summary": {
-        "hitRate": "-",
-        "reusedTokenShare": "-",
-        "gapP95": "-",
-        "retention": "-",
-        "recommendedRetention": "-",
-        "ttftP95": "-",
-        "transport": "Unknown",
-    },
-}
-
 
 # ------------------------------------------------------------------ lifecycle
 
@@ -254,7 +251,7 @@ def apply_children(
                 api.STATUS_KIND,
                 meta["namespace"],
                 meta["name"],
-                {**NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
+                {**aggregate.NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
             )
     return ok
 
@@ -304,7 +301,7 @@ def refresh_status(
     observed = status.Observed(
         roles=roles,
         pods=list(pods.get(key, [])),
-        transport=old.get("transport", "Unknown"),
+        transport=old.get("transport", TRANSPORT_UNKNOWN),
         transport_reason=old.get("transportReason", ""),
         prerequisites=check_prerequisites(server, roles, probe, settings),
         nodes=_nodes_seen(nodes) if nodes is not None else None,

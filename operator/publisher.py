@@ -55,7 +55,7 @@ def retention_status(
     old: dict[str, Any], applied: int, rec: tune.Recommendation | None, mode: str
 ) -> dict[str, Any]:
     out = {**old, "applied": applied}
-    if rec is not None and mode != "Observe":
+    if rec is not None and mode != api.MODE_OBSERVE:
         out["recommended"] = rec.value
         out["reason"] = rec.reason
     return out
@@ -125,7 +125,7 @@ class Publisher:
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))
-        shown = mode != "Observe"
+        shown = mode != api.MODE_OBSERVE
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
             server=name,
@@ -188,7 +188,7 @@ class Publisher:
         st = obj.get("status") or {}
         old = st.get("retention") or {}
         new = without_nulls(retention_status(old, applied, rec, mode))
-        if mode == "Auto" and rec is not None:
+        if mode == api.MODE_AUTO and rec is not None:
             ready = any(
                 c.get("type") == api.COND_READY and c.get("status") == "True"
                 for c in st.get("conditions") or []
@@ -231,7 +231,7 @@ class Publisher:
         self.kube.patch_status(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, patch
         )
-        if rec is not None and mode != "Observe" and old.get("recommended") != rec.value:
+        if rec is not None and mode != api.MODE_OBSERVE and old.get("recommended") != rec.value:
             self.emit(obj, "Normal", EVENT_RECOMMENDED, recommendation_message(rec))
         if new.get("applied") != old.get("applied", applied):
             self.emit(

@@ -55,6 +55,7 @@ from kvferry_wire.report import MAX_REPORT_BYTES, Report, ReportError, decode
 
 from . import api
 from .aggregate import Received
+from .render import name_for
 from .serving_cert import ReloadingCert
 
 log = logging.getLogger(__name__)
@@ -209,10 +210,6 @@ def identity_from_review(review_status: dict[str, Any]) -> Identity:
     return Identity(namespace, pod_name, pod_uid)
 
 
-def statefulset_name(server: str, role: str) -> str:
-    return f"{server}-{role}"  # render.resource_name(server, role)
-
-
 def controller_of(meta: dict[str, Any]) -> dict[str, Any] | None:
     return next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
 
@@ -242,7 +239,7 @@ def check_membership(
         raise Forbidden(
             f"pod {name} has role {labels.get(api.LABEL_ROLE)!r}; its report says {role!r}"
         )
-    want = statefulset_name(server, role)
+    want = name_for(server, role)
     ref = controller_of(meta)
     if ref is None or ref.get("kind") != "StatefulSet" or ref.get("name") != want:
         raise Forbidden(f"pod {name} is not a pod of StatefulSet {want} (its controller)")
@@ -501,7 +498,7 @@ def app_factory(
         assert pod is not None
         ref = controller_of(pod.get("metadata") or {}) or {}
         sts = None
-        if ref.get("kind") == "StatefulSet" and ref.get("name") == statefulset_name(
+        if ref.get("kind") == "StatefulSet" and ref.get("name") == name_for(
             report.server, report.role
         ):
             sts = await lookups.statefulset(ident.namespace, ref["name"], ref.get("uid"))

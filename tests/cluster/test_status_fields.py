@@ -178,7 +178,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
         kvcs = kube.get(api.API_VERSION, api.STATUS_KIND, ns, "tiny")
         assert (
             differences(
-                {k: v for k, v in handlers.NO_REPORTS_STATUS.items()},
+                {k: v for k, v in aggregate.NO_REPORTS_STATUS.items()},
                 {k: v for k, v in kvcs["status"].items() if k != "lastUpdateTime"},
             )
             == []
