@@ -39,6 +39,7 @@ from kvferry_wire.report import (
 
 from . import tune
 from .api import MODE_OBSERVE, Server, iso_time
+from .reports import Received, is_stale
 
 # The KVCacheStatus before any sidecar has reported: the reconcile writes it when it
 # creates the object, aggregate() when the reports it had are gone.
@@ -61,13 +62,6 @@ NO_REPORTS_STATUS: dict[str, Any] = {
 DEFAULT_STALE_SECONDS = 90.0
 
 
-@dataclass(frozen=True)
-class Received:
-    report: Report
-    received_at: float  # unix seconds, operator clock
-    pod_uid: str = ""  # the reporting pod's uid, as the endpoint checked it
-
-
 def _q(h: Histogram, q: float) -> float | None:
     value, _ = h.quantile(q)
     return None if math.isnan(value) else round(value, 3)
@@ -85,10 +79,6 @@ def _secs(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.0f}s" if value >= 10 else f"{value:.2f}s"
-
-
-def is_stale(item: Received, now: float, stale_after: float) -> bool:
-    return now - item.received_at > stale_after
 
 
 def majority_transport(reports: list[Report]) -> str:

@@ -35,6 +35,7 @@ from . import (
     publisher,
     render,
     report_endpoint,
+    reports,
     status,
 )
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
@@ -91,7 +92,7 @@ async def configure(
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     loop = asyncio.get_running_loop()
     memo.tasks = [loop.create_task(_resync_forever(memo, ours, logger))]
-    memo.reports = report_endpoint.ReportStore()
+    memo.reports = reports.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
         kube: Kube = memo.kube

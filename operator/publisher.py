@@ -27,10 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import aggregate, api, pressure, tune
+from . import aggregate, api, pressure, reports, tune
 from .kube import Kube
 from .metrics import Decision
-from .report_endpoint import ReportStore
 
 EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
@@ -65,7 +64,7 @@ class Publisher:
     def __init__(
         self,
         kube: Kube,
-        store: ReportStore,
+        store: reports.ReportStore,
         stale_after: float,
         min_write_seconds: float,
         emit: Callable[[dict[str, Any], str, str, str], None],
@@ -109,7 +108,7 @@ class Publisher:
         # What the pods render (Auto's applied value, else the spec's): one function.
         applied = server.decode_retention_seconds
         received = self.store.get(namespace, name)
-        fresh = [r.report for r in received if not aggregate.is_stale(r, now, self.stale_after)]
+        fresh = [r.report for r in received if not reports.is_stale(r, now, self.stale_after)]
         key = (namespace, name)
         preemptions = self._preemptions.setdefault(key, pressure.PreemptionWindow())
         usage = self._usage.setdefault(key, pressure.UsagePeak())

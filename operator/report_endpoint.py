@@ -54,8 +54,8 @@ from kvferry_wire.protocol import REPORT_PATH, REPORT_TOKEN_AUDIENCE
 from kvferry_wire.report import MAX_REPORT_BYTES, Report, ReportError, decode
 
 from . import api
-from .aggregate import Received
 from .render import name_for
+from .reports import Received, ReportStore
 from .serving_cert import ReloadingCert
 
 log = logging.getLogger(__name__)
@@ -265,34 +265,6 @@ def check_membership(
 
 
 # ------------------------------------------------------------------ state
-
-
-class ReportStore:
-    """Latest report per pod, keyed (namespace, server) -> pod -> Received."""
-
-    def __init__(self) -> None:
-        self._by_server: dict[tuple[str, str], dict[str, Received]] = {}
-
-    def put(self, received: Received) -> None:
-        rep = received.report
-        self._by_server.setdefault((rep.namespace, rep.server), {})[rep.pod] = received
-
-    def servers(self) -> list[tuple[str, str]]:
-        return list(self._by_server)
-
-    def get(self, namespace: str, server: str) -> list[Received]:
-        return list(self._by_server.get((namespace, server), {}).values())
-
-    def forget(self, namespace: str, server: str) -> None:
-        self._by_server.pop((namespace, server), None)
-
-    def prune(self, namespace: str, server: str, pods: list[str]) -> None:
-        """Drop these pods' rows (gone, or silent too long)."""
-        rows = self._by_server.get((namespace, server), {})
-        for pod in pods:
-            rows.pop(pod, None)
-        if not rows:
-            self._by_server.pop((namespace, server), None)
 
 
 class _RateLimit:

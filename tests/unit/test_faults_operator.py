@@ -11,8 +11,8 @@ import kopf
 import pytest
 import urllib3
 
-from kvferry_operator import aggregate, api, publisher, status
-from kvferry_operator.report_endpoint import ReportStore
+from kvferry_operator import aggregate, api, publisher, reports, status
+from kvferry_operator.reports import ReportStore
 from kvferry_sidecar import residency
 from kvferry_sidecar.types import STORE_FATES
 from kvferry_wire import report as wire
@@ -45,7 +45,7 @@ NOT_FINITE = rep("tiny-decode-2", engine=wire.Engine(kv_usage=math.inf))
 
 @pytest.mark.parametrize("bad", [BAD_KEY, NOT_FINITE], ids=["byTurn-key", "infinity"])
 def test_one_pods_unusable_report_leaves_the_others_figures_standing(bad):
-    received = [aggregate.Received(GOOD, NOW), aggregate.Received(bad, NOW)]
+    received = [reports.Received(GOOD, NOW), reports.Received(bad, NOW)]
     agg = aggregate.aggregate(SERVER, received, NOW, 480)
     assert agg.status["summary"]["hitRate"] == "90%"  # the good pod's figures
     rows = {row["name"]: row for row in agg.status["pods"]}
@@ -93,8 +93,8 @@ def kvcs_writes(kube: FakeKube) -> list[dict]:
 
 def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
     store = ReportStore()
-    store.put(aggregate.Received(GOOD, NOW))
-    store.put(aggregate.Received(BAD_KEY, NOW))
+    store.put(reports.Received(GOOD, NOW))
+    store.put(reports.Received(BAD_KEY, NOW))
     kube = FakeKube({})
     make_publisher(kube, store).publish_all(logging.getLogger("test"))
     (written,) = kvcs_writes(kube)
@@ -114,7 +114,7 @@ def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
 )
 def test_rows_of_pods_that_cannot_report_are_pruned(age, pods, kept):
     store = ReportStore()
-    store.put(aggregate.Received(GOOD, NOW - age, "uid-0"))
+    store.put(reports.Received(GOOD, NOW - age, "uid-0"))
     kube = FakeKube(pods)
     make_publisher(kube, store).publish_all(logging.getLogger("test"))
     assert bool(store.get("ns", "tiny")) is kept

@@ -41,6 +41,7 @@ PURE = {
         "status",
         "tune",
         "aggregate",
+        "reports",
         "pressure",
         "validation",
         "prerequisites",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvferry_operator import aggregate, api, publisher, tune
+from kvferry_operator import api, publisher, reports, tune
 from kvferry_wire import report as wire
 from tests.manifests import server
 
@@ -78,8 +78,8 @@ def store_with(gaps: list[float]) -> Any:
         def servers(self) -> list[tuple[str, str]]:
             return [("default", "tiny")]
 
-        def get(self, ns: str, name: str) -> list[aggregate.Received]:
-            return [aggregate.Received(rep, NOW - 1)]
+        def get(self, ns: str, name: str) -> list[reports.Received]:
+            return [reports.Received(rep, NOW - 1)]
 
     return Store()
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvferry_operator import api
 from kvferry_operator import report_endpoint as endpoint
+from kvferry_operator.reports import Received, ReportStore
 from kvferry_wire import report as wire
 
 NS, SERVER, POD, UID = "serving", "tiny", "tiny-decode-0", "pod-uid-1"
@@ -130,7 +131,7 @@ def body(**overrides) -> bytes:
 
 async def make_client(aiohttp_client, fake: FakeApi | None = None, **limits):
     fake = fake or FakeApi()
-    store = endpoint.ReportStore()
+    store = ReportStore()
     app = endpoint.app_factory(
         store,
         lambda token: fake.review(token),  # late-bound: a test may swap them
@@ -460,9 +461,8 @@ async def test_requests_beyond_the_in_flight_bound_get_503(aiohttp_client):
 
 
 def test_the_store_prunes_rows_and_forgets_an_empty_server():
-    from kvferry_operator.aggregate import Received
 
-    store = endpoint.ReportStore()
+    store = ReportStore()
     rep = msgspec.json.decode(body(), type=wire.Report)
     store.put(Received(rep, NOW))
     store.prune(NS, SERVER, [POD])
