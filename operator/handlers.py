@@ -69,12 +69,6 @@ async def configure(
 ) -> None:
     """Operator-wide settings and shared objects, kept in ``memo`` (main.run puts the
     operator's Settings and watched namespaces there before kopf starts)."""
-    # Our own names for whatever kopf persists, should a future handler need it.
-    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=api.GROUP, key="last-handled-configuration"
-    )
     # Re-establish watches every 5 min: proxies and load balancers silently drop
     # idle long-polls, and a dead watch would freeze the operator's view.
     settings.watching.server_timeout = 300

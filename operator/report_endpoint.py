@@ -63,8 +63,6 @@ log = logging.getLogger(__name__)
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-# Kept for callers of the first version of this module; Limits.review_ttl rules.
-TOKEN_CACHE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class Limits:
     review_queue: int = 64
     review_timeout: float = 5.0
     # Accepted tokens: reused a minute (projected tokens live an hour), LRU-bound.
-    review_ttl: float = TOKEN_CACHE_SECONDS
+    review_ttl: float = 60.0
     review_cache_size: int = 4096
     # Refused tokens: remembered briefly and apart, so a flood of them cannot evict
     # the good ones, and a token the API server refused by mistake recovers soon.

@@ -208,7 +208,7 @@ async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(ca
     from kvferry_operator.settings import Settings
 
     kube = UnreachableKube()
-    settings = Settings(sidecar_image="", resync_seconds=0.01, child_event_debounce_seconds=0)
+    settings = Settings(sidecar_image="", resync_seconds=0.01)
     memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None)
     task = asyncio.ensure_future(
         handlers._resync_forever(memo, settings, logging.getLogger("test"))
