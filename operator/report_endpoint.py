@@ -34,8 +34,6 @@ API server trouble is a 503 (retry), never a 500.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import json
 import logging
@@ -46,9 +44,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
+import jwt
 from aiohttp import web
+from cachetools import TTLCache
 
 from kvferry_wire.protocol import REPORT_PATH, REPORT_TOKEN_AUDIENCE
 from kvferry_wire.report import MAX_REPORT_BYTES, Report, ReportError, decode
@@ -121,44 +121,11 @@ ReviewToken = Callable[[str], dict[str, Any]]
 GetPod = Callable[[str, str], dict[str, Any] | None]
 GetStatefulSet = Callable[[str, str], dict[str, Any] | None]
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class TTLCache(Generic[K, V]):
-    """A size-bound LRU whose entries expire; small and synchronous (one event loop)."""
-
-    def __init__(self, size: int, ttl: float, clock: Callable[[], float]) -> None:
-        self.size, self.ttl, self.clock = size, ttl, clock
-        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        hit = self._items.get(key)
-        if hit is None:
-            return None
-        if self.clock() - hit[0] >= self.ttl:
-            del self._items[key]
-            return None
-        self._items.move_to_end(key)
-        return hit[1]
-
-    def put(self, key: K, value: V) -> None:
-        self._items[key] = (self.clock(), value)
-        self._items.move_to_end(key)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def drop(self, key: K) -> None:
-        self._items.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 # ------------------------------------------------------------------ pure checks
 
 
-_JWT = re.compile(r"[A-Za-z0-9_-]+\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+")
+MAX_TOKEN_CHARS = 16384
+NOT_A_TOKEN = "not a ServiceAccount token (use the pod's projected kvferry token)"
 
 
 def token_claims(token: str, now: float) -> dict[str, Any]:
@@ -166,16 +133,18 @@ def token_claims(token: str, now: float) -> dict[str, Any]:
 
     Only a filter, so garbage costs no TokenReview: the TokenReview alone decides.
     """
-    match = _JWT.fullmatch(token) if len(token) <= 16384 else None
-    if match is None:
-        raise Unauthorized("not a ServiceAccount token (use the pod's projected kvferry token)")
-    payload = match.group(1)
+    if len(token) > MAX_TOKEN_CHARS:
+        raise Unauthorized(NOT_A_TOKEN)
     try:
-        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    except (binascii.Error, ValueError, UnicodeDecodeError) as exc:
+        jwt.get_unverified_header(token)  # three segments and a readable header
+    except jwt.InvalidTokenError as exc:
+        raise Unauthorized(NOT_A_TOKEN) from exc
+    try:
+        # The signature is not what we check: the API server's TokenReview is, and it
+        # runs next. Expiry and audience are checked below against the injected clock.
+        claims = jwt.decode(token, options={"verify_signature": False})
+    except jwt.InvalidTokenError as exc:
         raise Unauthorized("not a ServiceAccount token (unreadable claims)") from exc
-    if not isinstance(claims, dict):
-        raise Unauthorized("not a ServiceAccount token (unreadable claims)")
     aud = claims.get("aud")
     if REPORT_TOKEN_AUDIENCE not in (aud if isinstance(aud, list) else [aud]):
         raise Unauthorized(f"token is not for audience {REPORT_TOKEN_AUDIENCE!r}")
@@ -294,16 +263,18 @@ class Reviewer:
         executor: ThreadPoolExecutor,
     ) -> None:
         self.review, self.limits, self.clock, self.executor = review, limits, clock, executor
+        # Size-bound LRUs whose entries expire; one event loop uses them, no lock.
         self.accepted: TTLCache[str, dict[str, Any]] = TTLCache(
-            limits.review_cache_size, limits.review_ttl, clock
+            maxsize=limits.review_cache_size, ttl=limits.review_ttl, timer=clock
         )
         self.refused: TTLCache[str, dict[str, Any]] = TTLCache(
-            limits.refused_cache_size, limits.refused_ttl, clock
+            maxsize=limits.refused_cache_size, ttl=limits.refused_ttl, timer=clock
         )
         self._slots = asyncio.Semaphore(limits.review_concurrency)
         self._waiting = 0
         self._in_flight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.reviews = 0  # TokenReviews sent (for tests and the flood figures)
+        self.shared = 0  # callers that joined a review already in flight
 
     async def __call__(self, token: str) -> dict[str, Any]:
         key = hashlib.sha256(token.encode()).hexdigest()  # never keep tokens themselves
@@ -312,6 +283,7 @@ class Reviewer:
             return hit
         shared = self._in_flight.get(key)
         if shared is not None:
+            self.shared += 1
             return await asyncio.shield(shared)
         if self._waiting >= self.limits.review_queue:
             raise Unavailable("too many reports waiting for authentication; retry")
@@ -324,9 +296,8 @@ class Reviewer:
             future.exception()  # retrieved: callers sharing it re-raise it themselves
             raise
         else:
-            (self.accepted if result.get("authenticated") is True else self.refused).put(
-                key, result
-            )
+            cache = self.accepted if result.get("authenticated") is True else self.refused
+            cache[key] = result
             future.set_result(result)
             return result
         finally:
@@ -377,10 +348,10 @@ class Lookups:
         self.get_pod, self.get_statefulset = get_pod, get_statefulset
         self.limits, self.executor = limits, executor
         self.pods: TTLCache[tuple[str, str], dict[str, Any] | None] = TTLCache(
-            limits.lookup_cache_size, limits.lookup_ttl, clock
+            maxsize=limits.lookup_cache_size, ttl=limits.lookup_ttl, timer=clock
         )
         self.sets: TTLCache[tuple[str, str], dict[str, Any] | None] = TTLCache(
-            limits.lookup_cache_size, limits.lookup_ttl, clock
+            maxsize=limits.lookup_cache_size, ttl=limits.lookup_ttl, timer=clock
         )
         self.calls = 0
 
@@ -402,7 +373,7 @@ class Lookups:
         uid = ((cached or {}).get("metadata") or {}).get("uid")
         if cached is None or uid != ident.pod_uid:  # unknown, or replaced since
             cached = await self._fetch(self.get_pod, *key)
-            self.pods.put(key, cached)
+            self.pods[key] = cached
         return cached
 
     async def statefulset(self, namespace: str, name: str, uid: str | None) -> Any:
@@ -410,7 +381,7 @@ class Lookups:
         cached = self.sets.get(key)
         if cached is None or ((cached.get("metadata") or {}).get("uid")) != uid:
             cached = await self._fetch(self.get_statefulset, namespace, name)
-            self.sets.put(key, cached)
+            self.sets[key] = cached
         return cached
 
 
@@ -527,9 +498,12 @@ def _error(status: int, message: str, retry_after: int | None = None) -> web.Res
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """The endpoint's TLS context; it follows the files when the Secret is rotated."""
-    return ReloadingCert(cert_file, key_file).context
+def tls_context(
+    cert_file: str, key_file: str, clock: Callable[[], float] = time.monotonic
+) -> ssl.SSLContext:
+    """The endpoint's TLS context; it follows the files when the Secret is rotated
+    (looked at once per ``serving_cert.CHECK_SECONDS`` of ``clock``)."""
+    return ReloadingCert(cert_file, key_file, clock=clock).context
 
 
 async def serve(
