@@ -42,6 +42,7 @@ PURE = {
         "tune",
         "aggregate",
         "reports",
+        "backoff",
         "pressure",
         "validation",
         "prerequisites",
