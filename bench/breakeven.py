@@ -45,7 +45,7 @@ from kvferry_dev.engines import Engine, EnginePair, build_tiny_model, engine_env
 from kvferry_dev.netns import ThrottledLink, start_linked_pair
 from kvferry_dev.procs import EngineError, stop_all
 from kvferry_dev.sidecars import start_sidecar
-from kvferry_operator import aggregate, tune
+from kvferry_operator import aggregate, reports, tune
 from kvferry_operator.api import Server
 from kvferry_sidecar.promtext import Scrape
 from kvferry_sidecar.types import PREFILL_REQUEST_PARAMS
@@ -225,7 +225,7 @@ def tuner_threshold(
     raw["pod"] = raw.get("pod") or f"{server.name}-decode-0"
     rep = wire_report.decode(_json_bytes(raw))
     now = time.time()
-    agg = aggregate.aggregate(server, [aggregate.Received(rep, now)], now, applied_retention=120)
+    agg = aggregate.aggregate(server, [reports.Received(rep, now)], now, applied_retention=120)
     assert agg.tuning is not None
     return tune.recommend_threshold(agg.tuning), dict(agg.tuning.__dict__ | {"gaps": None})
 

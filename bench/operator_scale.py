@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         "servers": args.servers,
         "idleSeconds": args.idle,
         "readyTimeoutSeconds": args.ready_timeout,
-        "operatorSettings": "chart defaults (resync 60 s, debounce 0.5 s)",
+        "operatorSettings": "chart defaults (resync 60 s)",
         "server": "examples/minimal.yaml shape: 1 P + 1 D pod, 1 GPU each, 8 children",
     }
     print(result.header())

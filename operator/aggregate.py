@@ -39,16 +39,28 @@ from kvferry_wire.report import (
 )
 
 from . import tune
-from .api import Server, iso_time
+from .api import MODE_OBSERVE, Server, iso_time
+from .reports import Received, is_stale
+
+# The KVCacheStatus before any sidecar has reported: the reconcile writes it when it
+# creates the object, aggregate() when the reports it had are gone.
+NO_REPORTS_PHASE = "NoReports"
+NO_REPORTS_MESSAGE = "no residency reports yet: figures appear once the sidecars report"
+NO_REPORTS_STATUS: dict[str, Any] = {
+    "phase": NO_REPORTS_PHASE,
+    "message": NO_REPORTS_MESSAGE,
+    "summary": {
+        "hitRate": "-",
+        "reusedTokenShare": "-",
+        "gapP95": "-",
+        "retention": "-",
+        "recommendedRetention": "-",
+        "ttftP95": "-",
+        "transport": TRANSPORT_UNKNOWN,
+    },
+}
 
 DEFAULT_STALE_SECONDS = 90.0
-
-
-@dataclass(frozen=True)
-class Received:
-    report: Report
-    received_at: float  # unix seconds, operator clock
-    pod_uid: str = ""  # the reporting pod's uid, as the endpoint checked it
 
 
 def _q(h: Histogram, q: float) -> float | None:
@@ -68,10 +80,6 @@ def _secs(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.0f}s" if value >= 10 else f"{value:.2f}s"
-
-
-def is_stale(item: Received, now: float, stale_after: float) -> bool:
-    return now - item.received_at > stale_after
 
 
 def majority_transport(reports: list[Report]) -> str:
@@ -204,10 +212,7 @@ def _aggregate(
         for r in sorted(received, key=lambda r: r.report.pod)
     ]
     if not received:
-        phase, message = (
-            "NoReports",
-            "no residency reports yet: figures appear once sidecars report",
-        )
+        phase, message = NO_REPORTS_PHASE, NO_REPORTS_MESSAGE
     elif not fresh:
         phase = "Stale"
         message = f"every report is older than {stale_after:.0f}s: sidecars are not reporting"
@@ -287,7 +292,7 @@ def _aggregate(
                 recompute_seconds / recompute_tokens if recompute_tokens else None
             ),
             current_threshold=spec.kv_transfer.recompute_threshold,
-            max_model_len=spec.model.max_model_len or 131072,
+            max_model_len=spec.model.max_model_len or tune.DEFAULT_MAX_MODEL_LEN,
         )
 
     # 4. ttft
@@ -368,7 +373,7 @@ def with_recommendations(
     threshold: tune.Recommendation | None,
 ) -> dict[str, Any]:
     """Add the tuner's recommendations; Observe shows figures only."""
-    if mode == "Observe" or retention is None:
+    if mode == MODE_OBSERVE or retention is None:
         return status
     out = {**status, "summary": {**status["summary"]}}
     out["summary"]["recommendedRetention"] = f"{retention.value}s"

@@ -261,6 +261,14 @@ class Routing:
     diagnostic_headers: bool
 
 
+# spec.cacheTuning.mode: Observe shows figures only, Recommend adds the tuner's
+# recommendations, Auto also applies them (status.retention.applied).
+MODE_OBSERVE = "Observe"
+MODE_RECOMMEND = "Recommend"
+MODE_AUTO = "Auto"
+TUNING_MODES = (MODE_OBSERVE, MODE_RECOMMEND, MODE_AUTO)
+
+
 @dataclass(frozen=True)
 class CacheTuning:
     mode: str
@@ -454,7 +462,7 @@ def parse_server(obj: dict[str, Any]) -> Server:
 
 def _applied_retention(obj: dict[str, Any]) -> int | None:
     spec = obj.get("spec") or {}
-    if ((spec.get("cacheTuning") or {}).get("mode")) != "Auto":
+    if ((spec.get("cacheTuning") or {}).get("mode")) != MODE_AUTO:
         return None  # leaving Auto returns the pods to the spec's value
     applied = ((obj.get("status") or {}).get("retention") or {}).get("applied")
     return int(applied) if isinstance(applied, int) and applied > 0 else None

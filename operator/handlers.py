@@ -4,7 +4,8 @@ Reconcile, in named steps:
   1. parse the server spec (defaults from the CRD);
   2. render the children (pure);
   3. server-side apply each child under our field manager; keep going when
-     one fails, so an independent child still lands;
+     one fails, so an independent child still lands; a server whose apply may
+     land later is retried with backoff (``retries.py``, ``backoff.py``);
   4. fold the StatefulSets and pods (from indexes) into status;
   5. write status only when it changed, then emit Events for the changes.
 
@@ -18,15 +19,30 @@ server is ``status``, so a GitOps tool owning the spec never sees drift.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import kopf
 
-from . import api, drift, metrics, prerequisites, publisher, render, report_endpoint, status
+from kvferry_wire.report import TRANSPORT_UNKNOWN
+
+from . import (
+    aggregate,
+    api,
+    drift,
+    metrics,
+    prerequisites,
+    publisher,
+    render,
+    report_endpoint,
+    reports,
+    status,
+)
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .probe import PrerequisiteProbe
+from .retries import ApplyRetries
 from .settings import Settings
 
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
@@ -47,21 +63,6 @@ CHILD_KINDS = [
     (api.GROUP, api.VERSION, api.STATUS_PLURAL, api.API_VERSION, api.STATUS_KIND),
 ]
 
-NO_REPORTS_STATUS = {
-    "phase": "NoReports",
-    "message": "no residency reports yet: figures appear once the sidecars report",
-    "summary": {
-        "hitRate": "-",
-        "reusedTokenShare": "-",
-        "gapP95": "-",
-        "retention": "-",
-        "recommendedRetention": "-",
-        "ttftP95": "-",
-        "transport": "Unknown",
-    },
-}
-
-
 # ------------------------------------------------------------------ lifecycle
 
 
@@ -71,12 +72,6 @@ async def configure(
 ) -> None:
     """Operator-wide settings and shared objects, kept in ``memo`` (main.run puts the
     operator's Settings and watched namespaces there before kopf starts)."""
-    # Our own names for whatever kopf persists, should a future handler need it.
-    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=api.GROUP, key="last-handled-configuration"
-    )
     # Re-establish watches every 5 min: proxies and load balancers silently drop
     # idle long-polls, and a dead watch would freeze the operator's view.
     settings.watching.server_timeout = 300
@@ -94,7 +89,11 @@ async def configure(
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     loop = asyncio.get_running_loop()
     memo.tasks = [loop.create_task(_resync_forever(memo, ours, logger))]
-    memo.reports = report_endpoint.ReportStore()
+    kube_for_retries: Kube = memo.kube
+    memo.retries = ApplyRetries(
+        loop, lambda ns, name: retry_apply(ns, name, kube_for_retries, ours, logger)
+    )
+    memo.reports = reports.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
         kube: Kube = memo.kube
@@ -126,7 +125,7 @@ async def configure(
         stale_after=ours.report_stale_seconds,
         min_write_seconds=ours.min_status_write_seconds,
         emit=memo.kube.create_event,
-        apply_children=lambda body: apply_children(body, memo.kube, ours, logger),
+        apply_children=lambda body: apply_or_retry(body, memo, logger),
         prune_after=ours.report_prune_seconds,
     )
     memo.tasks.append(
@@ -149,6 +148,7 @@ async def configure(
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for task in memo.tasks:
         task.cancel()
+    memo.retries.cancel()
     if memo.report_runner is not None:
         await memo.report_runner.cleanup()
     if memo.metrics_runner is not None:
@@ -212,20 +212,31 @@ def _nodes_seen(nodes: kopf.Index) -> dict[str, bool] | None:
 # ------------------------------------------------------------------ reconcile
 
 
+class Applied(enum.Enum):
+    """What an apply achieved; true only when every child landed."""
+
+    ALL = "all"
+    RETRY = "retry"  # something did not land and may on a later try
+    NEVER = "never"  # retrying cannot help: an invalid spec, a terminating namespace
+
+    def __bool__(self) -> bool:
+        return self is Applied.ALL
+
+
 def apply_children(
     body: dict[str, Any],
     kube: Kube,
     settings: Settings,
     logger: logging.Logger,
     only: tuple[str, str] | None = None,
-) -> bool:
-    """Steps 1-3. ``only`` = (kind, name) applies just that child. True if all applied."""
+) -> Applied:
+    """Steps 1-3. ``only`` = (kind, name) applies just that child."""
     try:
         server = api.parse_server(body)
     except api.SpecError as exc:
         kopf.warn(body, reason=EVENT_INVALID, message=str(exc))
-        return False
-    ok = True
+        return Applied.NEVER
+    ok = Applied.ALL
     for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
         if only and (child["kind"], meta["name"]) != only:
@@ -237,13 +248,14 @@ def apply_children(
                 if not is_transient(exc):
                     raise
                 # The API server cannot be reached: nothing else would land now either.
-                # The resync loop and the next watch event apply everything again.
+                # A retry (retries.py), the resync loop or the next watch event applies
+                # everything again.
                 logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
-                return False
+                return Applied.RETRY
             # An answer about this child: keep going, one bad child must not block the rest.
             if is_namespace_terminating(exc):
-                return False  # everything here is about to go; nothing to restore
-            ok = False
+                return Applied.NEVER  # everything here is about to go; nothing to restore
+            ok = Applied.RETRY
             message = f"{child['kind']} {meta['name']}: {api_error_message(exc)}"
             logger.error("apply failed: %s", message)
             kopf.warn(body, reason=EVENT_APPLY_FAILED, message=message)
@@ -254,9 +266,35 @@ def apply_children(
                 api.STATUS_KIND,
                 meta["namespace"],
                 meta["name"],
-                {**NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
+                {**aggregate.NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
             )
     return ok
+
+
+def apply_or_retry(
+    body: dict[str, Any],
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    only: tuple[str, str] | None = None,
+) -> Applied:
+    """apply_children, and a bounded retry of the whole server when it may land later."""
+    result = apply_children(body, memo.kube, memo.settings, logger, only)
+    retries: ApplyRetries | None = getattr(memo, "retries", None)
+    if result is Applied.RETRY and retries is not None:
+        meta = body["metadata"]
+        retries.failed(meta.get("namespace") or "default", meta["name"])
+    return result
+
+
+def retry_apply(
+    namespace: str, name: str, kube: Kube, settings: Settings, logger: logging.Logger
+) -> bool:
+    """One retry of a server's apply, on its current object: True when done (all
+    landed, the server is gone or being deleted, or retrying cannot help)."""
+    body = kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return True
+    return apply_children(body, kube, settings, logger) is not Applied.RETRY
 
 
 def check_prerequisites(
@@ -304,7 +342,7 @@ def refresh_status(
     observed = status.Observed(
         roles=roles,
         pods=list(pods.get(key, [])),
-        transport=old.get("transport", "Unknown"),
+        transport=old.get("transport", TRANSPORT_UNKNOWN),
         transport_reason=old.get("transportReason", ""),
         prerequisites=check_prerequisites(server, roles, probe, settings),
         nodes=_nodes_seen(nodes) if nodes is not None else None,
@@ -366,9 +404,7 @@ def server_changed(
     # Status-only updates (our own writes) need no re-apply; a new generation,
     # the initial listing (type None, e.g. after an operator restart) do.
     new_generation = body.status.get("observedGeneration") != generation
-    if (type in (None, "ADDED") or new_generation) and apply_children(
-        plain, memo.kube, memo.settings, logger
-    ):
+    if (type in (None, "ADDED") or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
     refresh_status(plain, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes)
 
@@ -496,7 +532,7 @@ def _on_child_event(kind: str):
             if kind == "StatefulSet":
                 _refresh(owner, memo, statefulsets, pods, nodes)
             return
-        apply_children(owner, memo.kube, memo.settings, logger, only=(kind, name))
+        apply_or_retry(owner, memo, logger, only=(kind, name))
         if kind == "StatefulSet":
             _refresh(owner, memo, statefulsets, pods, nodes)
 

@@ -27,19 +27,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import aggregate, api, pressure, tune
+from . import aggregate, api, pressure, reports, tune
 from .kube import Kube
 from .metrics import Decision
-from .report_endpoint import ReportStore
 
 EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
-
-
-def applied_retention(server_obj: dict[str, Any], spec_value: int) -> int:
-    return int(
-        ((server_obj.get("status") or {}).get("retention") or {}).get("applied") or spec_value
-    )
 
 
 def without_nulls(value: Any) -> Any:
@@ -61,7 +54,7 @@ def retention_status(
     old: dict[str, Any], applied: int, rec: tune.Recommendation | None, mode: str
 ) -> dict[str, Any]:
     out = {**old, "applied": applied}
-    if rec is not None and mode != "Observe":
+    if rec is not None and mode != api.MODE_OBSERVE:
         out["recommended"] = rec.value
         out["reason"] = rec.reason
     return out
@@ -71,7 +64,7 @@ class Publisher:
     def __init__(
         self,
         kube: Kube,
-        store: ReportStore,
+        store: reports.ReportStore,
         stale_after: float,
         min_write_seconds: float,
         emit: Callable[[dict[str, Any], str, str, str], None],
@@ -112,9 +105,10 @@ class Publisher:
         now = self.clock()
         self.prune(namespace, name, now)
         mode = server.spec.cache_tuning.mode
-        applied = applied_retention(obj, server.spec.kv_transfer.decode_retention_seconds)
+        # What the pods render (Auto's applied value, else the spec's): one function.
+        applied = server.decode_retention_seconds
         received = self.store.get(namespace, name)
-        fresh = [r.report for r in received if not aggregate.is_stale(r, now, self.stale_after)]
+        fresh = [r.report for r in received if not reports.is_stale(r, now, self.stale_after)]
         key = (namespace, name)
         preemptions = self._preemptions.setdefault(key, pressure.PreemptionWindow())
         usage = self._usage.setdefault(key, pressure.UsagePeak())
@@ -130,7 +124,7 @@ class Publisher:
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))
-        shown = mode != "Observe"
+        shown = mode != api.MODE_OBSERVE
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
             server=name,
@@ -193,7 +187,7 @@ class Publisher:
         st = obj.get("status") or {}
         old = st.get("retention") or {}
         new = without_nulls(retention_status(old, applied, rec, mode))
-        if mode == "Auto" and rec is not None:
+        if mode == api.MODE_AUTO and rec is not None:
             ready = any(
                 c.get("type") == api.COND_READY and c.get("status") == "True"
                 for c in st.get("conditions") or []
@@ -236,7 +230,7 @@ class Publisher:
         self.kube.patch_status(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, patch
         )
-        if rec is not None and mode != "Observe" and old.get("recommended") != rec.value:
+        if rec is not None and mode != api.MODE_OBSERVE and old.get("recommended") != rec.value:
             self.emit(obj, "Normal", EVENT_RECOMMENDED, recommendation_message(rec))
         if new.get("applied") != old.get("applied", applied):
             self.emit(

@@ -69,7 +69,13 @@ class Context:
 
 
 def child_name(server: Server, role: str | None = None) -> str:
-    return f"{server.name}-{role}" if role else server.name
+    return name_for(server.name, role)
+
+
+def name_for(server_name: str, role: str | None = None) -> str:
+    """A child's name from the server's name alone: ``<server>-<role>`` names a role's
+    StatefulSet (the report endpoint checks membership against it)."""
+    return f"{server_name}-{role}" if role else server_name
 
 
 def config_map_name(server: Server) -> str:

@@ -34,8 +34,6 @@ API server trouble is a 503 (retry), never a 500.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import json
 import logging
@@ -46,15 +44,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
+import jwt
 from aiohttp import web
+from cachetools import TTLCache
 
 from kvferry_wire.protocol import REPORT_PATH, REPORT_TOKEN_AUDIENCE
 from kvferry_wire.report import MAX_REPORT_BYTES, Report, ReportError, decode
 
 from . import api
-from .aggregate import Received
+from .render import name_for
+from .reports import Received, ReportStore
 from .serving_cert import ReloadingCert
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ log = logging.getLogger(__name__)
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-# Kept for callers of the first version of this module; Limits.review_ttl rules.
-TOKEN_CACHE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Limits:
     review_queue: int = 64
     review_timeout: float = 5.0
     # Accepted tokens: reused a minute (projected tokens live an hour), LRU-bound.
-    review_ttl: float = TOKEN_CACHE_SECONDS
+    review_ttl: float = 60.0
     review_cache_size: int = 4096
     # Refused tokens: remembered briefly and apart, so a flood of them cannot evict
     # the good ones, and a token the API server refused by mistake recovers soon.
@@ -122,44 +121,11 @@ ReviewToken = Callable[[str], dict[str, Any]]
 GetPod = Callable[[str, str], dict[str, Any] | None]
 GetStatefulSet = Callable[[str, str], dict[str, Any] | None]
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class TTLCache(Generic[K, V]):
-    """A size-bound LRU whose entries expire; small and synchronous (one event loop)."""
-
-    def __init__(self, size: int, ttl: float, clock: Callable[[], float]) -> None:
-        self.size, self.ttl, self.clock = size, ttl, clock
-        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        hit = self._items.get(key)
-        if hit is None:
-            return None
-        if self.clock() - hit[0] >= self.ttl:
-            del self._items[key]
-            return None
-        self._items.move_to_end(key)
-        return hit[1]
-
-    def put(self, key: K, value: V) -> None:
-        self._items[key] = (self.clock(), value)
-        self._items.move_to_end(key)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def drop(self, key: K) -> None:
-        self._items.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 # ------------------------------------------------------------------ pure checks
 
 
-_JWT = re.compile(r"[A-Za-z0-9_-]+\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+")
+MAX_TOKEN_CHARS = 16384
+NOT_A_TOKEN = "not a ServiceAccount token (use the pod's projected kvferry token)"
 
 
 def token_claims(token: str, now: float) -> dict[str, Any]:
@@ -167,16 +133,18 @@ def token_claims(token: str, now: float) -> dict[str, Any]:
 
     Only a filter, so garbage costs no TokenReview: the TokenReview alone decides.
     """
-    match = _JWT.fullmatch(token) if len(token) <= 16384 else None
-    if match is None:
-        raise Unauthorized("not a ServiceAccount token (use the pod's projected kvferry token)")
-    payload = match.group(1)
+    if len(token) > MAX_TOKEN_CHARS:
+        raise Unauthorized(NOT_A_TOKEN)
     try:
-        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    except (binascii.Error, ValueError, UnicodeDecodeError) as exc:
+        jwt.get_unverified_header(token)  # three segments and a readable header
+    except jwt.InvalidTokenError as exc:
+        raise Unauthorized(NOT_A_TOKEN) from exc
+    try:
+        # The signature is not what we check: the API server's TokenReview is, and it
+        # runs next. Expiry and audience are checked below against the injected clock.
+        claims = jwt.decode(token, options={"verify_signature": False})
+    except jwt.InvalidTokenError as exc:
         raise Unauthorized("not a ServiceAccount token (unreadable claims)") from exc
-    if not isinstance(claims, dict):
-        raise Unauthorized("not a ServiceAccount token (unreadable claims)")
     aud = claims.get("aud")
     if REPORT_TOKEN_AUDIENCE not in (aud if isinstance(aud, list) else [aud]):
         raise Unauthorized(f"token is not for audience {REPORT_TOKEN_AUDIENCE!r}")
@@ -209,10 +177,6 @@ def identity_from_review(review_status: dict[str, Any]) -> Identity:
     return Identity(namespace, pod_name, pod_uid)
 
 
-def statefulset_name(server: str, role: str) -> str:
-    return f"{server}-{role}"  # render.resource_name(server, role)
-
-
 def controller_of(meta: dict[str, Any]) -> dict[str, Any] | None:
     return next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
 
@@ -242,7 +206,7 @@ def check_membership(
         raise Forbidden(
             f"pod {name} has role {labels.get(api.LABEL_ROLE)!r}; its report says {role!r}"
         )
-    want = statefulset_name(server, role)
+    want = name_for(server, role)
     ref = controller_of(meta)
     if ref is None or ref.get("kind") != "StatefulSet" or ref.get("name") != want:
         raise Forbidden(f"pod {name} is not a pod of StatefulSet {want} (its controller)")
@@ -268,34 +232,6 @@ def check_membership(
 
 
 # ------------------------------------------------------------------ state
-
-
-class ReportStore:
-    """Latest report per pod, keyed (namespace, server) -> pod -> Received."""
-
-    def __init__(self) -> None:
-        self._by_server: dict[tuple[str, str], dict[str, Received]] = {}
-
-    def put(self, received: Received) -> None:
-        rep = received.report
-        self._by_server.setdefault((rep.namespace, rep.server), {})[rep.pod] = received
-
-    def servers(self) -> list[tuple[str, str]]:
-        return list(self._by_server)
-
-    def get(self, namespace: str, server: str) -> list[Received]:
-        return list(self._by_server.get((namespace, server), {}).values())
-
-    def forget(self, namespace: str, server: str) -> None:
-        self._by_server.pop((namespace, server), None)
-
-    def prune(self, namespace: str, server: str, pods: list[str]) -> None:
-        """Drop these pods' rows (gone, or silent too long)."""
-        rows = self._by_server.get((namespace, server), {})
-        for pod in pods:
-            rows.pop(pod, None)
-        if not rows:
-            self._by_server.pop((namespace, server), None)
 
 
 class _RateLimit:
@@ -327,16 +263,18 @@ class Reviewer:
         executor: ThreadPoolExecutor,
     ) -> None:
         self.review, self.limits, self.clock, self.executor = review, limits, clock, executor
+        # Size-bound LRUs whose entries expire; one event loop uses them, no lock.
         self.accepted: TTLCache[str, dict[str, Any]] = TTLCache(
-            limits.review_cache_size, limits.review_ttl, clock
+            maxsize=limits.review_cache_size, ttl=limits.review_ttl, timer=clock
         )
         self.refused: TTLCache[str, dict[str, Any]] = TTLCache(
-            limits.refused_cache_size, limits.refused_ttl, clock
+            maxsize=limits.refused_cache_size, ttl=limits.refused_ttl, timer=clock
         )
         self._slots = asyncio.Semaphore(limits.review_concurrency)
         self._waiting = 0
         self._in_flight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.reviews = 0  # TokenReviews sent (for tests and the flood figures)
+        self.shared = 0  # callers that joined a review already in flight
 
     async def __call__(self, token: str) -> dict[str, Any]:
         key = hashlib.sha256(token.encode()).hexdigest()  # never keep tokens themselves
@@ -345,6 +283,7 @@ class Reviewer:
             return hit
         shared = self._in_flight.get(key)
         if shared is not None:
+            self.shared += 1
             return await asyncio.shield(shared)
         if self._waiting >= self.limits.review_queue:
             raise Unavailable("too many reports waiting for authentication; retry")
@@ -357,9 +296,8 @@ class Reviewer:
             future.exception()  # retrieved: callers sharing it re-raise it themselves
             raise
         else:
-            (self.accepted if result.get("authenticated") is True else self.refused).put(
-                key, result
-            )
+            cache = self.accepted if result.get("authenticated") is True else self.refused
+            cache[key] = result
             future.set_result(result)
             return result
         finally:
@@ -410,10 +348,10 @@ class Lookups:
         self.get_pod, self.get_statefulset = get_pod, get_statefulset
         self.limits, self.executor = limits, executor
         self.pods: TTLCache[tuple[str, str], dict[str, Any] | None] = TTLCache(
-            limits.lookup_cache_size, limits.lookup_ttl, clock
+            maxsize=limits.lookup_cache_size, ttl=limits.lookup_ttl, timer=clock
         )
         self.sets: TTLCache[tuple[str, str], dict[str, Any] | None] = TTLCache(
-            limits.lookup_cache_size, limits.lookup_ttl, clock
+            maxsize=limits.lookup_cache_size, ttl=limits.lookup_ttl, timer=clock
         )
         self.calls = 0
 
@@ -435,7 +373,7 @@ class Lookups:
         uid = ((cached or {}).get("metadata") or {}).get("uid")
         if cached is None or uid != ident.pod_uid:  # unknown, or replaced since
             cached = await self._fetch(self.get_pod, *key)
-            self.pods.put(key, cached)
+            self.pods[key] = cached
         return cached
 
     async def statefulset(self, namespace: str, name: str, uid: str | None) -> Any:
@@ -443,7 +381,7 @@ class Lookups:
         cached = self.sets.get(key)
         if cached is None or ((cached.get("metadata") or {}).get("uid")) != uid:
             cached = await self._fetch(self.get_statefulset, namespace, name)
-            self.sets.put(key, cached)
+            self.sets[key] = cached
         return cached
 
 
@@ -501,7 +439,7 @@ def app_factory(
         assert pod is not None
         ref = controller_of(pod.get("metadata") or {}) or {}
         sts = None
-        if ref.get("kind") == "StatefulSet" and ref.get("name") == statefulset_name(
+        if ref.get("kind") == "StatefulSet" and ref.get("name") == name_for(
             report.server, report.role
         ):
             sts = await lookups.statefulset(ident.namespace, ref["name"], ref.get("uid"))
@@ -560,9 +498,12 @@ def _error(status: int, message: str, retry_after: int | None = None) -> web.Res
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """The endpoint's TLS context; it follows the files when the Secret is rotated."""
-    return ReloadingCert(cert_file, key_file).context
+def tls_context(
+    cert_file: str, key_file: str, clock: Callable[[], float] = time.monotonic
+) -> ssl.SSLContext:
+    """The endpoint's TLS context; it follows the files when the Secret is rotated
+    (looked at once per ``serving_cert.CHECK_SECONDS`` of ``clock``)."""
+    return ReloadingCert(cert_file, key_file, clock=clock).context
 
 
 async def serve(

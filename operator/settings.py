@@ -17,9 +17,6 @@ class Settings:
     # Safety-net reconcile: re-applies children (drift) and refreshes status
     # even when no watch event arrived (a missed event, a lost connection).
     resync_seconds: float
-    # Child events arrive in bursts (a rollout touches pods many times a
-    # second); a short idle delay folds a burst into one reconcile.
-    child_event_debounce_seconds: float
     # The report endpoint sidecars push to. TLS from the chart's Secret; without
     # a certificate the endpoint does not start (reports need HTTPS: they carry
     # bearer tokens).
@@ -70,7 +67,6 @@ def from_env() -> Settings:
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
-        child_event_debounce_seconds=float(os.environ.get("KVFERRY_DEBOUNCE_SECONDS", "0.5")),
     )
 
 

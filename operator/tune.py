@@ -41,6 +41,8 @@ from typing import Any
 from kvferry_wire.protocol import HANDLE_EXPIRY_MARGIN_SECONDS
 from kvferry_wire.report import Histogram
 
+from .api import MODE_AUTO
+
 # Fewer gaps than this and a quantile says little about the traffic.
 MIN_GAP_SAMPLES = 20
 # The sidecar stops offering a handle this long before decode frees it (which also
@@ -53,6 +55,10 @@ PRESSURE_FACTOR = 0.5
 # Only a change of at least this share is worth a rolling restart.
 MIN_APPLY_CHANGE = 0.2
 DAY_SECONDS = 86400
+
+
+# The context length assumed when spec.model.maxModelLen is unset (the engine's own).
+DEFAULT_MAX_MODEL_LEN = 131072
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class TuningInputs:
     pull_fixed_latency_seconds: float | None = None
     recompute_seconds_per_token: float | None = None
     current_threshold: int = 64
-    max_model_len: int = 131072
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,7 @@ def plan_apply(
     rolling_role: str | None,
 ) -> ApplyDecision:
     """Whether ``Auto`` should roll the pods to ``recommended`` now."""
-    if mode != "Auto":
+    if mode != MODE_AUTO:
         return ApplyDecision(False, f"mode {mode}: recommendations are not applied")
     if recommended == applied:
         return ApplyDecision(False, "already running the recommended value")

@@ -72,7 +72,7 @@ class Identity:
     pod: str
     role: str
     engine_build: str | None = None
-    transport: str = "Unknown"
+    transport: str = rpt.TRANSPORT_UNKNOWN
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from kubernetes import config as kube_config
 
-from kvferry_operator import aggregate, api, handlers, publisher, settings, status
+from kvferry_operator import aggregate, api, handlers, publisher, reports, settings, status
 from kvferry_operator.kube import Kube
-from kvferry_operator.report_endpoint import ReportStore
+from kvferry_operator.reports import ReportStore
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
@@ -178,7 +178,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
         kvcs = kube.get(api.API_VERSION, api.STATUS_KIND, ns, "tiny")
         assert (
             differences(
-                {k: v for k, v in handlers.NO_REPORTS_STATUS.items()},
+                {k: v for k, v in aggregate.NO_REPORTS_STATUS.items()},
                 {k: v for k, v in kvcs["status"].items() if k != "lastUpdateTime"},
             )
             == []
@@ -193,7 +193,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
         store = ReportStore()
         for role in api.ROLES:
             rep = report(ns, "tiny", f"tiny-{role}-0", role)
-            store.put(aggregate.Received(report=rep, received_at=NOW - 1))
+            store.put(reports.Received(report=rep, received_at=NOW - 1))
         spy = Spy(kube)
         pub = publisher.Publisher(
             spy,  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry_operator import aggregate, api, tune
+from kvferry_operator import aggregate, api, reports, tune
 from kvferry_wire import report as wire
 from tests.manifests import server
 
@@ -41,7 +41,7 @@ def test_hit_rate_and_reused_share_count_turns_after_the_first():
     a = rep("tiny-decode-0", by_turn=turns(t1=(10, 0, 1000, 0), t2=(10, 8, 2000, 1600)))
     b = rep("tiny-decode-1", by_turn=turns(t2=(10, 10, 2000, 1900), t3=(5, 5, 1500, 1400)))
     agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
     )
     # turns >= 2: 25 turns, 23 reused; tokens 5500, reused 4900.
     assert agg.status["summary"]["hitRate"] == "92%"
@@ -55,7 +55,7 @@ def test_stale_reports_are_shown_but_not_counted():
     new = rep("tiny-decode-1", by_turn=turns(t2=(10, 10, 1000, 1000)))
     agg = aggregate.aggregate(
         SERVER,
-        [aggregate.Received(old, NOW - 500), aggregate.Received(new, NOW - 1)],
+        [reports.Received(old, NOW - 500), reports.Received(new, NOW - 1)],
         NOW,
         480,
         stale_after=90,
@@ -66,7 +66,7 @@ def test_stale_reports_are_shown_but_not_counted():
 
 
 def test_all_stale_is_phase_stale():
-    agg = aggregate.aggregate(SERVER, [aggregate.Received(rep("tiny-decode-0"), 0.0)], NOW, 480)
+    agg = aggregate.aggregate(SERVER, [reports.Received(rep("tiny-decode-0"), 0.0)], NOW, 480)
     assert agg.status["phase"] == "Stale"
 
 
@@ -74,7 +74,7 @@ def test_gap_quantiles_merge_across_pods():
     a = rep("tiny-decode-0", gaps=[40.0] * 50)
     b = rep("tiny-decode-1", gaps=[40.0] * 50)
     agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
     )
     assert agg.status["retention"]["gapSeconds"]["count"] == 100
     assert 30 <= agg.status["retention"]["gapSeconds"]["p95"] <= 45
@@ -88,14 +88,12 @@ def test_transport_is_the_majority_of_known_reports():
         rep("c", transport="TCPFallback"),
         rep("d"),
     ]
-    agg = aggregate.aggregate(SERVER, [aggregate.Received(r, NOW) for r in reps], NOW, 480)
+    agg = aggregate.aggregate(SERVER, [reports.Received(r, NOW) for r in reps], NOW, 480)
     assert agg.transport == "RDMA"
 
 
 def test_recommendations_are_hidden_in_observe_mode():
-    agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(rep("a", gaps=[40.0] * 50), NOW)], NOW, 480
-    )
+    agg = aggregate.aggregate(SERVER, [reports.Received(rep("a", gaps=[40.0] * 50), NOW)], NOW, 480)
     rec = tune.recommend_retention(agg.tuning)
     assert aggregate.with_recommendations(agg.status, "Observe", rec, None) == agg.status
     shown = aggregate.with_recommendations(agg.status, "Recommend", rec, None)
@@ -109,7 +107,7 @@ def test_unused_pinned_handles_and_releases_are_summed():
     b = rep("b", pinned=wire.Pinned(handles=1, blocks=5), releases=wire.Releases(rider=2))
     a.releases.request = 4
     agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
     )
     retention = agg.status["retention"]
     assert retention["pinnedHandles"] == 4 and retention["unusedPinnedHandles"] == 1
@@ -127,7 +125,7 @@ def test_transport_column_shows_the_measured_bandwidth_and_the_evidence():
     )
     b = rep("tiny-prefill-0", role="prefill", transport="TCPFallback", transport_reason="x")
     agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
     )
     assert agg.status["summary"]["transport"] == "TCPFallback@1.50GB/s"
     assert agg.status["summary"]["bandwidth"] == "1.50GB/s"
@@ -141,9 +139,7 @@ def test_transport_column_shows_the_measured_bandwidth_and_the_evidence():
 
 
 def test_no_transfer_measured_leaves_the_bandwidth_out():
-    agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(rep("a", transport="TCP"), NOW)], NOW, 480
-    )
+    agg = aggregate.aggregate(SERVER, [reports.Received(rep("a", transport="TCP"), NOW)], NOW, 480)
     assert (agg.status["summary"]["transport"], agg.status["summary"]["bandwidth"]) == ("TCP", "-")
 
 
@@ -155,7 +151,7 @@ def test_expired_share_and_pinned_kv_for_kubectl_wide():
     )
     b = rep("tiny-decode-1", handles={"expired": 2}, pinned=wire.Pinned(handles=1, bytes=2**20))
     agg = aggregate.aggregate(
-        SERVER, [aggregate.Received(a, NOW), aggregate.Received(b, NOW)], NOW, 480
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
     )
     assert agg.status["summary"]["expiredShare"] == "42%"  # 5 of 12 handles
     assert agg.status["summary"]["pinnedKV"] == "3/6.0MiB"
@@ -164,9 +160,9 @@ def test_expired_share_and_pinned_kv_for_kubectl_wide():
 
 def test_recent_preemptions_reach_the_tuner_and_lower_retention():
     gaps = [40.0] * 50
-    calm = aggregate.aggregate(SERVER, [aggregate.Received(rep("a", gaps=gaps), NOW)], NOW, 480)
+    calm = aggregate.aggregate(SERVER, [reports.Received(rep("a", gaps=gaps), NOW)], NOW, 480)
     busy = aggregate.aggregate(
-        SERVER, [aggregate.Received(rep("a", gaps=gaps), NOW)], NOW, 480, preemptions_delta=3
+        SERVER, [reports.Received(rep("a", gaps=gaps), NOW)], NOW, 480, preemptions_delta=3
     )
     assert busy.tuning.preemptions_delta == 3
     assert busy.status["retention"]["decodePreemptionsRecent"] == 3

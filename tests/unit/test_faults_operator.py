@@ -4,6 +4,7 @@ not stay in status; the report vocabulary is one list shared by both sides."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 
@@ -11,13 +12,14 @@ import kopf
 import pytest
 import urllib3
 
-from kvferry_operator import aggregate, api, publisher, status
-from kvferry_operator.report_endpoint import ReportStore
+from kvferry_operator import aggregate, api, prerequisites, publisher, reports, status
+from kvferry_operator.reports import ReportStore
 from kvferry_sidecar import residency
 from kvferry_sidecar.types import STORE_FATES
 from kvferry_wire import report as wire
 from kvferry_wire.protocol import HandleFate, Outcome
 from tests.manifests import server
+from tests.unit.observed import SETTLED
 
 NOW = 1000.0
 SERVER_OBJ = {**server(), "metadata": {"name": "tiny", "namespace": "ns", "uid": "u"}}
@@ -45,7 +47,7 @@ NOT_FINITE = rep("tiny-decode-2", engine=wire.Engine(kv_usage=math.inf))
 
 @pytest.mark.parametrize("bad", [BAD_KEY, NOT_FINITE], ids=["byTurn-key", "infinity"])
 def test_one_pods_unusable_report_leaves_the_others_figures_standing(bad):
-    received = [aggregate.Received(GOOD, NOW), aggregate.Received(bad, NOW)]
+    received = [reports.Received(GOOD, NOW), reports.Received(bad, NOW)]
     agg = aggregate.aggregate(SERVER, received, NOW, 480)
     assert agg.status["summary"]["hitRate"] == "90%"  # the good pod's figures
     rows = {row["name"]: row for row in agg.status["pods"]}
@@ -93,8 +95,8 @@ def kvcs_writes(kube: FakeKube) -> list[dict]:
 
 def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
     store = ReportStore()
-    store.put(aggregate.Received(GOOD, NOW))
-    store.put(aggregate.Received(BAD_KEY, NOW))
+    store.put(reports.Received(GOOD, NOW))
+    store.put(reports.Received(BAD_KEY, NOW))
     kube = FakeKube({})
     make_publisher(kube, store).publish_all(logging.getLogger("test"))
     (written,) = kvcs_writes(kube)
@@ -114,7 +116,7 @@ def test_a_bad_report_in_the_store_does_not_stop_the_status_write():
 )
 def test_rows_of_pods_that_cannot_report_are_pruned(age, pods, kept):
     store = ReportStore()
-    store.put(aggregate.Received(GOOD, NOW - age, "uid-0"))
+    store.put(reports.Received(GOOD, NOW - age, "uid-0"))
     kube = FakeKube(pods)
     make_publisher(kube, store).publish_all(logging.getLogger("test"))
     assert bool(store.get("ns", "tiny")) is kept
@@ -134,16 +136,6 @@ def test_every_handle_fate_the_sidecar_counts_is_in_the_wire_vocabulary():
 
 # ------------------------------------------------------------------ a node goes away
 
-SETTLED = status.RoleObserved(
-    exists=True,
-    observed_generation=1,
-    generation=1,
-    replicas=1,
-    ready_replicas=1,
-    updated_replicas=1,
-    current_revision="r1",
-    update_revision="r1",
-)
 PODS = [
     status.PodState("tiny-decode-0", "decode", node="gpu-node-1"),
     status.PodState("tiny-prefill-0", "prefill", node="gpu-node-0"),
@@ -208,7 +200,7 @@ async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(ca
     from kvferry_operator.settings import Settings
 
     kube = UnreachableKube()
-    settings = Settings(sidecar_image="", resync_seconds=0.01, child_event_debounce_seconds=0)
+    settings = Settings(sidecar_image="", resync_seconds=0.01)
     memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None)
     task = asyncio.ensure_future(
         handlers._resync_forever(memo, settings, logging.getLogger("test"))
@@ -228,27 +220,79 @@ async def _until(check) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypatch):
+class RecordingKube:
+    """What the handlers write: applied children and status patches."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, str]] = []
+        self.statuses: list[dict] = []
+
+    def apply(self, child):
+        self.applied.append((child["kind"], child["metadata"]["name"]))
+        return child
+
+    def patch_status(self, api_version, kind, namespace, name, body):
+        assert (kind, namespace, name) == (api.SERVER_KIND, "ns", "tiny")
+        self.statuses.append(body)
+
+
+class NoGPUProbe:
+    """A cluster without GPU nodes."""
+
+    def facts(self, server):
+        return prerequisites.ClusterFacts(nodes=[])
+
+
+def reasons(written: dict) -> dict[str, str]:
+    return {c["type"]: c["reason"] for c in written["conditions"]}
+
+
+@pytest.mark.parametrize("path", ["statefulset-unchanged", "statefulset-edited", "pod"])
+def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypatch, path):
     """A StatefulSet event that changed none of our fields (the common one: its
     controller's status) once refreshed status without the prerequisite probe and the
     node index, so its status lost Prerequisites and NodeLost until another event put
-    them back."""
-    from kvferry_operator import handlers
+    them back. Each path, run for real, must write both."""
+    from kvferry_operator import handlers, render
+    from kvferry_operator.settings import Settings
 
-    calls: list[tuple] = []
-    monkeypatch.setattr(handlers, "refresh_status", lambda *a, **kw: calls.append((a, kw)))
-    monkeypatch.setattr(handlers, "_holds_ours", lambda *a: True)
-    owner = {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {}}
-    memo = kopf.Memo(kube="kube", settings="settings", probe="probe")
-    servers = {("ns", "tiny"): [owner]}
-    nodes = {"gpu-node-1": [True]}
-    child = handlers._on_child_event("StatefulSet")
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        kopf, "info", lambda body, reason, message: events.append(("Normal", reason))
+    )
+    monkeypatch.setattr(
+        kopf, "warn", lambda body, reason, message: events.append(("Warning", reason))
+    )
+    owner = {**server(), "metadata": {"name": "tiny", "namespace": "ns", "generation": 2}}
+    settings = Settings(sidecar_image="", resync_seconds=60)
+    kube = RecordingKube()
+    memo = kopf.Memo(kube=kube, settings=settings, probe=NoGPUProbe())
+    not_ready = dataclasses.replace(SETTLED, ready_replicas=0)
+    common = dict(
+        memo=memo,
+        servers={("ns", "tiny"): [owner]},
+        statefulsets={("ns", "tiny", "prefill"): [SETTLED], ("ns", "tiny", "decode"): [not_ready]},
+        pods={("ns", "tiny"): [status.PodState("tiny-decode-0", "decode", node="gpu-node-1")]},
+        nodes={"gpu-node-1": [False]},
+    )
     labels = {api.LABEL_INSTANCE: "tiny", api.LABEL_SERVER: "tiny"}
-    common = dict(memo=memo, servers=servers, statefulsets={}, pods={}, nodes=nodes)
-    child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels, body={},
-          logger=logging.getLogger("test"), **common)  # fmt: skip
-    handlers.pod_changed(namespace="ns", labels=labels, **common)
-    assert len(calls) == 2
-    for args, kw in calls:
-        assert args[1:] == ("kube", {}, {}, "probe", "settings"), args
-        assert kw == {"nodes": nodes}
+    if path == "pod":
+        handlers.pod_changed(namespace="ns", labels=labels, **common)
+    else:
+        rendered = next(
+            c
+            for c in render.render(api.parse_server(owner), settings.render_context())
+            if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "tiny-decode"
+        )
+        body = rendered if path == "statefulset-unchanged" else {}
+        child = handlers._on_child_event("StatefulSet")
+        child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels, body=body,
+              logger=logging.getLogger("test"), **common)  # fmt: skip
+    want_applied = [("StatefulSet", "tiny-decode")] if path == "statefulset-edited" else []
+    assert kube.applied == want_applied
+    (written,) = kube.statuses
+    got = reasons(written)
+    assert got[api.COND_PREREQUISITES] == prerequisites.REASON_NO_GPU_NODES
+    assert got[api.COND_READY] == status.REASON_NODE_LOST
+    assert got[api.COND_DEGRADED] == status.REASON_NODE_LOST
+    assert ("Warning", prerequisites.REASON_NO_GPU_NODES) in events

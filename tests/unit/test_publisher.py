@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvferry_operator import aggregate, api, publisher, tune
+from kvferry_operator import api, publisher, reports, tune
 from kvferry_wire import report as wire
 from tests.manifests import server
 
@@ -78,8 +78,8 @@ def store_with(gaps: list[float]) -> Any:
         def servers(self) -> list[tuple[str, str]]:
             return [("default", "tiny")]
 
-        def get(self, ns: str, name: str) -> list[aggregate.Received]:
-            return [aggregate.Received(rep, NOW - 1)]
+        def get(self, ns: str, name: str) -> list[reports.Received]:
+            return [reports.Received(rep, NOW - 1)]
 
     return Store()
 
@@ -161,3 +161,27 @@ def test_an_unchanged_world_writes_nothing_the_second_time():
     kube.patches.clear()
     publish(kube, gaps=[25.0] * 50)
     assert kube.patches == []
+
+
+def test_recommend_mode_ignores_a_leftover_auto_applied_retention():
+    # Left Auto for Recommend: the pods render the spec's 480 s (api.parse_server),
+    # so KVCacheStatus and the tuner must see 480 too, not the stale 120.
+    obj = auto_server(applied=120)
+    obj["spec"]["cacheTuning"]["mode"] = "Recommend"
+    kube = MemoryKube(obj, kvcs())
+    pub = publisher.Publisher(
+        kube,  # type: ignore[arg-type]
+        store_with([25.0] * 50),
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        apply_children=lambda obj: None,
+        clock=lambda: NOW,
+    )
+    pub.publish("default", "tiny")
+    assert api.parse_server(obj).decode_retention_seconds == 480
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    assert shown["summary"]["retention"] == "480s"
+    assert shown["retention"]["appliedSeconds"] == 480
+    assert shown["retention"]["inputs"]["current"] == 480
+    assert pub.decisions[("default", "tiny")].applied_retention == 480

@@ -14,6 +14,7 @@ import pytest
 
 from kvferry_operator import api
 from kvferry_operator import report_endpoint as endpoint
+from kvferry_operator.reports import Received, ReportStore
 from kvferry_wire import report as wire
 
 NS, SERVER, POD, UID = "serving", "tiny", "tiny-decode-0", "pod-uid-1"
@@ -29,7 +30,8 @@ def jwt(pod: str = POD, aud: str = "kvferry", exp: float = NOW + 3600, salt: str
         return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
 
     claims = {"aud": [aud], "exp": exp, "kubernetes.io": {"namespace": NS, "pod": {"name": pod}}}
-    return f"{part({'alg': 'RS256'})}.{part(claims)}.sig{salt}"
+    sig = base64.urlsafe_b64encode(f"sig{salt}".encode()).rstrip(b"=").decode()
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.{sig}"
 
 
 GOOD_TOKEN = jwt()
@@ -128,15 +130,15 @@ def body(**overrides) -> bytes:
     return msgspec.json.encode(raw)
 
 
-async def make_client(aiohttp_client, fake: FakeApi | None = None, **limits):
+async def make_client(aiohttp_client, fake: FakeApi | None = None, clock=None, **limits):
     fake = fake or FakeApi()
-    store = endpoint.ReportStore()
+    store = ReportStore()
     app = endpoint.app_factory(
         store,
         lambda token: fake.review(token),  # late-bound: a test may swap them
         lambda ns, name: fake.get_pod(ns, name),
         lambda ns, name: fake.get_statefulset(ns, name),
-        clock=lambda: NOW,
+        clock=clock or (lambda: NOW),
         limits=endpoint.Limits(**limits),
     )
     c = await aiohttp_client(app)
@@ -147,6 +149,13 @@ async def make_client(aiohttp_client, fake: FakeApi | None = None, **limits):
 @pytest.fixture
 async def client(aiohttp_client):
     return await make_client(aiohttp_client)
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    """Wait for a counter the endpoint keeps to reach a state (fails after ``timeout``)."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
 
 
 async def post(client, data, token: str | None = GOOD_TOKEN):
@@ -345,7 +354,13 @@ async def test_token_reviews_run_a_few_at_a_time_and_excess_waits_get_503(aiohtt
     fake.review = slow_review
     client = await make_client(aiohttp_client, fake, review_concurrency=2, review_queue=3)
     tasks = [asyncio.ensure_future(post(client, body(), token=jwt(salt=str(i)))) for i in range(8)]
-    await asyncio.sleep(0.3)
+    # The three beyond 2 running + 3 waiting are answered at once, while the others wait.
+    pending, answered = set(tasks), 0
+    while answered < 3:
+        done, pending = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "no request was answered while the reviews were held"
+        answered += len(done)
+    assert answered == 3
     release.set()
     results = await asyncio.gather(*tasks)
     statuses = sorted(s for s, _ in results)
@@ -389,10 +404,11 @@ async def test_identical_tokens_in_flight_share_one_review(aiohttp_client):
     fake.review = lambda token: calls.append(token) or (gate.wait(5), review(token))[1]
     client = await make_client(aiohttp_client, fake)
     tasks = [asyncio.ensure_future(post(client, body())) for _ in range(5)]
-    await asyncio.sleep(0.2)
+    reviewer = client.app[endpoint.REVIEWER_KEY]
+    await until(lambda: reviewer.shared == 4)
     gate.set()
     assert [s for s, _ in await asyncio.gather(*tasks)] == [202] * 5
-    assert len(calls) == 1
+    assert len(calls) == 1 and reviewer.reviews == 1
 
 
 async def test_refused_tokens_are_cached_apart_and_cannot_evict_good_ones(aiohttp_client):
@@ -407,23 +423,31 @@ async def test_refused_tokens_are_cached_apart_and_cannot_evict_good_ones(aiohtt
     assert client.fake.reviews == before  # the good token is still cached
 
 
-def test_refused_reviews_expire_sooner_than_accepted_ones():
-    now = [0.0]
-    cache = endpoint.TTLCache(size=10, ttl=5.0, clock=lambda: now[0])
-    cache.put("k", {"authenticated": False})
-    now[0] = 4.9
-    assert cache.get("k") is not None
-    now[0] = 5.0
-    assert cache.get("k") is None
+async def test_refused_reviews_expire_sooner_than_accepted_ones(aiohttp_client):
+    now = [NOW]
+    client = await make_client(aiohttp_client, clock=lambda: now[0])
+    forged = jwt(salt="forged")
+    assert (await post(client, body()))[0] == 202
+    assert (await post(client, body(), token=forged))[0] == 401
+    assert client.fake.reviews == 2
+    now[0] = NOW + 4.9
+    assert (await post(client, body(), token=forged))[0] == 401
+    assert client.fake.reviews == 2  # still the cached refusal
+    now[0] = NOW + endpoint.Limits().refused_ttl
+    assert (await post(client, body(), token=forged))[0] == 401
+    assert client.fake.reviews == 3  # the refusal expired: reviewed again
+    assert (await post(client, body()))[0] == 202
+    assert client.fake.reviews == 3  # the accepted review is still cached
     assert endpoint.Limits().refused_ttl < endpoint.Limits().review_ttl
 
 
-def test_caches_are_size_bound_lru():
-    cache = endpoint.TTLCache(size=3, ttl=60, clock=lambda: 0.0)
+async def test_caches_are_size_bound_lru(aiohttp_client):
+    client = await make_client(aiohttp_client, review_cache_size=3)
+    cache = client.app[endpoint.REVIEWER_KEY].accepted
     for k in "abc":
-        cache.put(k, k)
+        cache[k] = {"k": k}
     cache.get("a")  # recently used: survives
-    cache.put("d", "d")
+    cache["d"] = {"k": "d"}
     assert [k for k in "abcd" if cache.get(k)] == ["a", "c", "d"]
 
 
@@ -438,7 +462,7 @@ async def test_pod_lookups_are_cached_and_refreshed_when_the_uid_changes(client)
         assert (await post(client, body()))[0] == 202
     assert client.fake.pod_gets == 1
     # The cached pod has another uid than the token's: look again (a replaced pod).
-    client.app[endpoint.LOOKUPS_KEY].pods.put((NS, POD), make_pod(uid="old-uid"))
+    client.app[endpoint.LOOKUPS_KEY].pods[(NS, POD)] = make_pod(uid="old-uid")
     assert (await post(client, body()))[0] == 202
     assert client.fake.pod_gets == 2
 
@@ -449,7 +473,8 @@ async def test_requests_beyond_the_in_flight_bound_get_503(aiohttp_client):
     fake.review = lambda token: (gate.wait(5), review(token))[1]
     client = await make_client(aiohttp_client, fake, max_in_flight=2)
     tasks = [asyncio.ensure_future(post(client, body())) for _ in range(2)]
-    await asyncio.sleep(0.2)
+    reviewer = client.app[endpoint.REVIEWER_KEY]
+    await until(lambda: reviewer.reviews == 1 and reviewer.shared == 1)  # both held
     status, out = await post(client, body())
     gate.set()
     await asyncio.gather(*tasks)
@@ -460,10 +485,37 @@ async def test_requests_beyond_the_in_flight_bound_get_503(aiohttp_client):
 
 
 def test_the_store_prunes_rows_and_forgets_an_empty_server():
-    from kvferry_operator.aggregate import Received
 
-    store = endpoint.ReportStore()
+    store = ReportStore()
     rep = msgspec.json.decode(body(), type=wire.Report)
     store.put(Received(rep, NOW))
     store.prune(NS, SERVER, [POD])
     assert store.servers() == [] and store.get(NS, SERVER) == []
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+@pytest.mark.parametrize(
+    ("token", "fragment"),
+    [
+        ("forged", "use the pod's projected kvferry token"),
+        ("a.b", "use the pod's projected kvferry token"),
+        (f"{_b64(b'not json')}.{_b64(b'{}')}.{_b64(b'sig')}", "projected kvferry token"),
+        (f"{_b64(b'{}')}.{_b64(b'[1]')}.{_b64(b'sig')}", "unreadable claims"),
+        (f"{_b64(b'{}')}.{_b64(b'not json')}.{_b64(b'sig')}", "unreadable claims"),
+        (jwt() + "x" * endpoint.MAX_TOKEN_CHARS, "use the pod's projected kvferry token"),
+        (jwt(aud="other"), "audience"),
+        (jwt(exp=NOW - 1), "expired"),
+    ],
+)
+def test_token_claims_refuses_what_is_no_projected_token(token: str, fragment: str):
+    with pytest.raises(endpoint.Unauthorized) as refused:
+        endpoint.token_claims(token, NOW)
+    assert fragment in str(refused.value)
+
+
+def test_token_claims_reads_a_projected_token_without_its_signature():
+    claims = endpoint.token_claims(jwt(), NOW)
+    assert claims["kubernetes.io"]["pod"]["name"] == POD and claims["aud"] == ["kvferry"]

@@ -9,21 +9,12 @@ import pytest
 from kvferry_operator import api, prerequisites, status
 from kvferry_operator.status import Observed, PodState, RoleObserved
 from tests.manifests import server
+from tests.unit.observed import SETTLED
 
 NOW = "2026-11-29T10:00:00Z"
 EARLIER = "2026-11-29T09:00:00Z"
 SERVER = api.parse_server(
     {**server(), "metadata": {"name": "tiny", "namespace": "ns", "generation": 3}}
-)
-SETTLED = RoleObserved(
-    exists=True,
-    observed_generation=2,
-    generation=2,
-    replicas=1,
-    ready_replicas=1,
-    updated_replicas=1,
-    current_revision="r1",
-    update_revision="r1",
 )
 GPU_MESSAGE = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
 

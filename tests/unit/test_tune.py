@@ -158,9 +158,14 @@ def test_too_little_data_never_raises(samples, current):
     assert rec.value <= current
 
 
-@given(samples=gap_lists)
-def test_deterministic(samples):
-    assert tune.recommend_retention(inputs(samples)) == tune.recommend_retention(inputs(samples))
+@given(samples=gap_lists, split=st.integers(0, 300))
+def test_the_recommendation_depends_on_the_gaps_not_on_which_pod_saw_them(samples, split):
+    # The aggregator merges per-pod histograms in whatever order the pods reported.
+    a, b = hist_of(samples[:split]), hist_of(samples[split:])
+    whole = tune.recommend_retention(inputs(samples))
+    for parts in ([a, b], [b, a]):
+        merged = merge_histograms(parts, BOUNDS)
+        assert tune.recommend_retention(inputs([], gaps=merged)) == whole
 
 
 class TestThreshold:
