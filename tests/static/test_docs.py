@@ -37,17 +37,6 @@ DOCS = sorted(
     }
 )
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# Module paths and symbols docs/architecture.md names that other branches of the same
-# change create (the report store, the fake engines' new home, the static tier, the
-# release owner). Reconcile after merging: each entry must go once it exists
-# (test_architecture_awaits_only_what_is_missing fails until it does).
-AWAITING_MERGE = frozenset(
-    {
-        "operator/reports.py",
-        "kvferry_dev/fakeengines.py",
-        "tests/static",
-    }
-)
 # Texts a user reads that are not Markdown but make the same kind of claims.
 NOTES = ROOT / "charts" / "kvferry" / "templates" / "NOTES.txt"
 VALUES = ROOT / "charts" / "kvferry" / "values.yaml"
@@ -122,8 +111,6 @@ def _exists(token: str) -> bool:
 
 @pytest.mark.parametrize("doc, path", doc_params(_repo_path_tokens()))
 def test_every_repository_path_a_doc_names_exists(doc: str, path: str):
-    if doc == rel(ARCHITECTURE) and path.rstrip("/") in AWAITING_MERGE:
-        return  # named for the merged tree; test_architecture_awaits_only_what_is_missing
     assert _exists(path), f"{doc} names {path}, which is not in the repository"
 
 
@@ -497,7 +484,7 @@ def _architecture_symbols() -> list[str]:
             name = f"{'kvferry_' + package + '.' if package else ''}{module}.{symbol}"
             if symbol in _FILE_SUFFIXES:
                 continue  # render.py, sidecar.json: file names
-            if _module_file(module, package) or name in AWAITING_MERGE:
+            if _module_file(module, package):
                 out.add(name)  # kvTransfer.leaseSeconds and the like name no module
     return sorted(out)
 
@@ -534,30 +521,11 @@ def test_the_architecture_page_names_paths():
 
 @pytest.mark.parametrize("path", _architecture_paths())
 def test_every_path_the_architecture_page_names_exists(path: str):
-    if path.rstrip("/") in AWAITING_MERGE:
-        return
     assert _exists(path), f"docs/architecture.md names {path}, which is not in the repository"
 
 
 @pytest.mark.parametrize("name", _architecture_symbols())
 def test_every_module_symbol_the_architecture_page_names_is_defined(name: str):
-    if name in AWAITING_MERGE:
-        return
     *prefix, module, symbol = name.split(".")
     package = prefix[0].removeprefix("kvferry_") if prefix else ""
     assert _defines(module, symbol, package), f"docs/architecture.md names {name}, defined nowhere"
-
-
-def test_architecture_awaits_only_what_is_missing():
-    # AWAITING_MERGE tolerates names other branches create; once one exists it must go,
-    # so that the tolerance never hides a path or symbol that later disappears.
-    present = []
-    for name in AWAITING_MERGE:
-        if "/" in name:
-            if _exists(name):
-                present.append(name)
-        else:
-            module, symbol = name.rsplit(".", 1)
-            if _defines(module, symbol, ""):
-                present.append(name)
-    assert not present, f"remove from AWAITING_MERGE, they exist now: {sorted(present)}"
