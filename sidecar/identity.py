@@ -51,25 +51,6 @@ class KVIdentity:
     media_options: str | None = None  # digest of mm_processor_kwargs
     truncates: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "cache_salt": self.cache_salt,
-            "media": list(self.media),
-            "media_options": self.media_options,
-            "truncates": self.truncates,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> KVIdentity:
-        return cls(
-            model=data.get("model"),
-            cache_salt=data.get("cache_salt"),
-            media=tuple(str(m) for m in data.get("media") or ()),
-            media_options=data.get("media_options"),
-            truncates=bool(data.get("truncates")),
-        )
-
 
 def _is_text(part: Any) -> bool:
     kind = part.get("type") if isinstance(part, Mapping) else None

@@ -85,17 +85,6 @@ LOCAL_HANDLE_PARAMS: Final[Mapping[str, Any]] = {
 
 # ------------------------------------------------------------------ the handle
 
-# Handle format version. Bump on any change to what KVHandle.to_wire() writes, so a
-# peer that reads another's handles (debug dumps, a future ownership hand-off) fails
-# with a clear HandleFormatError instead of misreading KV coordinates.
-#   1: kv_transfer_params as D returned them + token ids + build + expiry deadline.
-#   2: + identity (model, cache_salt, media digests, media options, truncation).
-HANDLE_FORMAT: Final = 2
-
-
-class HandleFormatError(ValueError):
-    """A serialised handle of another format version, or malformed."""
-
 
 def handle_blocks(params: Mapping[str, Any]) -> int:
     """Blocks a handle pins on D: ``remote_block_ids`` is one flat list or one list
@@ -134,48 +123,10 @@ class KVHandle:
     request_id: RequestId = ""
     # What the KV depends on besides the token ids (identity.compatible decides).
     identity: KVIdentity = field(default_factory=KVIdentity)
-    format: int = HANDLE_FORMAT
 
     @property
     def blocks(self) -> int:
         return handle_blocks(self.params)
-
-    def to_wire(self) -> JSON:
-        return {
-            "format": self.format,
-            "session": self.session,
-            "params": dict(self.params),
-            "token_ids": list(self.token_ids),
-            "num_tokens": self.num_tokens,
-            "engine_build": self.engine_build,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "request_id": self.request_id,
-            "identity": self.identity.to_wire(),
-        }
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> KVHandle:
-        version = data.get("format")
-        if version != HANDLE_FORMAT:
-            raise HandleFormatError(
-                f"handle format {version!r} is not supported (this sidecar reads "
-                f"format {HANDLE_FORMAT}); upgrade the sidecars together"
-            )
-        try:
-            return cls(
-                session=str(data["session"]),
-                params=dict(data["params"]),
-                token_ids=token_array(data["token_ids"]),
-                num_tokens=int(data["num_tokens"]),
-                engine_build=data.get("engine_build"),
-                created_at=float(data["created_at"]),
-                expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
-                request_id=str(data.get("request_id", "")),
-                identity=KVIdentity.from_wire(data.get("identity") or {}),
-            )
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise HandleFormatError(f"malformed handle: {exc}") from exc
 
 
 # ------------------------------------------------------------------ outcomes

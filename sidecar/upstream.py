@@ -17,12 +17,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from packaging.version import InvalidVersion, Version
 
 from kvferry_wire.protocol import HDR_REQUEST_ID
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 FAILURES_BEFORE_NOT_READY = 3
 # vLLM 0.33 added kv_transfer_params to the final streamed chunk.
 STREAMING_HANDLES_SINCE = (0, 33)
-_VERSION_RE = re.compile(r"(\d+)\.(\d+)")
 
 
 class UpstreamError(Exception):
@@ -61,8 +60,14 @@ class EngineTimeout(UpstreamError):
 
 
 def parse_version(text: str | None) -> tuple[int, int] | None:
-    match = _VERSION_RE.search(text or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    """The (major, minor) release of a vLLM version string (PEP 440, as vLLM's own
+    ``vllm.__version__`` is); pre-releases count as their release: 0.33.0rc1 has
+    0.33's streamed handles."""
+    try:
+        release = Version(text or "").release
+    except InvalidVersion:
+        return None
+    return (release[0], release[1] if len(release) > 1 else 0)
 
 
 def streams_handles(version: str | None) -> bool:

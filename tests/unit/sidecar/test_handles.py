@@ -6,9 +6,7 @@ import pytest
 
 from kvferry_sidecar.handles import HandleStore, local_deadline
 from kvferry_sidecar.types import (
-    HANDLE_FORMAT,
     HandleFate,
-    HandleFormatError,
     KVHandle,
     token_array,
 )
@@ -206,18 +204,3 @@ class TestLocalDeadline:
             received_wall=1.7e9,
             retention_s=TTL,
         ) == pytest.approx(NOW + TTL)
-
-
-def test_handle_wire_round_trip() -> None:
-    """to_wire/from_wire keep every field, params whole."""
-    handle = make_handle()
-    back = KVHandle.from_wire(handle.to_wire())
-    assert back.to_wire() == handle.to_wire()
-    assert back.format == HANDLE_FORMAT
-
-
-def test_handle_wire_other_format_fails_clearly() -> None:
-    """A handle of another format version is refused with a message naming both."""
-    wire = {**make_handle().to_wire(), "format": HANDLE_FORMAT + 1}
-    with pytest.raises(HandleFormatError, match=f"format {HANDLE_FORMAT + 1}"):
-        KVHandle.from_wire(wire)

@@ -10,7 +10,6 @@ from kvferry_sidecar.identity import (
     MISMATCH_MODEL,
     MISMATCH_SALT,
     MISMATCH_TRUNCATION,
-    KVIdentity,
     compatible,
     kv_identity,
     plain_text,
@@ -66,11 +65,6 @@ def test_text_parts_are_not_media() -> None:
 def test_compatible_only_when_the_kv_is_the_same(first: dict, second: dict, why: str) -> None:
     """A handle never serves a turn under another model, salt, media or truncation."""
     assert compatible(kv_identity(first), kv_identity(second)) == why
-
-
-def test_identity_survives_the_handle_wire_format() -> None:
-    ident = kv_identity(chat([CAT], cache_salt="s", truncate_prompt_tokens=5))
-    assert KVIdentity.from_wire(ident.to_wire()) == ident
 
 
 @pytest.mark.parametrize(

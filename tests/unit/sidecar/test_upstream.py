@@ -31,8 +31,22 @@ def test_streaming_handles_from_version(version: str | None, expected: bool) -> 
     assert streams_handles(version) is expected
 
 
-def test_parse_version() -> None:
-    assert parse_version("0.32.0") == (0, 32)
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0.32.0", (0, 32)),
+        ("0.32.1+cpu", (0, 32)),
+        ("0.11.0rc2.dev123+g1234abc", (0, 11)),
+        ("1", (1, 0)),
+        ("v0.33.0", (0, 33)),
+        ("not-a-version", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_parse_version(text: str | None, expected: tuple[int, int] | None) -> None:
+    """Versions are read as PEP 440 (local and dev parts included); anything else is None."""
+    assert parse_version(text) == expected
 
 
 def test_block_size_from_engine_metrics() -> None:
