@@ -187,6 +187,10 @@ class Publisher:
         st = obj.get("status") or {}
         old = st.get("retention") or {}
         new = without_nulls(retention_status(old, applied, rec, mode))
+        # Only an Auto decision re-renders the pods: a changed `applied` alone may be
+        # the status catching up with what the pods already run (a leftover Auto value
+        # after a switch to Recommend or Observe), which applies nothing.
+        applying = False
         if mode == api.MODE_AUTO and rec is not None:
             ready = any(
                 c.get("type") == api.COND_READY and c.get("status") == "True"
@@ -213,6 +217,7 @@ class Publisher:
             )
             new["autoDecision"] = decision.reason
             if decision.apply:
+                applying = rec.value != applied
                 new["applied"] = rec.value
                 recent = [t for t in restarts if now - t < tune.DAY_SECONDS]
                 new["restarts"] = [api.iso_time(t) for t in [*recent, now]]
@@ -232,7 +237,7 @@ class Publisher:
         )
         if rec is not None and mode != api.MODE_OBSERVE and old.get("recommended") != rec.value:
             self.emit(obj, "Normal", EVENT_RECOMMENDED, recommendation_message(rec))
-        if new.get("applied") != old.get("applied", applied):
+        if applying:
             self.emit(
                 obj,
                 "Normal",

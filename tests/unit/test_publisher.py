@@ -169,17 +169,25 @@ def test_recommend_mode_ignores_a_leftover_auto_applied_retention():
     obj = auto_server(applied=120)
     obj["spec"]["cacheTuning"]["mode"] = "Recommend"
     kube = MemoryKube(obj, kvcs())
+    events: list[tuple] = []
+    applies: list[dict] = []
     pub = publisher.Publisher(
         kube,  # type: ignore[arg-type]
         store_with([25.0] * 50),
         stale_after=90,
         min_write_seconds=0,
-        emit=lambda *a: None,
-        apply_children=lambda obj: None,
+        emit=lambda *a: events.append(a),
+        apply_children=applies.append,
         clock=lambda: NOW,
     )
     pub.publish("default", "tiny")
     assert api.parse_server(obj).decode_retention_seconds == 480
+    # The status now says 480 (what the pods run), but nothing was applied: no
+    # RetentionApplied Event and no re-render of the children.
+    assert [e[2] for e in events] == [publisher.EVENT_RECOMMENDED]
+    assert applies == []
+    server_status = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
+    assert server_status["applied"] == 480
     shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
     assert shown["summary"]["retention"] == "480s"
     assert shown["retention"]["appliedSeconds"] == 480
