@@ -148,7 +148,7 @@ async def configure(
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for task in memo.tasks:
         task.cancel()
-    memo.retries.cancel()
+    await memo.retries.close()
     if memo.report_runner is not None:
         await memo.report_runner.cleanup()
     if memo.metrics_runner is not None:
@@ -255,7 +255,10 @@ def apply_children(
             # An answer about this child: keep going, one bad child must not block the rest.
             if is_namespace_terminating(exc):
                 return Applied.NEVER  # everything here is about to go; nothing to restore
-            ok = Applied.RETRY
+            # A refusal (invalid, forbidden) fails the same way on the next try: the
+            # resync tries it again, a backoff would only repeat the Warning.
+            retry = is_transient(exc) or exc.status == 409
+            ok = Applied.RETRY if retry or ok is Applied.RETRY else Applied.NEVER
             message = f"{child['kind']} {meta['name']}: {api_error_message(exc)}"
             logger.error("apply failed: %s", message)
             kopf.warn(body, reason=EVENT_APPLY_FAILED, message=message)

@@ -34,6 +34,8 @@ class ApplyRetries:
 
     def failed(self, namespace: str, name: str) -> None:
         """A server's apply did not land: retry it (safe from any thread)."""
+        if self.loop.is_closed():
+            return  # shutting down: the next operator's first pass applies everything
         self.loop.call_soon_threadsafe(self._start, (namespace, name))
 
     def _start(self, key: Key) -> None:
@@ -58,6 +60,10 @@ class ApplyRetries:
         finally:
             self.tasks.pop(key, None)
 
-    def cancel(self) -> None:
-        for task in self.tasks.values():
+    async def close(self) -> None:
+        """Cancel every retry and wait until none runs (an apply already on its thread
+        finishes first: a thread cannot be cancelled)."""
+        tasks = list(self.tasks.values())
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

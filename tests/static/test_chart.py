@@ -103,7 +103,7 @@ CALLS = [
          ("patch",)),
     Call("Kube.patch_status KVCacheStatus", "kvferry.io", "kvcachestatuses/status",
          ("patch",)),
-    # Kube.get (publisher.Publisher).
+    # Kube.get (publisher.Publisher, handlers.retry_apply).
     Call("Kube.get DisaggregatedServer", "kvferry.io", "disaggregatedservers", ("get",)),
     Call("Kube.get KVCacheStatus", "kvferry.io", "kvcachestatuses", ("get",)),
     # Kube.list_servers (handlers._resync_forever).

@@ -143,3 +143,61 @@ def test_a_retry_of_a_server_that_is_gone_is_done():
     kube.get = lambda *a: None  # type: ignore[method-assign]
     assert handlers.retry_apply("ns", "tiny", kube, Settings("", 60), LOG)  # type: ignore[arg-type]
     assert kube.applies == 0
+
+
+class RefusingKube(FlakyKube):
+    """Every apply answered by the API server with ``status``."""
+
+    def __init__(self, obj: dict, status: int) -> None:
+        super().__init__(obj, down=0)
+        self.status = status
+
+    def apply(self, child: dict) -> dict:
+        self.applies += 1
+        raise handlers.ApiException(status=self.status, reason="refused")
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (422, handlers.Applied.NEVER),  # invalid: the same object fails the same way
+        (403, handlers.Applied.NEVER),  # forbidden: RBAC is fixed by a chart upgrade
+        (409, handlers.Applied.RETRY),  # a conflict passes
+        (429, handlers.Applied.RETRY),  # overload passes
+        (503, handlers.Applied.RETRY),
+    ],
+)
+def test_only_a_refusal_that_may_pass_is_retried(monkeypatch, status, expected):
+    # A refusal retried six times would post six identical ApplyFailed Warnings.
+    warnings: list[str] = []
+    monkeypatch.setattr(kopf, "warn", lambda *a, **kw: warnings.append(kw["reason"]))
+    obj = server()
+    obj["metadata"].update(name="tiny", namespace="ns")
+    kube = RefusingKube(obj, status)
+    result = handlers.apply_children(obj, kube, Settings("", 60), LOG)  # type: ignore[arg-type]
+    assert result is expected
+    assert kube.applies > 1  # one bad child never blocks the rest
+    assert set(warnings) == {handlers.EVENT_APPLY_FAILED}
+
+
+async def test_close_cancels_the_retries_and_waits_for_them():
+    started = asyncio.Event()
+
+    async def sleep_forever(seconds: float) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    retries = ApplyRetries(asyncio.get_running_loop(), lambda ns, n: True, (1.0,), sleep_forever)
+    retries.failed("ns", "tiny")
+    await asyncio.wait_for(started.wait(), 5)
+    task = next(iter(retries.tasks.values()))
+    await retries.close()
+    assert task.cancelled() and retries.tasks == {}
+
+
+def test_a_failure_after_the_loop_closed_starts_nothing():
+    loop = asyncio.new_event_loop()
+    retries = ApplyRetries(loop, lambda ns, n: True, (1.0,))
+    loop.close()
+    retries.failed("ns", "tiny")  # no RuntimeError from a closed loop
+    assert retries.tasks == {}
