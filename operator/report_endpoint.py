@@ -133,7 +133,9 @@ def token_claims(token: str, now: float) -> dict[str, Any]:
 
     Only a filter, so garbage costs no TokenReview: the TokenReview alone decides.
     """
-    if len(token) > MAX_TOKEN_CHARS:
+    # PyJWT reads an unsigned token (empty third segment, alg "none"); a projected
+    # token is always signed.
+    if len(token) > MAX_TOKEN_CHARS or not token.rsplit(".", 1)[-1]:
         raise Unauthorized(NOT_A_TOKEN)
     try:
         jwt.get_unverified_header(token)  # three segments and a readable header

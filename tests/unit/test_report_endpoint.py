@@ -502,6 +502,7 @@ def _b64(raw: bytes) -> str:
     [
         ("forged", "use the pod's projected kvferry token"),
         ("a.b", "use the pod's projected kvferry token"),
+        (jwt().rsplit(".", 1)[0] + ".", "use the pod's projected kvferry token"),
         (f"{_b64(b'not json')}.{_b64(b'{}')}.{_b64(b'sig')}", "projected kvferry token"),
         (f"{_b64(b'{}')}.{_b64(b'[1]')}.{_b64(b'sig')}", "unreadable claims"),
         (f"{_b64(b'{}')}.{_b64(b'not json')}.{_b64(b'sig')}", "unreadable claims"),
