@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
 from .render import DEFAULT_SIDECAR_IMAGE, Context
+
+log = logging.getLogger(__name__)
+
+# Variables an earlier release read, with why they are gone: named in a warning rather
+# than ignored in silence (docs/upgrading.md).
+REMOVED = {"KVFERRY_DEBOUNCE_SECONDS": "it was read and never used"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,9 @@ class Settings:
 
 def from_env() -> Settings:
     env = os.environ.get
+    for var, why in REMOVED.items():
+        if var in os.environ:
+            log.warning("setting removed, ignored env=%s: %s", var, why)
     return Settings(
         report_port=int(env("KVFERRY_REPORT_PORT", "8443")),
         report_host=env("KVFERRY_REPORT_HOST", "0.0.0.0"),

@@ -70,6 +70,17 @@ def env_name(name: str) -> str:
     return "KVFERRY_" + name.upper()
 
 
+# Settings an earlier release read, with why they are gone: named in a warning rather
+# than ignored in silence (docs/upgrading.md). Field name -> reason.
+REMOVED: Final = {
+    "expiry_margin_seconds": (
+        "the handle-expiry margin is kvferry_wire.protocol.HANDLE_EXPIRY_MARGIN_SECONDS, "
+        "the value the operator's tuner assumes"
+    ),
+}
+_REMOVED_FILE_KEYS: Final = {wire.file_key(name): name for name in REMOVED}
+
+
 def flag_names(name: str) -> tuple[str, ...]:
     """The command-line flags of a field (the first is the one help shows)."""
     return (*_SHORT_FLAGS.get(name, ()), "--" + name.replace("_", "-"))
@@ -85,7 +96,15 @@ def _layer(values: Mapping[str, Any], origin: Callable[[str], str]) -> dict[str,
 
 def _from_mapping(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
     for key in wire.unknown_keys(data):
-        log.debug("settings key ignored origin=%s key=%s", origin, key)
+        if key in _REMOVED_FILE_KEYS:
+            log.warning(
+                "settings key removed, ignored origin=%s key=%s: %s",
+                origin,
+                key,
+                REMOVED[_REMOVED_FILE_KEYS[key]],
+            )
+        else:
+            log.debug("settings key ignored origin=%s key=%s", origin, key)
     out = wire.given(wire.decode_file(data, origin))
     version = out.pop("version", None)
     if isinstance(version, int) and version > SETTINGS_VERSION:
@@ -123,6 +142,9 @@ def load_topology(path: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """KVFERRY_<FIELD> variables (lists comma-separated)."""
+    for name, why in REMOVED.items():
+        if env_name(name) in env:
+            log.warning("setting removed, ignored env=%s: %s", env_name(name), why)
     raw = {name: env[env_name(name)] for name in FIELDS if env_name(name) in env}
     return _layer(raw, lambda name: f"env {env_name(name)}")
 

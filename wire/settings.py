@@ -188,6 +188,11 @@ def unknown_keys(data: Mapping[str, Any]) -> list[str]:
 def decode_file(data: Mapping[str, Any], origin: str) -> msgspec.Struct:
     """A settings (or topology) file's mapping as a ``SettingsFile``."""
     data = dict(data)
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        # Only ever compared, to log a newer file: an odd value must not stop an
+        # older sidecar from reading a newer operator's settings.
+        data.pop("version", None)
     for old, new in ALIASES.items():
         if old in data:
             value = data.pop(old)

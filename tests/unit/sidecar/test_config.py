@@ -340,3 +340,27 @@ def test_unknown_keys_are_ignored_and_a_newer_file_is_warned_of(
     assert s.block_size == 16
     assert "key=someNewKey" in caplog.text
     assert "settings file is newer than this sidecar" in caplog.text
+
+
+@pytest.mark.parametrize("version", ["v1", 2.5, True, None])
+def test_an_odd_file_version_never_stops_the_sidecar(tmp_path: Path, version: object) -> None:
+    """``version`` is only compared, to warn of a newer file: an unreadable one is
+    ignored, so an older sidecar still reads a newer operator's settings."""
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps({"version": version, "role": "prefill"}))
+    assert config.build({"settings_path": str(path)}, env={}).role == "prefill"
+
+
+def test_a_removed_setting_is_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A removed setting is ignored, never silently: the file key and the env var."""
+    path = tmp_path / "sidecar.json"
+    path.write_text(json.dumps({"expiryMarginSeconds": 30}))
+    with caplog.at_level(logging.WARNING, logger=config.__name__):
+        config.build({"settings_path": str(path)}, env={"KVFERRY_EXPIRY_MARGIN_SECONDS": "30"})
+    removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert len(removed) == 2
+    assert "key=expiryMarginSeconds" in removed[0] or "key=expiryMarginSeconds" in removed[1]
+    assert any("env=KVFERRY_EXPIRY_MARGIN_SECONDS" in m for m in removed)
+    assert all("HANDLE_EXPIRY_MARGIN_SECONDS" in m for m in removed)

@@ -1,0 +1,27 @@
+"""Operator settings from the environment (the chart sets them)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvferry_operator import settings
+
+
+def test_a_removed_variable_is_named_in_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVFERRY_DEBOUNCE_SECONDS", "0.5")
+    with caplog.at_level(logging.WARNING, logger=settings.__name__):
+        settings.from_env()
+    assert [r.getMessage() for r in caplog.records] == [
+        "setting removed, ignored env=KVFERRY_DEBOUNCE_SECONDS: it was read and never used"
+    ]
+
+
+def test_the_defaults_need_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KVFERRY_RESYNC_SECONDS", "KVFERRY_REPORT_PORT", "KVFERRY_DEBOUNCE_SECONDS"):
+        monkeypatch.delenv(var, raising=False)
+    ours = settings.from_env()
+    assert (ours.resync_seconds, ours.report_port) == (60.0, 8443)
