@@ -148,7 +148,10 @@ async def handles_held(url: str) -> str:
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
         text = await resp.text()
     return "\n".join(
-        line for line in text.splitlines() if line.startswith("kvferry_pinned_handles")
+        line
+        for line in text.splitlines()
+        # held in the store = pinned - pinned unused
+        if line.startswith(("kvferry_pinned_handles", "kvferry_pinned_unused_handles"))
     )
 
 

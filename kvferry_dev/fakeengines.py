@@ -315,7 +315,8 @@ class FakeEngine:
         for word, tok in zip(words, output, strict=False):
             chunks.append({**base, "choices": [choice(word + " ", [tok], None)]})
         final = {**base, "choices": [choice("", [output[-1]], "stop")]}
-        if params is not None and Version(self.version) >= Version("0.33"):
+        # As vLLM releases behave: a 0.33 pre-release streams the handle too.
+        if params is not None and Version(self.version).release[:2] >= (0, 33):
             final["kv_transfer_params"] = params
         chunks.append(final)
         if (body.get("stream_options") or {}).get("include_usage"):
