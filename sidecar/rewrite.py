@@ -7,6 +7,12 @@ its KV for a remote decode, plus D's handle when it is reused.
 Decode leg (D): the client's body as sent, plus P's ``kv_transfer_params`` and
 ``return_token_ids: true`` (the next turn's alignment needs the ids).
 
+No leg carries a client's KV parameters: ``client_body`` strips the top-level
+``kv_transfer_params`` and the one inside ``vllm_xargs`` (vLLM reads that one when
+the top-level field is empty), and every engine request sets the top-level field
+itself: the prefill request's, P's for D, D's own for a turn D prefills alone, or an
+explicit null (no transfer) for a turn that keeps no handle.
+
 Responses: whatever the sidecar added is taken out again before the client sees it
 (token ids it did not ask for, every ``kv_transfer_params``: they name engine hosts
 and blocks). Non-streaming bodies keep the key as ``null``, as vLLM would have sent
@@ -30,6 +36,7 @@ from .types import (
     F_STREAM,
     F_STREAM_OPTIONS,
     F_TOKEN_IDS,
+    F_VLLM_XARGS,
     JSON,
     PREFILL_REQUEST_PARAMS,
 )
@@ -52,8 +59,13 @@ TEMPLATE_FIELDS = (
 
 
 def client_body(body: Mapping[str, Any]) -> JSON:
-    """The client's body minus what only the sidecar may set."""
-    return {k: v for k, v in body.items() if k != F_KV_PARAMS}
+    """The client's body minus what only the sidecar may set: KV transfer parameters,
+    top-level or as an extension argument."""
+    out = {k: v for k, v in body.items() if k != F_KV_PARAMS}
+    xargs = out.get(F_VLLM_XARGS)
+    if isinstance(xargs, Mapping) and F_KV_PARAMS in xargs:
+        out[F_VLLM_XARGS] = {k: v for k, v in xargs.items() if k != F_KV_PARAMS}
+    return out
 
 
 def tokenize_body(body: Mapping[str, Any]) -> JSON | None:
@@ -102,8 +114,8 @@ def decode_body(
 ) -> JSON:
     out = dict(body)
     out[F_RETURN_TOKEN_IDS] = True
-    if params is not None:
-        out[F_KV_PARAMS] = dict(params)
+    # None: no transfer, said explicitly (the client's own were stripped).
+    out[F_KV_PARAMS] = dict(params) if params is not None else None
     if session_id and F_SESSION_ID not in out:
         out[F_SESSION_ID] = session_id
     return out

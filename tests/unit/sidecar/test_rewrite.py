@@ -71,6 +71,21 @@ def test_client_cannot_set_kv_transfer_params() -> None:
     assert "kv_transfer_params" not in rewrite.client_body({**CLIENT, "kv_transfer_params": {}})
 
 
+def test_client_cannot_set_kv_transfer_params_as_an_extension_argument() -> None:
+    """vLLM reads vllm_xargs.kv_transfer_params when the top-level field is empty: it is
+    stripped too; the other extension arguments pass."""
+    xargs = {"kv_transfer_params": HANDLE, "my_extension": "1"}
+    out = rewrite.client_body({**CLIENT, "vllm_xargs": xargs})
+    assert out["vllm_xargs"] == {"my_extension": "1"}
+    assert xargs["kv_transfer_params"] is HANDLE  # the client's body is not edited
+
+
+def test_decode_without_params_says_no_transfer_explicitly() -> None:
+    """A decode request with no params carries an explicit null of the sidecar's own."""
+    body = rewrite.decode_body({**CLIENT, "kv_transfer_params": HANDLE}, None, None)
+    assert "kv_transfer_params" in body and body["kv_transfer_params"] is None
+
+
 def test_tokenize_body_keeps_template_fields() -> None:
     body = {**CLIENT, "tools": [{"type": "function"}], "chat_template_kwargs": {"x": 1}}
     out = rewrite.tokenize_body(body)
