@@ -201,8 +201,10 @@ def _dump(obj: Any) -> str:
 class SSERewriter:
     """Feeds D's SSE bytes through: captures the handle fields, strips them, re-emits.
 
-    Events are ``data: <json>`` blocks separated by a blank line; anything that does
-    not parse passes through unchanged.
+    Events are blocks of lines separated by a blank line; an event's ``data:`` lines
+    joined are its payload (the SSE rule). A payload that is not a JSON object (nor
+    ``[DONE]``) is dropped, never relayed: it may hold what the rewriter strips. An
+    event without data (a comment) passes unchanged.
     """
 
     def __init__(self, *, wants_token_ids: bool) -> None:
@@ -226,21 +228,23 @@ class SSERewriter:
         return self._event(rest) if rest.strip() else rest
 
     def _event(self, event: bytes) -> bytes:
-        text = event.decode("utf-8", errors="replace").strip()
-        if not text.startswith("data:"):
+        lines = event.decode("utf-8", errors="replace").strip().split("\n")
+        data = [line[len("data:") :] for line in lines if line.startswith("data:")]
+        if not data:
             return event
-        payload = text[len("data:") :].strip()
+        payload = "\n".join(d.removeprefix(" ") for d in data).strip()
         if payload == "[DONE]":
             return event
         try:
             obj = json.loads(payload)
-        except ValueError:
-            return event
+        except (ValueError, RecursionError):
+            return b""
         if not isinstance(obj, dict):
-            return event
+            return b""
         self.capture.add(obj)
         had_params = obj.get(F_KV_PARAMS) is not None
         _strip(obj, wants_token_ids=self._wants_token_ids, keep_as_null=False)
         if had_params and not obj.get("choices") and obj.get("usage") is None:
             return b""  # a chunk that only carried the handle
-        return f"data: {_dump(obj)}\n\n".encode()
+        fields = "".join(f"{line}\n" for line in lines if not line.startswith("data:"))
+        return f"{fields}data: {_dump(obj)}\n\n".encode()
