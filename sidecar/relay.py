@@ -23,7 +23,8 @@ client and asks ``plan`` what to do at each step.
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
-is invalid (the engine's own 4xx).
+is invalid (a field the sidecar acts on that vLLM would refuse: the sidecar's 400,
+naming it; otherwise the engine's own 4xx).
 """
 
 from __future__ import annotations
