@@ -10,7 +10,15 @@ import pytest
 from aiohttp import web
 
 from .conftest import Engines, MakeSidecar
-from .test_turns import CHAT, LONG_QUESTION, kv, outcome, prefill_bodies, releases_done
+from .test_turns import (
+    CHAT,
+    LONG_QUESTION,
+    Conversation,
+    kv,
+    outcome,
+    prefill_bodies,
+    releases_done,
+)
 
 
 def engine_bodies(engines: Engines) -> list[dict[str, Any]]:
@@ -44,7 +52,7 @@ async def test_a_false_stream_string_gets_plain_json_with_no_engine_detail_and_k
     assert answer["prompt_token_ids"] is None
     assert answer["choices"][0]["token_ids"] is None
     assert b"remote_block_ids" not in raw and b"10.0.0.2" not in raw
-    assert "X-Kvferry-Handle" not in resp.headers  # kept
+    assert "X-Kvferry-Handle" not in resp.headers
     handle = engines.decode.handles[-1]
     assert handle is not None
 
@@ -65,17 +73,19 @@ async def test_a_false_stream_string_gets_plain_json_with_no_engine_detail_and_k
 async def test_a_true_stream_string_streams_and_keeps_the_handle(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """``"stream": "true"`` streams, as vLLM reads it, and the stream carries no handle."""
-    client = await make_sidecar()
-    body = {"model": "m", "messages": [{"role": "user", "content": LONG_QUESTION}]}
-    resp = await client.post(CHAT, json={**body, "session_id": "s", "stream": "True"})
+    """``"stream": "True"`` streams, as vLLM reads it; the stream carries no handle and
+    the next turn pulls the one D returned."""
+    conv = Conversation(await make_sidecar(), session_id="s", stream="True")
+    resp, raw = await conv.ask(LONG_QUESTION)
     assert resp.status == 200
     assert resp.content_type == "text/event-stream"
-    raw = await resp.read()
-    assert b"data: [DONE]" in raw
-    assert b"kv_transfer_params" not in raw and b"token_ids" not in raw
-    assert "X-Kvferry-Handle" not in resp.headers
-    assert engines.decode.handles[-1] is not None
+    assert "data: [DONE]" in raw
+    assert "kv_transfer_params" not in raw and "token_ids" not in raw
+    handle = engines.decode.handles[-1]
+    assert handle is not None
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    assert kv(prefill_bodies(engines)[-1]) == handle
 
 
 @pytest.mark.parametrize(
