@@ -12,6 +12,10 @@ completions answers with ``prompt_token_ids`` / ``choices[].token_ids`` when
 Tokenizer: whitespace words, one shared vocabulary, a chat template of
 ``<role> words... <eos>`` per message plus ``<assistant>`` as the generation prompt,
 so a follow-up turn's prompt extends the previous prompt + answer exactly.
+
+The flags a decode answer depends on (``stream``, ``return_token_ids``) are read with
+pydantic in lax mode, as vLLM's request models read them (``"false"`` is false, a
+value pydantic refuses is a 400), not by the sidecar's own reading of them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 from packaging.version import Version
+from pydantic import TypeAdapter, ValidationError
 
 EOS = "<eos>"
 VOCAB: dict[str, int] = {"<system>": 1, "<user>": 2, "<assistant>": 3, EOS: 4, "<tool>": 5}
@@ -56,6 +61,17 @@ def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
 
 class BadRequest(ValueError):
     """A body vLLM would refuse with a 400 (the fake does the same)."""
+
+
+_FLAG = TypeAdapter(bool | None)
+
+
+def vllm_flag(body: dict[str, Any], name: str) -> bool:
+    """An optional bool field as vLLM's pydantic request model reads it."""
+    try:
+        return bool(_FLAG.validate_python(body.get(name)))
+    except ValidationError as exc:
+        raise BadRequest(f"{name}: {exc.errors()[0]['msg']}") from None
 
 
 def prompt_words(body: dict[str, Any]) -> list[str]:
@@ -272,12 +288,14 @@ class FakeEngine:
     async def _decode_answer(
         self, request: web.Request, body: dict[str, Any], prompt: list[int], rid: str
     ) -> web.StreamResponse:
+        # Validated before anything is pinned, as vLLM refuses a request it cannot read.
+        with_ids = vllm_flag(body, "return_token_ids")
+        stream = vllm_flag(body, "stream")
         words = self.reply.split()
         output = [*ids(words), token_id(EOS)]
         params = self._handle(body, prompt, output, rid)
         self.handles.append(params)
-        with_ids = bool(body.get("return_token_ids"))
-        if not body.get("stream"):
+        if not stream:
             text = " ".join(words)
             return web.json_response(_chat_body(body, text, output, prompt, with_ids, params))
         return await self._stream(request, body, prompt, words, output, params, with_ids)

@@ -5,7 +5,8 @@ each step and what the turn's outcome is, so the rules can be read and tested
 without aiohttp:
 
 - ``parse_turn``: body + headers -> ``TurnInput`` (session key, stream, one
-  sequence or several);
+  sequence or several; the fields read as vLLM reads them, ``fields.py``, or
+  ``fields.InvalidField``);
 - ``handle_not_kept``: whether this turn can leave a handle for the next one;
 - ``plan_turn``: with the session's handle (already taken from the store), the
   prompt's ids, the engine's block size and what D's prefix cache holds: use the
@@ -34,7 +35,7 @@ from kvferry_wire.protocol import (
     Route,
 )
 
-from . import rewrite
+from . import fields, rewrite
 from .align import align, held_by_decode
 from .handles import Lookup, local_deadline
 from .identity import compatible, kv_identity
@@ -86,16 +87,15 @@ def parse_turn(
     received_at: float,
     session_keys: tuple[str, ...],
 ) -> TurnInput:
+    """Raises ``fields.InvalidField`` for a field vLLM would refuse."""
+    asked = fields.read_request(api, body)
     key = session_key(body, headers, session_keys)
     prompt = body.get("prompt")
     single_prompt = (
         api is Api.CHAT or isinstance(prompt, str) or (rewrite.prompt_ids_in_body(body) is not None)
     )
     single = (
-        (body.get("n") in (None, 1))
-        and (body.get("best_of") in (None, 1))
-        and not body.get("use_beam_search")
-        and single_prompt
+        asked.n == 1 and asked.best_of in (None, 1) and not asked.use_beam_search and single_prompt
     )
     return TurnInput(
         api=api,
@@ -105,8 +105,8 @@ def parse_turn(
         session=session_tag(key),
         slot=handle_slot(key, body),
         identity=kv_identity(body),
-        stream=bool(body.get("stream")),
-        wants_token_ids=bool(body.get("return_token_ids")),
+        stream=asked.stream,
+        wants_token_ids=asked.return_token_ids,
         single_sequence=single,
         received_at=received_at,
     )

@@ -4,7 +4,8 @@ The decisions are ``plan``'s (pure); this module talks to the engines and the
 client and asks ``plan`` what to do at each step.
 
     serve_turn
-      1. plan.parse_turn  body + headers -> TurnInput (session key, stream, ...)
+      1. plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
+                          each field read as vLLM reads it (fields.py) or a 400
       2. forward.target   not the session's owner? one hop there (forward.forward)
       3. prompt_tokens    the prompt's ids from D's /tokenize
       4. plan.plan_turn   the session's handle (taken from the store: single use),
@@ -14,13 +15,16 @@ client and asks ``plan`` what to do at each step.
                           retries; pull failure -> recompute; plan.settle gives the
                           turn's outcome; what the requests carry is a release.Ride,
                           and the releaser settles the taken handle afterwards
-      6. run_decode       local D with P's params; stream or not, as the client asked;
-                          restore the client's view; plan.build_handle keeps the next
+      6. run_decode       local D with P's params; relayed as D's Content-Type says
+                          (SSE or JSON, both parsed: a body that parses as neither
+                          is a 502, never passed on); restore the client's view;
+                          plan.build_handle keeps the next
       7. record_turn      TurnReport -> series, one log line, the residency model
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
-is invalid (the engine's own 4xx).
+is invalid (a field the sidecar acts on that vLLM would refuse: the sidecar's 400,
+naming it; otherwise the engine's own 4xx).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
 
-from . import forward, plan, rewrite
+from . import fields, forward, plan, rewrite
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -235,8 +239,11 @@ async def run_prefill(
 # ------------------------------------------------------------------ 6. decode
 
 
-def error_body(message: str, kind: str, status: int) -> JSON:
-    return {"error": {"message": message, "type": kind, "code": status}}
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> JSON:
+    error: JSON = {"message": message, "type": kind, "code": status}
+    if param is not None:
+        error["param"] = param  # the field at fault, as vLLM names it
+    return {"error": error}
 
 
 def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
@@ -333,10 +340,12 @@ async def run_decode(
                 content_type=upstream.content_type,
                 headers=headers,
             )
-        if turn.stream:
+        # What D sent decides the relay, not what the request asked: a JSON answer to
+        # a streamed request is parsed and stripped like any JSON answer.
+        if upstream.content_type == _EVENT_STREAM:
             response, capture = await _relay_stream(request, upstream, turn, headers, report)
         else:
-            response, capture = await _relay_body(upstream, turn, headers)
+            response, capture = await _relay_body(upstream, turn, headers, report)
     except TimeoutError:
         # The answer did not finish within the budget: closing D's connection aborts it.
         upstream.close()
@@ -350,18 +359,32 @@ async def run_decode(
     return response
 
 
+_EVENT_STREAM = "text/event-stream"
+
+
 async def _relay_body(
-    upstream: aiohttp.ClientResponse, turn: TurnInput, headers: dict[str, str]
+    upstream: aiohttp.ClientResponse,
+    turn: TurnInput,
+    headers: dict[str, str],
+    report: TurnReport,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
     raw = await upstream.read()
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         obj = None
     if not isinstance(obj, dict):
-        return web.Response(body=raw, content_type=upstream.content_type, headers=headers), (
-            rewrite.Capture()
+        # Never relay what was not parsed: it may carry what restore_body strips.
+        report.status, report.error = 502, "decode answered a body that is not a JSON object"
+        log.warning(
+            "decode answer not a JSON object request_id=%s content_type=%s",
+            turn.request_id,
+            upstream.content_type,
         )
+        message = "the decode engine's answer could not be read; the request was not served"
+        return web.json_response(
+            error_body(message, "upstream_error", 502), status=502, headers=headers
+        ), rewrite.Capture()
     capture = rewrite.capture_body(obj)
     rewrite.restore_body(obj, wants_token_ids=turn.wants_token_ids)
     return web.json_response(obj, headers=headers), capture
@@ -464,9 +487,14 @@ async def serve_turn(
             error_body("request body must be a JSON object", "invalid_request_error", 400),
             status=400,
         )
-    turn = plan.parse_turn(
-        api, body, request.headers, request_id, received_at, sc.settings.session_keys
-    )
+    try:
+        turn = plan.parse_turn(
+            api, body, request.headers, request_id, received_at, sc.settings.session_keys
+        )
+    except fields.InvalidField as exc:
+        return web.json_response(
+            error_body(str(exc), "invalid_request_error", 400, exc.field), status=400
+        )
 
     owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:

@@ -7,6 +7,12 @@ its KV for a remote decode, plus D's handle when it is reused.
 Decode leg (D): the client's body as sent, plus P's ``kv_transfer_params`` and
 ``return_token_ids: true`` (the next turn's alignment needs the ids).
 
+No leg carries a client's KV parameters: ``client_body`` strips the top-level
+``kv_transfer_params`` and the one inside ``vllm_xargs`` (vLLM reads that one when
+the top-level field is empty), and every engine request sets the top-level field
+itself: the prefill request's, P's for D, D's own for a turn D prefills alone, or an
+explicit null (no transfer) for a turn that keeps no handle.
+
 Responses: whatever the sidecar added is taken out again before the client sees it
 (token ids it did not ask for, every ``kv_transfer_params``: they name engine hosts
 and blocks). Non-streaming bodies keep the key as ``null``, as vLLM would have sent
@@ -30,6 +36,7 @@ from .types import (
     F_STREAM,
     F_STREAM_OPTIONS,
     F_TOKEN_IDS,
+    F_VLLM_XARGS,
     JSON,
     PREFILL_REQUEST_PARAMS,
 )
@@ -52,8 +59,13 @@ TEMPLATE_FIELDS = (
 
 
 def client_body(body: Mapping[str, Any]) -> JSON:
-    """The client's body minus what only the sidecar may set."""
-    return {k: v for k, v in body.items() if k != F_KV_PARAMS}
+    """The client's body minus what only the sidecar may set: KV transfer parameters,
+    top-level or as an extension argument."""
+    out = {k: v for k, v in body.items() if k != F_KV_PARAMS}
+    xargs = out.get(F_VLLM_XARGS)
+    if isinstance(xargs, Mapping) and F_KV_PARAMS in xargs:
+        out[F_VLLM_XARGS] = {k: v for k, v in xargs.items() if k != F_KV_PARAMS}
+    return out
 
 
 def tokenize_body(body: Mapping[str, Any]) -> JSON | None:
@@ -102,8 +114,8 @@ def decode_body(
 ) -> JSON:
     out = dict(body)
     out[F_RETURN_TOKEN_IDS] = True
-    if params is not None:
-        out[F_KV_PARAMS] = dict(params)
+    # None: no transfer, said explicitly (the client's own were stripped).
+    out[F_KV_PARAMS] = dict(params) if params is not None else None
     if session_id and F_SESSION_ID not in out:
         out[F_SESSION_ID] = session_id
     return out
@@ -189,8 +201,10 @@ def _dump(obj: Any) -> str:
 class SSERewriter:
     """Feeds D's SSE bytes through: captures the handle fields, strips them, re-emits.
 
-    Events are ``data: <json>`` blocks separated by a blank line; anything that does
-    not parse passes through unchanged.
+    Events are blocks of lines separated by a blank line; an event's ``data:`` lines
+    joined are its payload (the SSE rule). A payload that is not a JSON object (nor
+    ``[DONE]``) is dropped, never relayed: it may hold what the rewriter strips. An
+    event without data (a comment) passes unchanged.
     """
 
     def __init__(self, *, wants_token_ids: bool) -> None:
@@ -214,21 +228,23 @@ class SSERewriter:
         return self._event(rest) if rest.strip() else rest
 
     def _event(self, event: bytes) -> bytes:
-        text = event.decode("utf-8", errors="replace").strip()
-        if not text.startswith("data:"):
+        lines = event.decode("utf-8", errors="replace").strip().split("\n")
+        data = [line[len("data:") :] for line in lines if line.startswith("data:")]
+        if not data:
             return event
-        payload = text[len("data:") :].strip()
+        payload = "\n".join(d.removeprefix(" ") for d in data).strip()
         if payload == "[DONE]":
             return event
         try:
             obj = json.loads(payload)
-        except ValueError:
-            return event
+        except (ValueError, RecursionError):
+            return b""
         if not isinstance(obj, dict):
-            return event
+            return b""
         self.capture.add(obj)
         had_params = obj.get(F_KV_PARAMS) is not None
         _strip(obj, wants_token_ids=self._wants_token_ids, keep_as_null=False)
         if had_params and not obj.get("choices") and obj.get("usage") is None:
             return b""  # a chunk that only carried the handle
-        return f"data: {_dump(obj)}\n\n".encode()
+        fields = "".join(f"{line}\n" for line in lines if not line.startswith("data:"))
+        return f"{fields}data: {_dump(obj)}\n\n".encode()

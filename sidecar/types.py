@@ -47,6 +47,9 @@ F_STREAM: Final = "stream"
 F_STREAM_OPTIONS: Final = "stream_options"
 F_MAX_TOKENS: Final = "max_tokens"
 F_MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
+# Extension arguments; vLLM reads vllm_xargs["kv_transfer_params"] when the top-level
+# kv_transfer_params is empty.
+F_VLLM_XARGS: Final = "vllm_xargs"
 
 # kv_transfer_params keys (vLLM NixlConnector, pull mode).
 K_DO_REMOTE_DECODE: Final = "do_remote_decode"

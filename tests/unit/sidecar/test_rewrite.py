@@ -71,6 +71,21 @@ def test_client_cannot_set_kv_transfer_params() -> None:
     assert "kv_transfer_params" not in rewrite.client_body({**CLIENT, "kv_transfer_params": {}})
 
 
+def test_client_cannot_set_kv_transfer_params_as_an_extension_argument() -> None:
+    """vLLM reads vllm_xargs.kv_transfer_params when the top-level field is empty: it is
+    stripped too; the other extension arguments pass."""
+    xargs = {"kv_transfer_params": HANDLE, "my_extension": "1"}
+    out = rewrite.client_body({**CLIENT, "vllm_xargs": xargs})
+    assert out["vllm_xargs"] == {"my_extension": "1"}
+    assert xargs["kv_transfer_params"] is HANDLE  # the client's body is not edited
+
+
+def test_decode_without_params_says_no_transfer_explicitly() -> None:
+    """A decode request with no params carries an explicit null of the sidecar's own."""
+    body = rewrite.decode_body({**CLIENT, "kv_transfer_params": HANDLE}, None, None)
+    assert "kv_transfer_params" in body and body["kv_transfer_params"] is None
+
+
 def test_tokenize_body_keeps_template_fields() -> None:
     body = {**CLIENT, "tools": [{"type": "function"}], "chat_template_kwargs": {"x": 1}}
     out = rewrite.tokenize_body(body)
@@ -147,7 +162,33 @@ def test_sse_rewriter_keeps_usage_chunk() -> None:
     assert b'"usage"' in out
 
 
-def test_sse_rewriter_passes_unparsable_events() -> None:
+def test_sse_rewriter_passes_comments_and_drops_unparsable_events() -> None:
+    """A comment passes unchanged; data that does not parse is not relayed."""
     sse = rewrite.SSERewriter(wants_token_ids=False)
     assert sse.feed(b": keep-alive\n\n") == b": keep-alive\n\n"
-    assert sse.feed(b"data: {oops\n\n") == b"data: {oops\n\n"
+    assert sse.feed(b"data: {oops\n\n") == b""
+
+
+def test_sse_rewriter_never_relays_an_event_it_could_not_parse() -> None:
+    """An event whose data is not a JSON object is dropped: it may hold what the
+    rewriter strips. Comments and [DONE] pass."""
+    sse = rewrite.SSERewriter(wants_token_ids=False)
+    broken = b'data: {"kv_transfer_params": {"remote_host": "10.0.0.2"}, "choices": [\n\n'
+    assert sse.feed(broken) == b""
+    assert sse.feed(b'data: ["kv_transfer_params", "10.0.0.2"]\n\n') == b""
+    assert sse.feed(b": keep-alive\n\n") == b": keep-alive\n\n"
+    assert sse.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+def test_sse_rewriter_strips_an_event_with_other_fields_or_several_data_lines() -> None:
+    """An ``event:`` line before the data, or the data split over lines (SSE joins
+    them), is still parsed and stripped."""
+    sse = rewrite.SSERewriter(wants_token_ids=False)
+    named = b"event: chunk\n" + _event({"choices": [], "usage": {}, "kv_transfer_params": HANDLE})
+    out = sse.feed(named)
+    assert b"kv_transfer_params" not in out and out.startswith(b"event: chunk\ndata: {")
+    assert sse.capture.params == HANDLE
+    split = b'data: {"choices": [],\ndata: "usage": {}, "prompt_token_ids": [1, 2]}\n\n'
+    out = sse.feed(split)
+    assert b"prompt_token_ids" not in out and out.startswith(b"data: {")
+    assert sse.capture.prompt_ids == [1, 2]

@@ -380,13 +380,15 @@ async def test_skip_prefill_short_first_turn(make_sidecar: MakeSidecar, engines:
 async def test_multiple_sequences_skip_prefill_and_keep_no_handle(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """n > 1 is served by D alone, without kv params, and says no handle is kept."""
+    """n > 1 is served by D alone, with no transfer (kv params an explicit null, the
+    sidecar's own), and says no handle is kept."""
     conv = Conversation(await make_sidecar())
     resp, _ = await conv.ask("hello", n=2)
     assert outcome(resp) == "skipped-prefill"
     assert resp.headers["X-Kvferry-Handle"] == "not-kept; reason=multiple-sequences"
     assert engines.prefill_calls() == 0
-    assert "kv_transfer_params" not in engines.decode.last().body
+    d_body = engines.decode.last().body
+    assert "kv_transfer_params" in d_body and d_body["kv_transfer_params"] is None
 
 
 # ------------------------------------------------------------------ prefill choice
