@@ -20,7 +20,8 @@ vocabularies (turn buckets, :class:`~kvferry_wire.protocol.Outcome`,
 :class:`~kvferry_wire.protocol.HandleFate`), strings and maps are bounded. So
 what one pod can add to a server's KVCacheStatus is bounded, and a report the
 operator accepts can always be aggregated. The checks walk the decoded value, so
-a field added later gets them too.
+a field added later gets them too. JSON nested past the decoder's stack, in any
+field or in one the report does not have, is a :class:`ReportError` as well.
 
 A peer that sends a version outside ``READABLE_VERSIONS`` is refused with a
 message naming both, rather than being half understood.
@@ -302,6 +303,16 @@ def decode(raw: bytes) -> Report:
     """Parse and check a report; raise :class:`ReportError` naming the problem."""
     if len(raw) > MAX_REPORT_BYTES:
         raise ReportError(f"report of {len(raw)} bytes exceeds {MAX_REPORT_BYTES}")
+    try:
+        return _decode(raw)
+    except RecursionError as exc:
+        # msgspec bounds its own recursion by the interpreter's limit, also while it
+        # skips an unknown field: a report is at most four levels deep, so anything
+        # that reaches the limit is malformed, whichever field it is in.
+        raise ReportError("malformed report: JSON nested too deeply") from exc
+
+
+def _decode(raw: bytes) -> Report:
     try:
         version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")
     except msgspec.DecodeError as exc:
