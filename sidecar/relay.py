@@ -20,7 +20,8 @@ client and asks ``plan`` what to do at each step.
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
-is invalid (the engine's own 4xx).
+is invalid (the engine's own 4xx; the sidecar's own 400 for a body that is no JSON
+object, or a session key or model that is no Unicode text).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
 
-from . import forward, plan, rewrite
+from . import forward, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -235,8 +236,11 @@ async def run_prefill(
 # ------------------------------------------------------------------ 6. decode
 
 
-def error_body(message: str, kind: str, status: int) -> JSON:
-    return {"error": {"message": message, "type": kind, "code": status}}
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> JSON:
+    error: JSON = {"message": message, "type": kind, "code": status}
+    if param is not None:
+        error["param"] = param  # the request field at fault, as OpenAI's errors name it
+    return {"error": error}
 
 
 def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
@@ -463,6 +467,12 @@ async def serve_turn(
         return web.json_response(
             error_body("request body must be a JSON object", "invalid_request_error", 400),
             status=400,
+        )
+    field = session.invalid_text_field(body, request.headers, sc.settings.session_keys)
+    if field is not None:
+        message = f"{field} is not valid Unicode text (it holds a lone surrogate, U+D800-U+DFFF)"
+        return web.json_response(
+            error_body(message, "invalid_request_error", 400, param=field), status=400
         )
     turn = plan.parse_turn(
         api, body, request.headers, request_id, received_at, sc.settings.session_keys
