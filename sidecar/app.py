@@ -1,7 +1,9 @@
 """The aiohttp application: routes, middleware and lifecycle. No protocol logic here.
 
 Routes (both roles): ``/healthz`` (the process is up), ``/readyz`` (the local engine
-answers /health), ``/metrics``, ``/v1/models`` (the local engine's),
+answers /health: the status alone on the public port, the engine's URL, version,
+block size and the handle count on the internal one), ``/metrics``, ``/v1/models``
+(the local engine's),
 ``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
 (``relay.serve_turn``).
@@ -114,7 +116,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready or not. On the public port that is all (the kubelet reads the status
+    code; a client has no business with the engine's URL or the handle count); the
+    internal port adds what peers and operators need to tell why."""
     sc = request.app[SIDECAR]
+    if not request[INTERNAL]:
+        if sc.local.ready:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not-ready"}, status=503)
     body = {
         "role": sc.settings.role,
         "engine": sc.settings.engine_url,
