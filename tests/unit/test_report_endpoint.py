@@ -317,6 +317,17 @@ def test_decode_refuses_nesting_past_its_stack_with_a_report_error(field, depth)
         wire.decode(deep_in(field, depth))
 
 
+def test_the_depth_bound_counts_arrays_and_objects_not_brackets_in_strings():
+    """The bound is explicit, the same whatever the caller's stack. Bug prevented:
+    with only the decoder's RecursionError, whether 1,000 deep was refused depended
+    on the interpreter's recursion limit and the stack (in the whole unit tier it
+    decoded, and the version check printed all of it)."""
+    wire.decode(deep_in("x-unknown", wire.MAX_DEPTH - 1))  # the report object is one
+    with pytest.raises(wire.ReportError, match="over 32 levels"):
+        wire.decode(deep_in("x-unknown", wire.MAX_DEPTH))
+    wire.decode(body(engineBuild='[{"[' * 200, transportReason="\\" + "[" * 300))
+
+
 async def test_a_report_nested_1000_deep_gets_400_not_500(client):
     status, out = await post(client, deep_in("x-unknown", 1_000))
     assert status == 400 and "nested too deeply" in out["error"], out
