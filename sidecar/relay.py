@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
+from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
 from . import forward, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
@@ -249,11 +249,8 @@ def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
         "the request was not served, retry shortly"
     )
     log.warning("upstream not ready request_id=%s detail=%s", request_id, detail)
-    return web.json_response(
-        error_body(message, "upstream_not_ready", 502),
-        status=502,
-        headers={HDR_REQUEST_ID: request_id},
-    )
+    # X-Request-Id: app.echo_request_id, as on every response.
+    return web.json_response(error_body(message, "upstream_not_ready", 502), status=502)
 
 
 async def _open_decode(
@@ -277,11 +274,7 @@ def timed_out(sc: Sidecar, request_id: str, detail: str) -> web.Response:
         "the request was aborted"
     )
     log.warning("decode timed out request_id=%s detail=%s", request_id, detail)
-    return web.json_response(
-        error_body(message, "upstream_timeout", 504),
-        status=504,
-        headers={HDR_REQUEST_ID: request_id},
-    )
+    return web.json_response(error_body(message, "upstream_timeout", 504), status=504)
 
 
 async def run_decode(
@@ -453,10 +446,19 @@ def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
 
 
 async def serve_turn(
-    sc: Sidecar, request: web.Request, api: Api, request_id: str, *, from_peer: bool = True
+    sc: Sidecar,
+    request: web.Request,
+    api: Api,
+    request_id: str,
+    *,
+    client_request_id: str | None = None,
+    from_peer: bool = True,
 ) -> web.StreamResponse:
-    """One turn. ``from_peer``: the request came in on the internal port, so an
-    ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a client's."""
+    """One turn. ``request_id`` is the sidecar's own (the engines see it);
+    ``client_request_id`` the client's X-Request-Id, logged beside it and passed on to
+    the owner when the turn is forwarded. ``from_peer``: the request came in on the
+    internal port, so an ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a
+    client's."""
     received_at = time.monotonic()
     raw = await request.read()
     try:
@@ -480,7 +482,7 @@ async def serve_turn(
 
     owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:
-        relayed = await forward.forward(sc, request, raw, turn, owner)
+        relayed = await forward.forward(sc, request, raw, turn, owner, client_request_id)
         if relayed is not None:
             return relayed
 
@@ -496,6 +498,7 @@ async def serve_turn(
     )
     report = TurnReport(
         request_id=request_id,
+        client_request_id=client_request_id,
         session=turn.slot,
         api=api,
         stream=turn.stream,

@@ -10,11 +10,10 @@ import json
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import Engines, MakeSidecar, sidecar_of
+from .conftest import Engines, MakeSidecar, post_raw, sidecar_of
 from .test_turns import releases_done
 
 # Every code point, lone surrogates (U+D800..U+DFFF) often: st.text leaves them out.
@@ -73,27 +72,6 @@ HEADERS = st.dictionaries(
     st.binary(max_size=12).map(lambda b: bytes(33 + c % 94 if c < 128 else c for c in b)),
     max_size=3,
 )
-
-
-async def post_raw(
-    client: TestClient, path: str, headers: dict[str, bytes], body: bytes
-) -> tuple[int, bytes]:
-    """POST as raw HTTP/1.1 (aiohttp's client sends only UTF-8 headers): the status
-    and the rest of the answer, headers included."""
-    reader, writer = await asyncio.open_connection(client.host, client.port)
-    try:
-        head = b"".join(b"%s: %s\r\n" % (k.encode(), v) for k, v in headers.items())
-        writer.write(
-            b"POST %s HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-            % (path.encode(), len(body), head, body)
-        )
-        await writer.drain()
-        status_line = await reader.readline()
-        rest = await reader.read()  # to the end: the answer is complete, streamed or not
-        return int(status_line.split()[1]), rest
-    finally:
-        writer.close()
 
 
 async def test_a_thousand_generated_requests_never_5xx_hang_or_leak(

@@ -68,7 +68,8 @@ async def test_internal_routes_answer_on_the_internal_port_only(
     figures (other sessions' reuse) there."""
     public, internal, _ = two_ports
     async with aiohttp.ClientSession() as http:
-        assert (await http.get(public + path)).status == 404
+        refused = await http.get(public + path, headers={"X-Request-Id": "r-404"})
+        assert (refused.status, refused.headers["X-Request-Id"]) == (404, "r-404")
         assert (await http.get(internal + path)).status == 200
 
 
