@@ -20,7 +20,7 @@ next turn of the same conversation sends (agent loops with tool results included
 Routing still uses the key, so a conversation keeps its decode pod (and sessions
 sharing a preamble share D's prefix cache).
 
-Client text. The keys and the model must be Unicode text: a lone surrogate (JSON's
+Client text. The keys, the model and ``cache_salt`` must be Unicode text: a lone surrogate (JSON's
 ``"\ud800"``, or header bytes that are not UTF-8, which the HTTP parser decodes to
 surrogates) is no text, and :func:`invalid_text_field` names the field so the
 request is refused. The digests of everything else (prompts, message content) take
@@ -40,8 +40,9 @@ from .types import Ordinal, SessionKey, SessionTag
 FALLBACK_PROMPT_CHARS = 512
 
 
-# Keys and the model: the fields a request is routed, filed and matched by as text.
-TEXT_FIELDS = ("model",)
+# Besides the session keys, the text a handle's KV identity matches by (identity.py):
+# the model or adapter, and the tenant's prefix-cache salt (the engine hashes it).
+TEXT_FIELDS = ("model", "cache_salt")
 
 
 def _utf8(text: str) -> bytes:

@@ -128,6 +128,7 @@ HELLO = [{"role": "user", "content": "hello there"}]
         ({"user": "u\udc80"}, "user"),
         ({"model": "\ud800"}, "model"),
         ({"model": "m\ud800", "session_id": "s"}, "model"),
+        ({"cache_salt": "t\ud800", "session_id": "s"}, "cache_salt"),
     ],
 )
 async def test_a_lone_surrogate_in_a_key_or_the_model_is_a_400_naming_the_field(

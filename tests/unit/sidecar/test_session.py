@@ -175,6 +175,7 @@ LONE = "a\ud800b"  # a lone surrogate: JSON's "\ud800", or a header's non-UTF-8 
         ({}, {"X-Session-Id": "\udcff"}, "X-Session-Id"),
         ({"model": LONE}, {}, "model"),
         ({"session_id": "s", "model": LONE}, {}, "model"),  # the model names the KV too
+        ({"session_id": "s", "cache_salt": LONE}, {}, "cache_salt"),
         ({"session_id": "s", "model": "m", "user": "u"}, {"X-Session-Id": "h"}, None),
         ({"session_id": 5, "model": ["m"]}, {}, None),  # not text: the engine's to judge
         ({"messages": [{"role": "user", "content": LONE}], "prompt": LONE}, {}, None),
