@@ -20,11 +20,12 @@ next turn of the same conversation sends (agent loops with tool results included
 Routing still uses the key, so a conversation keeps its decode pod (and sessions
 sharing a preamble share D's prefix cache).
 
-Client text. The keys, the model and ``cache_salt`` must be Unicode text: a lone surrogate (JSON's
-``"\ud800"``, or header bytes that are not UTF-8, which the HTTP parser decodes to
-surrogates) is no text, and :func:`invalid_text_field` names the field so the
-request is refused. The digests of everything else (prompts, message content) take
-any ``str`` (``surrogatepass``): what a prompt may hold is the engine's to judge.
+Client text. The keys, the model and ``cache_salt`` must be Unicode text: a lone
+surrogate (JSON's ``"\ud800"``, or header bytes that are not UTF-8, which the HTTP
+parser decodes to surrogates) is no text, and :func:`invalid_text_field` names the
+field so the request is refused. The digests of everything else (prompts, message
+content) take any ``str`` (``surrogatepass``): what a prompt may hold is the
+engine's to judge.
 """
 
 from __future__ import annotations

@@ -304,8 +304,8 @@ def _nested_deeper_than(raw: bytes, limit: int) -> bool:
 
     Checked before decoding: msgspec's own bound is the interpreter's recursion
     limit (it raises RecursionError, also while skipping a field the report does
-    not have), which depends on the caller's stack. A hostile body is told after
-    ``limit`` brackets; a long flat one costs one step per bracket."""
+    not have), which depends on the caller's stack. A deep body is refused at the
+    bracket past ``limit``; a long flat one costs one step per bracket."""
     depth = 0
     for byte in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
         depth += 1 if byte in _OPENING else -1
