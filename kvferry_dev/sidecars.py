@@ -199,7 +199,9 @@ class SidecarProcess(HttpServer):
             time.sleep(0.2)
 
     def readyz(self) -> tuple[int, Any]:
-        r = self.request("GET", "/readyz", timeout=10, check=False)
+        """/readyz with its detail (handles, engine): the internal port's answer; the
+        public port says only ready or not."""
+        r = self.request("GET", "/readyz", timeout=10, check=False, base=self.internal_url)
         return r.status, r.body
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -1,7 +1,9 @@
 """The aiohttp application: routes, middleware and lifecycle. No protocol logic here.
 
 Routes (both roles): ``/healthz`` (the process is up), ``/readyz`` (the local engine
-answers /health), ``/metrics``, ``/v1/models`` (the local engine's),
+answers /health: the status alone on the public port, the engine's URL, version,
+block size and the handle count on the internal one), ``/metrics``, ``/v1/models``
+(the local engine's),
 ``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
 (``relay.serve_turn``).
@@ -37,7 +39,10 @@ from .upstream import UpstreamError
 log = logging.getLogger(__name__)
 
 SIDECAR = web.AppKey("sidecar", Sidecar)
+# The sidecar's own id of a request: the engines see this one, never a client's.
 REQUEST_ID = web.RequestKey("request_id", str)
+# What every response echoes as X-Request-Id: the client's, or REQUEST_ID without one.
+CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)
 # Whether the request came in on the internal port (peers, monitoring).
 INTERNAL = web.RequestKey("internal", bool)
 
@@ -71,26 +76,44 @@ async def port_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Take the client's X-Request-Id (or make one) and echo it on every response."""
-    request_id = request.headers.get(HDR_REQUEST_ID) or uuid.uuid4().hex
-    request[REQUEST_ID] = request_id
+    """Give the request an id of the sidecar's own (uuid4 hex, as vLLM's own ids) for
+    the engines, and keep the client's X-Request-Id to echo (``echo_request_id``).
+
+    A client's id never reaches an engine: vLLM keys a request by it, so two clients
+    sending the same one would meet in an engine, and a client could name another's
+    request. A client id that is no text (header bytes that are no UTF-8) cannot be
+    echoed: 400 naming the header."""
+    ours = uuid.uuid4().hex
+    theirs = request.headers.get(HDR_REQUEST_ID)
+    request[REQUEST_ID] = ours
+    request[CLIENT_REQUEST_ID] = theirs or ours
+    if theirs is not None and not theirs.isprintable():
+        request[CLIENT_REQUEST_ID] = ours
+        message = f"{HDR_REQUEST_ID} must be printable UTF-8 text"
+        return web.json_response(
+            relay.error_body(message, "invalid_request_error", 400, param=HDR_REQUEST_ID),
+            status=400,
+        )
     started = time.monotonic()
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:
-        exc.headers[HDR_REQUEST_ID] = request_id
-        raise
-    if not response.prepared:
-        response.headers[HDR_REQUEST_ID] = request_id
+    response = await handler(request)
     log.debug(
-        "access method=%s path=%s status=%s request_id=%s seconds=%.4f",
+        "access method=%s path=%s status=%s request_id=%s client_request_id=%r seconds=%.4f",
         request.method,
         request.path,
         response.status,
-        request_id,
+        ours,
+        theirs,
         time.monotonic() - started,
     )
     return response
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response, streamed, relayed from a peer or an error, echoes the client's
+    X-Request-Id (on_response_prepare: just before its headers go out)."""
+    client_id = request.get(CLIENT_REQUEST_ID)
+    if client_id is not None:
+        response.headers[HDR_REQUEST_ID] = client_id
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -114,7 +137,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready or not. On the public port that is all (the kubelet reads the status
+    code; a client has no business with the engine's URL or the handle count); the
+    internal port adds what peers and operators need to tell why."""
     sc = request.app[SIDECAR]
+    if not request[INTERNAL]:
+        if sc.local.ready:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not-ready"}, status=503)
     body = {
         "role": sc.settings.role,
         "engine": sc.settings.engine_url,
@@ -155,7 +185,12 @@ async def models(request: web.Request) -> web.Response:
 def _turn(api: Api) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await relay.serve_turn(
-            request.app[SIDECAR], request, api, request[REQUEST_ID], from_peer=request[INTERNAL]
+            request.app[SIDECAR],
+            request,
+            api,
+            request[REQUEST_ID],
+            client_request_id=request[CLIENT_REQUEST_ID],
+            from_peer=request[INTERNAL],
         )
 
     return handler
@@ -168,6 +203,7 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
     )
     app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
     app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

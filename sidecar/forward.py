@@ -62,12 +62,19 @@ def _relay_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 async def forward(
-    sc: Sidecar, request: web.Request, raw: bytes, turn: TurnInput, ordinal: Ordinal
+    sc: Sidecar,
+    request: web.Request,
+    raw: bytes,
+    turn: TurnInput,
+    ordinal: Ordinal,
+    client_request_id: str | None = None,
 ) -> web.StreamResponse | None:
-    """Relay to the owner; None when this pod should serve the request instead."""
+    """Relay to the owner; None when this pod should serve the request instead.
+    The owner gets the client's request id (``client_request_id``, or this pod's own
+    when the client sent none): it logs it beside its own, which its engines see."""
     url = sc.decode_sidecars[ordinal].rstrip("/") + request.path_qs
     headers = _relay_headers(request.headers)
-    headers[HDR_REQUEST_ID] = turn.request_id
+    headers[HDR_REQUEST_ID] = client_request_id or turn.request_id
     headers[HDR_FORWARDED_BY] = str(sc.settings.ordinal)
     try:
         upstream = await sc.http.post(
@@ -88,7 +95,7 @@ async def forward(
             # again would double the wait.
             sc.metrics.forwarded.labels("timeout").inc()
             log.warning("owner timed out request_id=%s owner=%s", turn.request_id, ordinal)
-            return _timed_out(turn)
+            return _timed_out()
         sc.metrics.forwarded.labels("unreachable").inc()
         log.warning(
             "owner unreachable, serving here request_id=%s owner=%s err=%s",
@@ -120,7 +127,6 @@ async def forward(
             return None
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_relay_headers(upstream.headers))
-        response.headers[HDR_REQUEST_ID] = turn.request_id
         await response.prepare(request)
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
@@ -132,14 +138,14 @@ async def forward(
         log.warning("relay broken request_id=%s owner=%s err=%s", turn.request_id, ordinal, exc)
         upstream.close()
         if response is None and isinstance(exc, TimeoutError):
-            return _timed_out(turn)
+            return _timed_out()
         # Once the client has part of the answer there is nothing to fall back to.
         return response
     finally:
         upstream.release()
 
 
-def _timed_out(turn: TurnInput) -> web.Response:
+def _timed_out() -> web.Response:
     return web.json_response(
         {
             "error": {
@@ -151,5 +157,4 @@ def _timed_out(turn: TurnInput) -> web.Response:
             }
         },
         status=504,
-        headers={HDR_REQUEST_ID: turn.request_id},
     )

@@ -160,11 +160,14 @@ def _fmt(value: float | None) -> str:
 def log_turn(report: TurnReport) -> None:
     t = report.timings
     log.info(
-        "turn request_id=%s session=%s api=%s stream=%s status=%s outcome=%s route=%s "
+        # The client's id is its text: quoted (%r), so it cannot pose as other fields.
+        "turn request_id=%s client_request_id=%r session=%s api=%s stream=%s status=%s "
+        "outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
         "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
         "total_s=%s error=%s",
         report.request_id,
+        report.client_request_id,
         report.session,
         report.api.value,
         report.stream,

@@ -23,8 +23,9 @@ client and asks ``plan`` what to do at each step.
 
 Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
-is invalid (a field the sidecar acts on that vLLM would refuse: the sidecar's 400,
-naming it; otherwise the engine's own 4xx).
+is invalid (the sidecar's own 400, naming the field, for a body that is no JSON
+object, a session key or model that is no Unicode text, or a field the sidecar acts
+on that vLLM would refuse; otherwise the engine's own 4xx).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID, Outcome, Route
+from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import fields, forward, plan, rewrite
+from . import fields, forward, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -242,7 +243,7 @@ async def run_prefill(
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> JSON:
     error: JSON = {"message": message, "type": kind, "code": status}
     if param is not None:
-        error["param"] = param  # the field at fault, as vLLM names it
+        error["param"] = param  # the request field at fault, as vLLM and OpenAI name it
     return {"error": error}
 
 
@@ -252,11 +253,8 @@ def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
         "the request was not served, retry shortly"
     )
     log.warning("upstream not ready request_id=%s detail=%s", request_id, detail)
-    return web.json_response(
-        error_body(message, "upstream_not_ready", 502),
-        status=502,
-        headers={HDR_REQUEST_ID: request_id},
-    )
+    # X-Request-Id: app.echo_request_id, as on every response.
+    return web.json_response(error_body(message, "upstream_not_ready", 502), status=502)
 
 
 async def _open_decode(
@@ -280,11 +278,7 @@ def timed_out(sc: Sidecar, request_id: str, detail: str) -> web.Response:
         "the request was aborted"
     )
     log.warning("decode timed out request_id=%s detail=%s", request_id, detail)
-    return web.json_response(
-        error_body(message, "upstream_timeout", 504),
-        status=504,
-        headers={HDR_REQUEST_ID: request_id},
-    )
+    return web.json_response(error_body(message, "upstream_timeout", 504), status=504)
 
 
 async def run_decode(
@@ -472,10 +466,19 @@ def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
 
 
 async def serve_turn(
-    sc: Sidecar, request: web.Request, api: Api, request_id: str, *, from_peer: bool = True
+    sc: Sidecar,
+    request: web.Request,
+    api: Api,
+    request_id: str,
+    *,
+    client_request_id: str | None = None,
+    from_peer: bool = True,
 ) -> web.StreamResponse:
-    """One turn. ``from_peer``: the request came in on the internal port, so an
-    ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a client's."""
+    """One turn. ``request_id`` is the sidecar's own (the engines see it);
+    ``client_request_id`` the client's X-Request-Id, logged beside it and passed on to
+    the owner when the turn is forwarded. ``from_peer``: the request came in on the
+    internal port, so an ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a
+    client's."""
     received_at = time.monotonic()
     raw = await request.read()
     try:
@@ -486,6 +489,12 @@ async def serve_turn(
         return web.json_response(
             error_body("request body must be a JSON object", "invalid_request_error", 400),
             status=400,
+        )
+    field = session.invalid_text_field(body, request.headers, sc.settings.session_keys)
+    if field is not None:
+        message = f"{field} is not valid Unicode text (it holds a lone surrogate, U+D800-U+DFFF)"
+        return web.json_response(
+            error_body(message, "invalid_request_error", 400, param=field), status=400
         )
     try:
         turn = plan.parse_turn(
@@ -498,7 +507,7 @@ async def serve_turn(
 
     owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:
-        relayed = await forward.forward(sc, request, raw, turn, owner)
+        relayed = await forward.forward(sc, request, raw, turn, owner, client_request_id)
         if relayed is not None:
             return relayed
 
@@ -514,6 +523,7 @@ async def serve_turn(
     )
     report = TurnReport(
         request_id=request_id,
+        client_request_id=client_request_id,
         session=turn.slot,
         api=api,
         stream=turn.stream,

@@ -19,6 +19,13 @@ under the slot of its messages plus that answer, which is exactly the history th
 next turn of the same conversation sends (agent loops with tool results included).
 Routing still uses the key, so a conversation keeps its decode pod (and sessions
 sharing a preamble share D's prefix cache).
+
+Client text. The keys, the model and ``cache_salt`` must be Unicode text: a lone
+surrogate (JSON's ``"\ud800"``, or header bytes that are not UTF-8, which the HTTP
+parser decodes to surrogates) is no text, and :func:`invalid_text_field` names the
+field so the request is refused. The digests of everything else (prompts, message
+content) take any ``str`` (``surrogatepass``): what a prompt may hold is the
+engine's to judge.
 """
 
 from __future__ import annotations
@@ -34,12 +41,48 @@ from .types import Ordinal, SessionKey, SessionTag
 FALLBACK_PROMPT_CHARS = 512
 
 
+# Besides the session keys, the text a handle's KV identity matches by (identity.py):
+# the model or adapter, and the tenant's prefix-cache salt (the engine hashes it).
+TEXT_FIELDS = ("model", "cache_salt")
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _digest(*parts: str) -> str:
     h = hashlib.blake2b(digest_size=16)
     for part in parts:
-        h.update(part.encode())
+        h.update(_utf8(part))
         h.update(b"\x00")
     return h.hexdigest()
+
+
+def _is_unicode(value: Any) -> bool:
+    if not isinstance(value, str):
+        return True  # not text at all: str() of it is, and the engine judges the type
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def invalid_text_field(
+    body: Mapping[str, Any], headers: Mapping[str, str], order: Iterable[str]
+) -> str | None:
+    """The first session key source in ``order`` or :data:`TEXT_FIELDS` whose value
+    is not Unicode text, named as the client sent it (``session_id``,
+    ``X-Session-Id``); None when every one is."""
+    for source in (*order, *TEXT_FIELDS):
+        if source.startswith("header:"):
+            name = source.removeprefix("header:")
+            value = headers.get(name)
+        else:
+            name, value = source, body.get(source)
+        if not _is_unicode(value):
+            return name
+    return None
 
 
 def _as_key(value: Any) -> str | None:
@@ -148,7 +191,7 @@ def session_tag(key: SessionKey) -> SessionTag:
 
 
 def _weight(key: SessionKey, ordinal: Ordinal) -> int:
-    digest = hashlib.blake2b(f"{ordinal}\x00{key}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(_utf8(f"{ordinal}\x00{key}"), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 

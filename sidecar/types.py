@@ -18,7 +18,9 @@ from .identity import KVIdentity
 
 # ------------------------------------------------------------------ ids
 
-RequestId = str  # the X-Request-Id shared by both legs of a turn
+# The sidecar's own id of a turn (uuid4 hex), the X-Request-Id of every engine request
+# of the turn, both legs; a client's X-Request-Id is only echoed and logged.
+RequestId = str
 SessionKey = str  # the raw key a request was routed by (may be a user id: never logged)
 SessionTag = str  # short digest of a SessionKey, safe for logs and engine `session_id`
 Ordinal = int  # a decode pod's StatefulSet ordinal
@@ -248,6 +250,7 @@ class TurnReport:
     outcome: Outcome
     route: Route
     status: int = 200
+    client_request_id: str | None = None  # the client's X-Request-Id (its text)
     # The slot this turn's handle was kept under (the next turn's); None = session.
     next_session: SessionTag | None = None
     prefill_engine: str | None = None

@@ -3,7 +3,8 @@
 Endpoints used, all present in both versions: ``/health`` (readiness), ``/version``
 (capabilities), ``/metrics`` (``vllm:cache_config_info`` carries the KV block size),
 ``/tokenize`` (chat messages or a prompt -> ``tokens``), ``/v1/chat/completions`` and
-``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``.
+``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``: the
+sidecar's own id of the turn, never the client's.
 
 Timeouts: connecting is bounded (``connect_timeout_seconds``); a prefill is bounded
 as a whole (``prefill_timeout_seconds``); the decode leg too, generously

@@ -20,7 +20,9 @@ vocabularies (turn buckets, :class:`~kvferry_wire.protocol.Outcome`,
 :class:`~kvferry_wire.protocol.HandleFate`), strings and maps are bounded. So
 what one pod can add to a server's KVCacheStatus is bounded, and a report the
 operator accepts can always be aggregated. The checks walk the decoded value, so
-a field added later gets them too.
+a field added later gets them too. JSON nested deeper than ``MAX_DEPTH``, in any
+field or in one the report does not have, is a :class:`ReportError` as well, before
+the decoder recurses into it.
 
 A peer that sends a version outside ``READABLE_VERSIONS`` is refused with a
 message naming both, rather than being half understood.
@@ -40,6 +42,9 @@ REPORT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 # Reports are small (a few KiB); anything near this is malformed or hostile.
 MAX_REPORT_BYTES = 256 * 1024
+# Arrays and objects in a report nest four deep (transfer.pullLatency.bounds); far
+# past that is malformed or hostile, refused before the decoder recurses into it.
+MAX_DEPTH = 32
 
 # Bucket upper bounds (seconds). Fixed, so histograms from different pods add up.
 GAP_BOUNDS: tuple[float, ...] = (
@@ -288,6 +293,32 @@ def _check_value(path: str, value: Any) -> None:
             _check_value(f"{path}[{i}]", item)
 
 
+# Strings, then everything that is not a bracket: what is left is the nesting.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear time
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_OPENING = frozenset(b"[{")
+
+
+def _nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the JSON in ``raw`` nests arrays and objects deeper than ``limit``.
+
+    Checked before decoding: msgspec's own bound is the interpreter's recursion
+    limit (it raises RecursionError, also while skipping a field the report does
+    not have), which depends on the caller's stack. A deep body is refused at the
+    bracket past ``limit``; a long flat one costs one step per bracket."""
+    depth = 0
+    for byte in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        depth += 1 if byte in _OPENING else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def _check_names(report: Report) -> None:
     for name, (pattern, limit) in NAME_FIELDS.items():
         value = getattr(report, name)
@@ -302,13 +333,15 @@ def decode(raw: bytes) -> Report:
     """Parse and check a report; raise :class:`ReportError` naming the problem."""
     if len(raw) > MAX_REPORT_BYTES:
         raise ReportError(f"report of {len(raw)} bytes exceeds {MAX_REPORT_BYTES}")
+    if _nested_deeper_than(raw, MAX_DEPTH):
+        raise ReportError(f"malformed report: JSON nested too deeply (over {MAX_DEPTH} levels)")
     try:
         version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")
     except msgspec.DecodeError as exc:
         raise ReportError(f"not JSON: {exc}") from exc
     if version not in READABLE_VERSIONS:
         readable = " and ".join(str(v) for v in READABLE_VERSIONS)
-        raise ReportError(f"report version {version!r}; this operator reads {readable}")
+        raise ReportError(f"report version {_brief(version)}; this operator reads {readable}")
     try:
         report = msgspec.json.decode(raw, type=Report)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -29,6 +29,7 @@ from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
+from tests.hostile_reports import report_bodies
 from tests.manifests import MINIMAL, ROOT
 
 EXAMPLES = 1000
@@ -206,56 +207,6 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
 
 
 # ------------------------------------------------------------------ reports
-
-
-def report_leaves(raw: Any, path: tuple = ()) -> list[tuple]:
-    out = [path]
-    if isinstance(raw, dict):
-        for k, v in raw.items():
-            out += report_leaves(v, (*path, k))
-    return out
-
-
-def nested(depth: int) -> Any:
-    value: Any = 1
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-REPORT_JUNK = st.one_of(
-    st.sampled_from(
-        [None, -1, -0.5, 2**64, 1e308, "x" * 2000, "", True, [], {}, {"x": 1}, nested(50)]
-    ),
-    st.integers(-5, 2**60),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=30),
-    st.dictionaries(st.text(max_size=12), st.integers(-2, 5), max_size=5),
-)
-
-
-@st.composite
-def report_bodies(draw: st.DrawFn, base: dict[str, Any]) -> bytes:
-    choice = draw(st.integers(0, 19))
-    if choice == 0:
-        return draw(st.binary(max_size=200))
-    if choice == 1:
-        depth = draw(st.sampled_from([100, 10_000, 100_000]))
-        return b"[" * depth + b"1" + b"]" * depth
-    raw = copy.deepcopy(base)
-    paths = report_leaves(raw)[1:]
-    for _ in range(draw(st.integers(1, 3))):
-        path = draw(st.sampled_from(paths))
-        node = raw
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            continue
-        if draw(st.booleans()) and draw(st.booleans()):
-            node.pop(path[-1], None)
-        else:
-            node[path[-1]] = draw(REPORT_JUNK)
-    return json.dumps(raw).encode()
 
 
 def rss_kib(pid: int) -> int:

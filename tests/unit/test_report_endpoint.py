@@ -11,11 +11,13 @@ import time
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvferry_operator import api
 from kvferry_operator import report_endpoint as endpoint
 from kvferry_operator.reports import Received, ReportStore
 from kvferry_wire import report as wire
+from tests.hostile_reports import report_bodies
 
 NS, SERVER, POD, UID = "serving", "tiny", "tiny-decode-0", "pod-uid-1"
 STS_UID = "sts-uid-1"
@@ -296,6 +298,62 @@ async def test_a_version_1_report_is_still_read(client):
     assert status == 202
     (received,) = client.store.get(NS, SERVER)
     assert (received.report.transport_reason, received.report.transfer.transfers) == ("", 0)
+
+
+def deep_in(field: str, depth: int) -> bytes:
+    """A good report with ``field`` set to a list nested ``depth`` deep (as bytes:
+    json.dumps cannot write it)."""
+    raw = msgspec.json.decode(body())
+    raw.pop(field, None)
+    head = msgspec.json.encode(raw)[:-1]
+    return head + b',"%s":' % field.encode() + b"[" * depth + b"1" + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+@pytest.mark.parametrize("field", ["version", "outcomes", "x-unknown"])
+def test_decode_refuses_nesting_past_its_stack_with_a_report_error(field, depth):
+    """Bug prevented: msgspec raised RecursionError out of decode (the endpoint's 500)."""
+    with pytest.raises(wire.ReportError, match="nested too deeply"):
+        wire.decode(deep_in(field, depth))
+
+
+def test_the_depth_bound_counts_arrays_and_objects_not_brackets_in_strings():
+    """The bound is explicit, the same whatever the caller's stack. Bug prevented:
+    with only the decoder's RecursionError, whether 1,000 deep was refused depended
+    on the interpreter's recursion limit and the stack (in the whole unit tier it
+    decoded, and the version check printed all of it)."""
+    wire.decode(deep_in("x-unknown", wire.MAX_DEPTH - 1))  # the report object is one
+    with pytest.raises(wire.ReportError, match="over 32 levels"):
+        wire.decode(deep_in("x-unknown", wire.MAX_DEPTH))
+    wire.decode(body(engineBuild='[{"[' * 200, transportReason="\\" + "[" * 300))
+
+
+async def test_a_report_nested_1000_deep_gets_400_not_500(client):
+    status, out = await post(client, deep_in("x-unknown", 1_000))
+    assert status == 400 and "nested too deeply" in out["error"], out
+    assert client.store.servers() == []
+
+
+def test_a_thousand_generated_reports_decode_or_get_a_report_error():
+    """The generator the cluster tier pushes to the real operator, against decode
+    alone: every body is a Report or a ReportError, nothing else escapes."""
+    base = msgspec.json.decode(body(outcomes={"reused": 3}, handles={"consumed": 2}))
+    verdicts = {"decoded": 0, "refused": 0}
+
+    @settings(
+        max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(report_bodies(base))
+    def check(raw: bytes) -> None:
+        try:
+            wire.decode(raw)
+        except wire.ReportError:
+            verdicts["refused"] += 1
+        else:
+            verdicts["decoded"] += 1
+
+    check()
+    assert sum(verdicts.values()) >= 1000 and verdicts["refused"] >= 100, verdicts
 
 
 async def test_oversized_reports_get_413(client):

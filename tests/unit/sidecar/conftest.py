@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,3 +87,24 @@ def make_sidecar(aiohttp_client: Any, engines: Engines) -> MakeSidecar:
 
 def sidecar_of(client: TestClient) -> Sidecar:
     return client.app[SIDECAR]  # type: ignore[index]
+
+
+async def post_raw(
+    client: TestClient, path: str, headers: dict[str, bytes], body: bytes
+) -> tuple[int, bytes]:
+    """POST as raw HTTP/1.1 (aiohttp's client sends only UTF-8 headers): the status
+    and the rest of the answer, headers included."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        head = b"".join(b"%s: %s\r\n" % (k.encode(), v) for k, v in headers.items())
+        writer.write(
+            b"POST %s HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), len(body), head, body)
+        )
+        await writer.drain()
+        status_line = await reader.readline()
+        rest = await reader.read()  # to the end: the answer is complete, streamed or not
+        return int(status_line.split()[1]), rest
+    finally:
+        writer.close()

@@ -3,6 +3,7 @@ internal_port. Served here on two real ports, as the operator renders them."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,8 +25,8 @@ def body(session: str) -> dict[str, Any]:
     return {"model": "m", "session_id": session, "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture
-async def two_ports(
+@contextlib.asynccontextmanager
+async def served(
     engines: Engines, aiohttp_server: Any
 ) -> AsyncIterator[tuple[str, str, FakeEngine]]:
     """A decode sidecar of ordinal 0 in a ring of 2 (peer 1 a fake that records what it
@@ -45,8 +46,18 @@ async def two_ports(
     await runner.setup()
     for port in (public, internal):
         await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{public}", f"http://127.0.0.1:{internal}", peer
-    await runner.cleanup()
+    try:
+        yield f"http://127.0.0.1:{public}", f"http://127.0.0.1:{internal}", peer
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def two_ports(
+    engines: Engines, aiohttp_server: Any
+) -> AsyncIterator[tuple[str, str, FakeEngine]]:
+    async with served(engines, aiohttp_server) as ports:
+        yield ports
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/v1/residency"])
@@ -57,7 +68,8 @@ async def test_internal_routes_answer_on_the_internal_port_only(
     figures (other sessions' reuse) there."""
     public, internal, _ = two_ports
     async with aiohttp.ClientSession() as http:
-        assert (await http.get(public + path)).status == 404
+        refused = await http.get(public + path, headers={"X-Request-Id": "r-404"})
+        assert (refused.status, refused.headers["X-Request-Id"]) == (404, "r-404")
         assert (await http.get(internal + path)).status == 200
 
 
@@ -91,3 +103,34 @@ async def test_reuse_diagnostics_are_off_by_default(
         assert resp.status == 200
         assert resp.headers.get("X-Request-Id")
         assert not [h for h in resp.headers if h.lower().startswith("x-kvferry-")]
+
+
+async def test_readyz_on_the_public_port_says_ready_and_nothing_else(
+    two_ports: tuple[str, str, FakeEngine], engines: Engines
+) -> None:
+    """Clients learn neither the engine's URL nor how many handles the pod keeps; the
+    internal port (peers, monitoring) still has the detail."""
+    public, internal, _ = two_ports
+    async with aiohttp.ClientSession() as http:
+        resp = await http.get(public + "/readyz")
+        assert (resp.status, await resp.json()) == (200, {"status": "ready"})
+        assert resp.headers.get("X-Request-Id")
+        detail = await (await http.get(internal + "/readyz")).json()
+    assert detail["status"] == "ready" and detail["engine"] == engines.decode.url
+    assert detail["handles"] == 0 and detail["prefill_engines"] == 2
+
+
+async def test_readyz_on_the_public_port_says_not_ready_without_the_reason(
+    engines: Engines, aiohttp_server: Any
+) -> None:
+    """Not ready: 503 with the status alone (the reason names the engine)."""
+    engines.decode.healthy = False
+    async with (
+        served(engines, aiohttp_server) as (public, internal, _),
+        aiohttp.ClientSession() as http,
+    ):
+        resp = await http.get(public + "/readyz")
+        assert (resp.status, await resp.json()) == (503, {"status": "not-ready"})
+        resp = await http.get(internal + "/readyz")
+        detail = await resp.json()
+    assert resp.status == 503 and detail["reason"] and detail["engine"] == engines.decode.url

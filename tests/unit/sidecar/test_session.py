@@ -9,6 +9,7 @@ import pytest
 from kvferry_sidecar.config import DEFAULT_SESSION_KEYS
 from kvferry_sidecar.session import (
     handle_slot,
+    invalid_text_field,
     next_handle_slot,
     owner,
     refines_slot,
@@ -158,3 +159,40 @@ def test_parallel_conversations_of_one_user_have_their_own_slots() -> None:
     b = next_handle_slot("user=u", {"messages": [Q2]}, "answer b")
     assert a != b
     assert session_key({"user": "u", "messages": [Q1]}, {}, DEFAULT_SESSION_KEYS) == "user=u"
+
+
+# ------------------------------------------------------------------ client text
+
+LONE = "a\ud800b"  # a lone surrogate: JSON's "\ud800", or a header's non-UTF-8 bytes
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "field"),
+    [
+        ({"session_id": LONE}, {}, "session_id"),
+        ({"conversation_id": LONE}, {}, "conversation_id"),
+        ({"user": LONE}, {}, "user"),
+        ({}, {"X-Session-Id": "\udcff"}, "X-Session-Id"),
+        ({"model": LONE}, {}, "model"),
+        ({"session_id": "s", "model": LONE}, {}, "model"),  # the model names the KV too
+        ({"session_id": "s", "cache_salt": LONE}, {}, "cache_salt"),
+        ({"session_id": "s", "model": "m", "user": "u"}, {"X-Session-Id": "h"}, None),
+        ({"session_id": 5, "model": ["m"]}, {}, None),  # not text: the engine's to judge
+        ({"messages": [{"role": "user", "content": LONE}], "prompt": LONE}, {}, None),
+    ],
+)
+def test_invalid_text_field_names_the_key_or_model_that_is_no_unicode(
+    body: dict, headers: dict, field: str | None
+) -> None:
+    assert invalid_text_field(body, headers, DEFAULT_SESSION_KEYS) == field
+
+
+def test_digests_are_total_over_client_text() -> None:
+    """Prompt and message text are the engine's to judge: the fallback key and the
+    slot digests take any str. Bug prevented: a lone surrogate in a prompt was a 500."""
+    chat = {"model": "m", "messages": [SYSTEM, {"role": "user", "content": LONE}]}
+    key = session_key(chat, {}, DEFAULT_SESSION_KEYS)
+    assert key != session_key({**chat, "messages": [SYSTEM, Q1]}, {}, DEFAULT_SESSION_KEYS)
+    assert handle_slot(key, chat) != next_handle_slot(key, chat, LONE)
+    prompt = session_key({"model": "m", "prompt": LONE}, {}, DEFAULT_SESSION_KEYS)
+    assert prompt.startswith("auto:") and owner(prompt, 3) in range(3)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ from kvferry_sidecar.types import LOCAL_HANDLE_PARAMS, PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 from kvferry_wire import protocol
 
-from .conftest import Engines, MakeSidecar, sidecar_of
+from .conftest import Engines, MakeSidecar, post_raw, sidecar_of
 
 CHAT = "/v1/chat/completions"
 LONG_QUESTION = "one two three four five six seven eight nine ten"
@@ -135,17 +137,71 @@ async def test_turn_handle_token_ids_are_prompt_plus_answer(
     assert handle.params == engines.decode.handles[0]
 
 
-async def test_turn_same_request_id_on_both_legs(
+SIDECAR_ID = re.compile(r"[0-9a-f]{32}")  # uuid4 hex, as vLLM's own request ids
+
+
+def engine_request_ids(engines: Engines) -> list[str]:
+    """The X-Request-Id of every request any engine received (tokenize, P, D)."""
+    seen = [s for e in (*engines.prefill, engines.decode) for s in e.seen]
+    return [s.headers.get("X-Request-Id", "") for s in seen]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engines_get_the_sidecars_request_id_and_the_client_its_own(
+    make_sidecar: MakeSidecar, engines: Engines, stream: bool
+) -> None:
+    """One id of the sidecar's own reaches /tokenize, P and D; the client's
+    X-Request-Id never does (vLLM keys requests by it: two clients sending the same
+    one must not meet in an engine), and comes back to the client."""
+    conv = Conversation(await make_sidecar())
+    resp, _ = await conv.ask("hello", headers={"X-Request-Id": "rid-42"}, stream=stream)
+    assert resp.status == 200
+    assert resp.headers["X-Request-Id"] == "rid-42"
+    assert len(engines.p0.completions() + engines.p1.completions()) == 1
+    ours = set(engine_request_ids(engines))
+    assert len(ours) == 1 and SIDECAR_ID.fullmatch(ours.pop())
+    assert len(engines.decode.seen) >= 2  # /tokenize and the decode leg
+
+
+async def test_a_client_without_a_request_id_gets_the_one_the_engines_saw(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """The client's X-Request-Id reaches /tokenize, P and D, and comes back."""
-    conv = Conversation(await make_sidecar())
-    resp, _ = await conv.ask("hello", headers={"X-Request-Id": "rid-42"})
-    assert resp.headers["X-Request-Id"] == "rid-42"
-    p_seen = [s for p in engines.prefill for s in p.completions()]
-    d_seen = engines.decode.seen
-    assert [s.headers["X-Request-Id"] for s in p_seen] == ["rid-42"]
-    assert {s.headers["X-Request-Id"] for s in d_seen} == {"rid-42"}
+    resp, _ = await Conversation(await make_sidecar()).ask("hello")
+    assert set(engine_request_ids(engines)) == {resp.headers["X-Request-Id"]}
+
+
+async def test_the_turn_log_line_carries_both_request_ids(
+    make_sidecar: MakeSidecar, engines: Engines, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client's id is logged beside the sidecar's, quoted (it is the client's text)."""
+    caplog.set_level(logging.INFO, logger="kvferry_sidecar.turn")
+    await Conversation(await make_sidecar()).ask("hello", headers={"X-Request-Id": "a b=c"})
+    (ours,) = set(engine_request_ids(engines))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("turn ")]
+    assert f"request_id={ours} " in line and "client_request_id='a b=c' " in line
+
+
+async def test_every_answer_echoes_the_clients_request_id(make_sidecar: MakeSidecar) -> None:
+    """Answers the sidecar makes itself too (test_ports: a route refused)."""
+    client = await make_sidecar()
+    headers = {"X-Request-Id": "rid-7"}
+    bad = await client.post(CHAT, data=b"[", headers=headers)
+    health = await client.get("/healthz", headers=headers)
+    assert (bad.status, bad.headers["X-Request-Id"]) == (400, "rid-7")
+    assert health.headers["X-Request-Id"] == "rid-7"
+
+
+async def test_a_request_id_that_is_no_text_is_a_400_naming_it(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Header bytes that are no UTF-8 (lone surrogates once parsed) cannot be echoed."""
+    client = await make_sidecar()
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    status, answer = await post_raw(client, CHAT, {"X-Request-Id": b"r\xff"}, body.encode())
+    head, payload = answer.split(b"\r\n\r\n", 1)
+    assert status == 400 and b"X-Request-Id: " in head
+    assert json.loads(payload)["error"]["param"] == "X-Request-Id"
+    assert engine_request_ids(engines) == []
 
 
 async def test_x_request_id_generated_and_echoed(make_sidecar: MakeSidecar) -> None:
