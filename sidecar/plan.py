@@ -28,7 +28,6 @@ from kvferry_wire.protocol import (
     HDR_HANDLE,
     HDR_OUTCOME,
     HDR_OWNER,
-    HDR_REQUEST_ID,
     HDR_REUSED_TOKENS,
     HDR_ROUTE,
     Outcome,
@@ -286,7 +285,8 @@ def response_headers(
     ordinal: int | None,
     engine_version: str | None,
 ) -> dict[str, str]:
-    headers = {HDR_REQUEST_ID: turn.request_id}
+    # X-Request-Id is the app's (it echoes the client's id on every response).
+    headers: dict[str, str] = {}
     if not rules.diagnostic_headers:
         return headers
     headers[HDR_OUTCOME] = report.outcome.value
