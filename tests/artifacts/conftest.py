@@ -162,10 +162,13 @@ SIDECAR_FIELDS = {
 }
 
 
-def rendered_sidecar(workdir: Path, engines: FakeEngines, port: int) -> Container:
+def rendered_sidecar(
+    workdir: Path, engines: FakeEngines, port: int, internal_port: int
+) -> Container:
     """The decode pod's sidecar container and its files as the operator renders them for
-    the tiny server, pointed at the fake engines: the engine URL, the listen address and
-    the topology (cluster DNS names) are the only changes; the engine's KV-event socket
+    the tiny server, pointed at the fake engines: the engine URL, the listen addresses
+    (clients on ``port``, peers and the readiness detail on ``internal_port``) and the
+    topology (cluster DNS names) are the only changes; the engine's KV-event socket
     is off (a fake engine publishes none), and a short prompt goes through prefill too
     (the whole P -> D path)."""
     objs = render.render(api.parse_server(server(name="tiny", namespace="artifacts")))
@@ -178,7 +181,7 @@ def rendered_sidecar(workdir: Path, engines: FakeEngines, port: int) -> Containe
     topology = {
         "version": 1,
         "prefillEngines": [engines.prefill.url],
-        "decodeSidecars": [f"http://127.0.0.1:{port}"],
+        "decodeSidecars": [f"http://127.0.0.1:{internal_port}"],
     }
 
     def files(volume: dict[str, Any]) -> dict[str, bytes] | None:
@@ -194,6 +197,7 @@ def rendered_sidecar(workdir: Path, engines: FakeEngines, port: int) -> Containe
         KVFERRY_ENGINE_URL=engines.decode.url,
         KVFERRY_LISTEN_HOST="127.0.0.1",
         KVFERRY_LISTEN_PORT=str(port),
+        KVFERRY_INTERNAL_PORT=str(internal_port),
         KVFERRY_KV_EVENTS="",
         KVFERRY_KV_EVENTS_REPLAY="",
         KVFERRY_SKIP_PREFILL_BELOW_TOKENS="0",
@@ -230,6 +234,12 @@ def wait_http_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float 
     pytest.fail(
         f"{url}/readyz not 200 after {timeout}s (last {last!r}):\n{log.read_text()[-4000:]}"
     )
+
+
+def public_readyz_says_only_ready(url: str) -> None:
+    """The client port's /readyz carries no engine detail (the internal port does)."""
+    status, _, body = http("GET", f"{url}/readyz")
+    assert (status, json.loads(body)) == (200, {"status": "ready"}), body
 
 
 def serve_one_turn(url: str, engines: FakeEngines) -> None:

@@ -23,6 +23,7 @@ import yaml
 
 from tests.artifacts.conftest import (
     FakeEngines,
+    public_readyz_says_only_ready,
     rendered_sidecar,
     serve_one_turn,
     wait_http_ready,
@@ -214,8 +215,8 @@ def test_operator_image_run_as_the_chart_runs_it_makes_a_server_ready(
 def test_sidecar_image_run_as_the_operator_renders_it_serves_a_turn(
     images: Images, fake_engines: FakeEngines, tmp_path: Path
 ):
-    port = free_port()
-    c = rendered_sidecar(tmp_path / "pod", fake_engines, port)
+    port, internal = free_port(), free_port()
+    c = rendered_sidecar(tmp_path / "pod", fake_engines, port, internal)
     assert c.user == 65532 and c.read_only_root and c.cap_drop == ["ALL"], c
     name = f"kvferry-sidecar-{uuid.uuid4().hex[:6]}"
     log_path = tmp_path / "sidecar-image.log"
@@ -225,9 +226,10 @@ def test_sidecar_image_run_as_the_operator_renders_it_serves_a_turn(
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        ready = wait_http_ready(url, proc, log_path)
+        ready = wait_http_ready(f"http://127.0.0.1:{internal}", proc, log_path)
         assert ready["engine_version"] == fake_engines.decode.version, ready
         assert ready["prefill_engines_ready"] == 1, ready
+        public_readyz_says_only_ready(url)
         serve_one_turn(url, fake_engines)
     finally:
         podman("stop", "-t", "10", name, check=False, timeout=60)

@@ -15,6 +15,7 @@ from kvferry_wire import extras
 from tests.artifacts.conftest import (
     FakeEngines,
     RoleVenv,
+    public_readyz_says_only_ready,
     rendered_sidecar,
     serve_one_turn,
     wait_http_ready,
@@ -178,8 +179,8 @@ def test_operator_from_the_wheel_reconciles_a_server_to_ready(
 def test_sidecar_from_the_wheel_serves_a_turn_against_fake_engines(
     sidecar_venv: RoleVenv, fake_engines: FakeEngines, tmp_path: Path
 ):
-    port = free_port()
-    container = rendered_sidecar(tmp_path / "pod", fake_engines, port)
+    port, internal = free_port(), free_port()
+    container = rendered_sidecar(tmp_path / "pod", fake_engines, port, internal)
     argv, env = local_argv(container, sidecar_venv.path / "bin", "kvferry-sidecar", tmp_path)
     log = tmp_path / "sidecar.log"
     with open(log, "wb") as out:
@@ -187,9 +188,10 @@ def test_sidecar_from_the_wheel_serves_a_turn_against_fake_engines(
             argv, env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        ready = wait_http_ready(f"http://127.0.0.1:{port}", proc, log)
+        ready = wait_http_ready(f"http://127.0.0.1:{internal}", proc, log)
         assert ready["engine_version"] == fake_engines.decode.version, ready
         assert ready["prefill_engines_ready"] == 1, ready
+        public_readyz_says_only_ready(f"http://127.0.0.1:{port}")
         serve_one_turn(f"http://127.0.0.1:{port}", fake_engines)
     finally:
         proc.terminate()
