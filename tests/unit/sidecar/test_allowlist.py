@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvferry_sidecar import allowlist, rewrite
+from kvferry_sidecar import allowlist, identity, rewrite
 from kvferry_sidecar.types import Api
 from kvferry_wire import report
 from kvferry_wire.protocol import Outcome
@@ -115,6 +115,20 @@ async def test_unsafe_field_on_every_turn_never_pulls(
     assert not any(pulls(b) for b in bodies)
 
 
+async def test_short_unsafe_turn_is_ds_alone_with_no_transfer(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Below skipPrefillBelowTokens D prefills an unsafe turn alone, as any short
+    turn, but as a plain request (kv params an explicit null): no handle to keep."""
+    conv = Conversation(await make_sidecar(skip_prefill_below_tokens=256), session_id="s")
+    resp, _ = await conv.ask("hi", documents=[{"text": "d"}])
+    assert outcome(resp) == "unsafe-field"
+    assert resp.headers["X-Kvferry-Handle"] == "not-kept; reason=unsafe-field"
+    assert engines.prefill_calls() == 0
+    d_body = engines.decode.last().body
+    assert "kv_transfer_params" in d_body and d_body["kv_transfer_params"] is None
+
+
 async def test_unknown_completions_field_turns_reuse_off(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
@@ -209,6 +223,22 @@ def test_fields_said_to_reach_tokenize_do() -> None:
     assert "mm_processor_kwargs" in sent  # in the identity too
     completion = rewrite.tokenize_body({n: "x" for n in allowlist.ALLOWED[Api.COMPLETIONS]})
     assert (completion or {}).keys() >= allowlist.COMPLETION_TOKENIZED
+
+
+@pytest.mark.parametrize(
+    ("part", "remote"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,Y2F0"}}, False),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, False),
+        ({"type": "image_url", "image_url": {"url": "https://example.test/a.png"}}, True),
+        ({"type": "video_url", "video_url": {"url": " http://example.test/v.mp4"}}, True),
+        ({"type": "image_url", "image_url": {"url": "file:///media/a.png"}}, True),
+        ({"image_url": "https://example.test/a.png"}, True),  # a part without a type
+    ],
+)
+def test_media_named_by_url_is_remote(part: dict[str, Any], remote: bool) -> None:
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    assert identity.kv_identity(body).remote_media is remote
 
 
 def test_new_outcomes_are_in_the_wire_vocabulary() -> None:
