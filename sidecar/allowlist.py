@@ -11,7 +11,9 @@ reuse only when **every** field of its body is
 - sampling or output only (it cannot touch the prompt or its KV),
 - sent to ``/tokenize`` as well (``rewrite.TEMPLATE_FIELDS``: the alignment check
   then compares the real prompt's ids), or
-- part of the KV identity (``identity.kv_identity``).
+- part of the KV identity (``identity.kv_identity``), or
+- the sidecar's own: a body field it reads the session key from (``sessionKeys``;
+  vLLM ignores fields it does not know, it renders nothing from them).
 
 Anything else, a field a later vLLM adds included, turns reuse off for that turn
 (``Outcome.UNSAFE_FIELD``): unknown is unsafe. The lists follow vLLM 0.32's
@@ -23,7 +25,7 @@ Pure: no I/O, no settings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from .types import Api
@@ -121,6 +123,7 @@ ALLOWED: Final[Mapping[Api, frozenset[str]]] = {
 # as /tokenize's request does. "none" drops the tools under
 # --exclude-tools-when-tool-choice-none, "required" and a named tool may add an
 # instruction: neither reaches /tokenize.
+_HEADER_KEY: Final = "header:"  # a session key read from a header (session.py)
 _TOOL_CHOICE: Final = "tool_choice"
 _TOOL_CHOICE_AS_TOKENIZED: Final = frozenset({"auto"})
 
@@ -132,12 +135,16 @@ def _tool_choice_safe(body: Mapping[str, Any]) -> bool:
     return choice is None or (isinstance(choice, str) and choice in _TOOL_CHOICE_AS_TOKENIZED)
 
 
-def unsafe_field(api: Api, body: Mapping[str, Any]) -> str | None:
+def unsafe_field(api: Api, body: Mapping[str, Any], session_keys: Iterable[str] = ()) -> str | None:
     """The first field (in name order, so the answer is stable) that may change the
-    prompt or its KV unseen by the alignment check; None when the turn may reuse."""
+    prompt or its KV unseen by the alignment check; None when the turn may reuse.
+
+    ``session_keys`` is the sidecar's key order (``header:<Name>`` entries name
+    headers, the others body fields the sidecar owns)."""
     allowed = ALLOWED[api]
+    own = {k for k in session_keys if not k.startswith(_HEADER_KEY)}
     for name in sorted(str(k) for k in body):
-        if name in allowed:
+        if name in allowed or name in own:
             continue
         if api is Api.CHAT and name == _TOOL_CHOICE and _tool_choice_safe(body):
             continue

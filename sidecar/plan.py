@@ -114,7 +114,7 @@ def parse_turn(
         wants_token_ids=asked.return_token_ids,
         single_sequence=single,
         received_at=received_at,
-        unsafe_field=allowlist.unsafe_field(api, body),
+        unsafe_field=allowlist.unsafe_field(api, body, session_keys),
     )
 
 

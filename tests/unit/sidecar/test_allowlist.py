@@ -86,6 +86,26 @@ async def test_allowlisted_fields_reuse(
     assert pulled(engines)
 
 
+@pytest.mark.parametrize(
+    ("keys", "extra"),
+    [
+        (None, {"conversation_id": "c"}),  # a default session key
+        (("thread", "session_id"), {"thread": "t"}),
+    ],
+)
+async def test_the_sidecars_own_session_key_fields_reuse(
+    make_sidecar: MakeSidecar, engines: Engines, keys: Any, extra: dict[str, Any]
+) -> None:
+    """A body field the sidecar reads its session key from is the sidecar's: vLLM
+    ignores it, it renders nothing."""
+    settings = {} if keys is None else {"session_keys": keys}
+    conv = Conversation(await make_sidecar(**settings), **extra)
+    await conv.ask(LONG_QUESTION)
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    assert pulled(engines)
+
+
 @pytest.mark.parametrize("extra", UNSAFE, ids=_id)
 async def test_fields_off_the_allowlist_turn_reuse_off(
     make_sidecar: MakeSidecar, engines: Engines, extra: dict[str, Any]
