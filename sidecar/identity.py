@@ -8,6 +8,13 @@ other media processing (``mm_processor_kwargs``), or when the engine truncates t
 prompt (``truncate_prompt_tokens``: ``/tokenize`` sees the whole prompt while the
 engine drops its head, so every position shifts).
 
+Media are known by their bytes only where the request carries them (``data:``
+URLs, inline audio, embeddings): the digest of the part covers them. A part that
+names its media by a URL (``https://``, ``file://``, ...) is digested by the URL
+alone, and the bytes behind it may change between turns: such a turn is marked
+``remote_media`` and the plan uses and keeps no handle for it unless the sidecar is
+told URLs are immutable (``mediaUrlsImmutable``).
+
 A handle records the identity of the turn that left it; a later turn may use it
 only when :func:`compatible` says the identities agree. Media are compared as an
 ordered list of digests: the handle's list must be a prefix of the new turn's (a
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +37,9 @@ from typing import Any
 # Content parts that carry text; every other part type (image_url, input_audio,
 # video_url, image_embeds, file, ...) is media and goes into the identity.
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
+# A URL with an authority or path of its own ("scheme://"): not a data: URL, whose
+# bytes are in the request.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 # Why a handle may not serve a turn (reported in logs; the outcome is kv-mismatch).
 MISMATCH_MODEL = "model"
@@ -50,6 +61,7 @@ class KVIdentity:
     media: tuple[str, ...] = ()  # digests of the prompt's media parts, in order
     media_options: str | None = None  # digest of mm_processor_kwargs
     truncates: bool = False
+    remote_media: bool = False  # a media part names its bytes by URL (not data:)
 
 
 def _is_text(part: Any) -> bool:
@@ -69,16 +81,33 @@ def media_parts(body: Mapping[str, Any]) -> list[Any]:
     return parts
 
 
+def names_remote_media(part: Any) -> bool:
+    """Some string in the media part is a URL whose bytes the request does not carry."""
+    stack = [part]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if _URL.match(value.strip()):
+                return True
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
 def kv_identity(body: Mapping[str, Any]) -> KVIdentity:
     model = body.get("model")
     salt = body.get("cache_salt")
     options = body.get("mm_processor_kwargs")
+    parts = media_parts(body)
     return KVIdentity(
         model=None if model is None else str(model),
         cache_salt=None if salt is None else str(salt),
-        media=tuple(_digest(p) for p in media_parts(body)),
+        media=tuple(_digest(p) for p in parts),
         media_options=None if options is None else _digest(options),
         truncates=body.get("truncate_prompt_tokens") is not None,
+        remote_media=any(names_remote_media(p) for p in parts),
     )
 
 

@@ -7,6 +7,9 @@ without aiohttp:
 - ``parse_turn``: body + headers -> ``TurnInput`` (session key, stream, one
   sequence or several; the fields read as vLLM reads them, ``fields.py``, or
   ``fields.InvalidField``);
+- ``reuse_off``: the allowlist rule (``allowlist.py``) and media behind URLs: a
+  turn that may render another prompt than its ids say neither uses nor keeps a
+  handle;
 - ``handle_not_kept``: whether this turn can leave a handle for the next one;
 - ``plan_turn``: with the session's handle (already taken from the store), the
   prompt's ids, the engine's block size and what D's prefix cache holds: use the
@@ -34,7 +37,7 @@ from kvferry_wire.protocol import (
     Route,
 )
 
-from . import fields, rewrite
+from . import allowlist, fields, rewrite
 from .align import align, held_by_decode
 from .handles import Lookup, local_deadline
 from .identity import compatible, kv_identity
@@ -61,6 +64,8 @@ NOT_KEPT_NONE = "engine-returned-none"
 NOT_KEPT_NO_IDS = "no-token-ids"
 NOT_KEPT_ERROR = "error"
 NOT_KEPT_TRUNCATION = "truncation"  # the engine truncates: positions are not the ids'
+NOT_KEPT_UNSAFE_FIELD = Outcome.UNSAFE_FIELD.value
+NOT_KEPT_UNCACHEABLE_MEDIA = Outcome.UNCACHEABLE_MEDIA.value
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class Rules:
     recompute_threshold: int
     skip_prefill_below_tokens: int
     diagnostic_headers: bool = False  # X-Kvferry-* on responses (routing.diagnosticHeaders)
+    media_urls_immutable: bool = False  # the bytes behind a media URL never change
 
 
 # ------------------------------------------------------------------ 1. parse
@@ -108,7 +114,24 @@ def parse_turn(
         wants_token_ids=asked.return_token_ids,
         single_sequence=single,
         received_at=received_at,
+        unsafe_field=allowlist.unsafe_field(api, body, session_keys),
     )
+
+
+# ------------------------------------------------------------------ reuse off
+
+
+def reuse_off(turn: TurnInput, rules: Rules) -> Outcome | None:
+    """Why this turn may neither use nor keep a handle whatever the ids say, or None.
+
+    Its KV may not be what its ids describe: a field off the allowlist may render
+    another prompt than ``/tokenize`` did (``allowlist.py``), and media behind a URL
+    may have other bytes than last turn under the same identity."""
+    if turn.unsafe_field is not None:
+        return Outcome.UNSAFE_FIELD
+    if turn.identity.remote_media and not rules.media_urls_immutable:
+        return Outcome.UNCACHEABLE_MEDIA
+    return None
 
 
 # ------------------------------------------------------------------ handles kept or not
@@ -122,6 +145,9 @@ def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
         return NOT_KEPT_MULTI
     if turn.identity.truncates:
         return NOT_KEPT_TRUNCATION
+    off = reuse_off(turn, rules)
+    if off is not None:
+        return off.value
     if turn.stream and not rules.streaming_handles:
         return NOT_KEPT_STREAMING
     return None
@@ -149,6 +175,14 @@ def plan_turn(
         # vLLM's P/D transfer and the handle both describe one sequence.
         return PrefillPlan(Route.SKIP, Outcome.SKIPPED_PREFILL, None, prompt_len, 0, 0, None)
     handle = lookup.handle
+    off = reuse_off(turn, rules)
+    if off is not None:
+        # The handle only rides along to be released. D's prefix cache is not asked
+        # either: its block hashes would come from ids this prompt may not have. A
+        # short prompt is still D's alone, as any turn's.
+        short = prompt_len is not None and prompt_len < rules.skip_prefill_below_tokens
+        route = Route.SKIP if short else Route.REMOTE
+        return PrefillPlan(route, off, None, prompt_len, 0, 0, lookup.age_s, taken=handle)
     alignment, held = None, 0
     if handle is None:
         outcome = lookup.outcome

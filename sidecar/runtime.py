@@ -201,6 +201,7 @@ class Sidecar:
             recompute_threshold=s.recompute_threshold,
             skip_prefill_below_tokens=s.skip_prefill_below_tokens,
             diagnostic_headers=s.diagnostic_headers,
+            media_urls_immutable=s.media_urls_immutable,
         )
 
     @property

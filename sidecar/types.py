@@ -193,6 +193,8 @@ class TurnInput:
     # False for n > 1, beam search or batched prompts: P/D and handles need one sequence.
     single_sequence: bool
     received_at: float
+    # The first field off the allowlist (allowlist.unsafe_field): no reuse this turn.
+    unsafe_field: str | None = None
 
 
 @dataclass(frozen=True)

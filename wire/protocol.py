@@ -80,6 +80,12 @@ class Outcome(enum.StrEnum):
     # No usable handle, but D's prefix cache (seen through its KV events) still held
     # the prompt's prefix: D prefilled the short tail itself.
     CACHED_ON_DECODE = "cached-on-decode"
+    # A request field off the allowlist (kvferry_sidecar.allowlist): it may change the
+    # rendered prompt or its KV where /tokenize cannot show it. No handle used or kept.
+    UNSAFE_FIELD = "unsafe-field"
+    # Media behind a URL whose bytes the sidecar cannot see (the sidecar setting
+    # mediaUrlsImmutable says they never change). No handle used or kept.
+    UNCACHEABLE_MEDIA = "uncacheable-media"
 
 
 class HandleFate(enum.StrEnum):

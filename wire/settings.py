@@ -100,6 +100,10 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # Tag upstream requests with session_id (the client's, else a digest of the key)
     # so KV events can be attributed to sessions.
     tag_session_id: bool = True
+    # The bytes behind a media URL (http, https, file) never change, so a turn whose
+    # history holds one may reuse KV. Off: the sidecar cannot see those bytes, and a
+    # URL alone in the KV identity would pull the KV of an image since replaced.
+    media_urls_immutable: bool = False
     probe_interval_seconds: float = 2.0
     connect_timeout_seconds: float = 3.0
     # A prefill that takes longer is treated as failed (a pull can hang under

@@ -261,7 +261,7 @@ KEPT_FIELDS = (
     "operator_ca_file", "token_file", "report_interval_seconds", "kv_events",
     "kv_events_replay", "requested_transport", "rdma_enabled", "engine_ucx_tls",
     "engine_ucx_net_devices", "rdma_sysfs", "settings_path", "topology_path",
-    "topology_reload_seconds", "log_level",
+    "topology_reload_seconds", "log_level", "media_urls_immutable",
 )  # fmt: skip
 
 
