@@ -4,7 +4,9 @@ The decisions are ``plan``'s (pure); this module talks to the engines and the
 client and asks ``plan`` what to do at each step.
 
     serve_turn
-      1. plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
+      1. read_body        the body within its caps and the bytes-in-flight budget
+                          (limits.py: 413, 400, 408, 503), parsed in a thread when big
+         plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
                           each field read as vLLM reads it (fields.py) or a 400
       2. forward.target   not the session's owner? one hop there (forward.forward)
       3. prompt_tokens    the prompt's ids from D's /tokenize
@@ -25,7 +27,8 @@ Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
 is invalid (the sidecar's own 400, naming the field, for a body that is no JSON
 object, a session key or model that is no Unicode text, or a field the sidecar acts
-on that vLLM would refuse; otherwise the engine's own 4xx).
+on that vLLM would refuse; otherwise the engine's own 4xx), or past a limit (413,
+400, 408 or 503 naming the limit and its setting: ``limits.py``).
 """
 
 from __future__ import annotations
