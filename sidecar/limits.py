@@ -45,8 +45,8 @@ from .identity import TEXT_PARTS
 # The context assumed when neither the setting nor the engine says (vLLM's default
 # for most current models; the operator's tuner assumes the same).
 UNKNOWN_MAX_MODEL_LEN: Final = 131072
-# Bodies larger than this are parsed in a thread: json.loads of 256 KiB takes about a
-# millisecond, of 16 MiB about a second on a busy core.
+# Bodies larger than this are parsed in a thread: json.loads of 256 KiB takes a few
+# milliseconds, of 16 MiB of messages about a second on a busy core.
 PARSE_IN_THREAD_BYTES: Final = 256 * 1024
 # The Retry-After of a 503 for bytes in flight: turns end in seconds.
 RETRY_AFTER_SECONDS: Final = 1
