@@ -108,6 +108,7 @@ class FakeEngine:
     name: str
     version: str = "0.33.0"
     block_size: int = 4
+    max_model_len: int = 4096  # in /v1/models, as vLLM lists it
     hash_algo: str = "sha256_cbor"
     # process_start_time_seconds: the engine's identity (a restart changes it).
     started_at: float = field(default_factory=time.time)
@@ -187,7 +188,8 @@ class FakeEngine:
         return web.Response(text=text + self.metrics_text)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        model = {"id": "fake", "object": "model", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

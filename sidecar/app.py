@@ -6,7 +6,13 @@ block size and the handle count on the internal one), ``/metrics``, ``/v1/models
 (the local engine's),
 ``/v1/residency`` (the residency report, ``report.Report`` as JSON). Decode role:
 ``/v1/chat/completions`` and ``/v1/completions`` run the turn protocol
-(``relay.serve_turn``).
+(``relay.serve_turn``), which reads the body within its caps (``limits.py``) and
+against the app's budget of body bytes in flight (``BODY_BUDGET``).
+
+Slow senders: a request head must arrive within ``header_timeout_seconds`` of the
+connection opening or of the last answer (aiohttp's keep-alive deadline, which
+closes the connection: there is no request yet to answer); a body within
+``body_timeout_seconds`` (408, ``relay.serve_turn``).
 
 Two ports. ``listen_port`` is what the entry Service exposes to clients: turns,
 models and probes. ``internal_port`` is for peers and monitoring only: ``/metrics``
@@ -32,6 +38,7 @@ from kvferry_wire.protocol import HDR_REQUEST_ID
 from . import relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
+from .limits import InflightBudget
 from .runtime import Sidecar
 from .types import PATH_CHAT, PATH_COMPLETIONS, PATH_MODELS, PATH_RESIDENCY, Api
 from .upstream import UpstreamError
@@ -49,8 +56,8 @@ INTERNAL = web.RequestKey("internal", bool)
 # Answered on the internal port only.
 INTERNAL_PATHS = frozenset({"/metrics", PATH_RESIDENCY})
 
-# Chat histories with long tool outputs get large; vLLM itself accepts them.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+# Request bodies held by the turns in progress (limits.InflightBudget).
+BODY_BUDGET = web.AppKey("body_budget", InflightBudget)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -191,6 +198,7 @@ def _turn(api: Api) -> Handler:
             request[REQUEST_ID],
             client_request_id=request[CLIENT_REQUEST_ID],
             from_peer=request[INTERNAL],
+            budget=request.app[BODY_BUDGET],
         )
 
     return handler
@@ -199,9 +207,18 @@ def _turn(api: Api) -> Handler:
 def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Application:
     """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests."""
     app = web.Application(
-        middlewares=[request_id_middleware, port_middleware], client_max_size=MAX_BODY_BYTES
+        middlewares=[request_id_middleware, port_middleware],
+        # A turn's body is read by relay.serve_turn within its own caps (limits.py);
+        # other routes take aiohttp's default (1 MiB).
+        handler_args={
+            # aiohttp closes a connection that has not sent a whole request head this
+            # long after it opened or after the last answer: the head's deadline, and
+            # the keep-alive idle time with it.
+            "keepalive_timeout": settings.header_timeout_seconds,
+        },
     )
     app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
+    app[BODY_BUDGET] = InflightBudget(settings.max_inflight_body_bytes)
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/healthz", healthz)

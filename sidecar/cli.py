@@ -38,6 +38,8 @@ _HELP = {
     "operator_ca_file": "CA bundle for the operator's TLS",
     "kv_events": "engine KV-event PUB endpoint ('' = off)",
     "kv_events_replay": "engine KV-event replay endpoint",
+    "max_model_len": "context bodies are measured against (default: the engine's)",
+    "max_inflight_body_bytes": "request bodies held at once, all turns (then 503)",
 }
 
 

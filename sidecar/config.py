@@ -184,9 +184,19 @@ def validate(settings: Settings) -> Settings:
         "prefill_timeout_seconds",
         "decode_timeout_seconds",
         "stream_idle_timeout_seconds",
+        "header_timeout_seconds",
+        "body_timeout_seconds",
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{name} must be > 0")
+    for name in ("body_bytes_per_token", "max_inflight_body_bytes", "max_messages"):
+        if getattr(settings, name) < 1:
+            raise ConfigError(f"{name} must be >= 1")
+    for name in ("body_overhead_bytes", "max_media_bytes", "max_content_parts"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{name} must be >= 0")
+    if settings.max_model_len is not None and settings.max_model_len < 1:
+        raise ConfigError("max_model_len must be >= 1")
     if settings.release_after_seconds < 0:
         raise ConfigError("release_after_seconds must be >= 0")
     if settings.report_interval_seconds <= 0:

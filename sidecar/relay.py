@@ -4,7 +4,9 @@ The decisions are ``plan``'s (pure); this module talks to the engines and the
 client and asks ``plan`` what to do at each step.
 
     serve_turn
-      1. plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
+      1. read_body        the body within its caps and the bytes-in-flight budget
+                          (limits.py: 413, 400, 408, 503), parsed in a thread when big
+         plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
                           each field read as vLLM reads it (fields.py) or a 400
       2. forward.target   not the session's owner? one hop there (forward.forward)
       3. prompt_tokens    the prompt's ids from D's /tokenize
@@ -25,13 +27,15 @@ Every failure of the reuse machinery degrades to a recompute; the client sees an
 error only when the local decode engine itself cannot answer (502) or the request
 is invalid (the sidecar's own 400, naming the field, for a body that is no JSON
 object, a session key or model that is no Unicode text, or a field the sidecar acts
-on that vLLM would refuse; otherwise the engine's own 4xx).
+on that vLLM would refuse; otherwise the engine's own 4xx), or past a limit (413,
+400, 408 or 503 naming the limit and its setting: ``limits.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -44,7 +48,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import fields, forward, plan, rewrite, session
+from . import fields, forward, limits, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -456,6 +460,62 @@ def _keep_handle(
         sc.releaser.pin_unreturned(turn.request_id, tokens, sc.local.block_size)
 
 
+# ------------------------------------------------------------------ 1. the body
+
+# Bodies above this are parsed in a thread (limits.PARSE_IN_THREAD_BYTES).
+BIG = limits.PARSE_IN_THREAD_BYTES
+_ERROR_TYPES = {408: "request_timeout", 503: "server_busy"}
+
+
+def refuse(refusal: limits.Refusal) -> web.Response:
+    """The client's answer to a request the sidecar will not take."""
+    kind = _ERROR_TYPES.get(refusal.status, "invalid_request_error")
+    headers = {"Retry-After": str(limits.RETRY_AFTER_SECONDS)} if refusal.status == 503 else None
+    return web.json_response(
+        error_body(refusal.message, kind, refusal.status, refusal.param),
+        status=refusal.status,
+        headers=headers,
+    )
+
+
+async def read_body(
+    sc: Sidecar, request: web.Request, caps: limits.BodyCaps, held: limits.Hold
+) -> tuple[bytes, dict[str, Any]] | limits.Refusal:
+    """The raw body and its JSON object, read within ``caps``, the in-flight budget
+    (``held`` grows with what arrives: the declared length at once) and
+    ``body_timeout_seconds``; or why not. A declared length past the caps is refused
+    before a byte of the body is read."""
+    declared = request.content_length
+    if declared is not None:
+        refused = limits.too_large(declared, caps) or held.grow(declared)
+        if refused is not None:
+            return refused
+    chunks: list[bytes] = []
+    size = 0
+    deadline = sc.settings.body_timeout_seconds
+    try:
+        async with asyncio.timeout(deadline):
+            while chunk := await request.content.readany():
+                chunks.append(chunk)
+                size += len(chunk)
+                refused = limits.too_large(size, caps) or held.grow(size)
+                if refused is not None:
+                    return refused
+    except TimeoutError:
+        message = (
+            f"the request body did not arrive within {deadline}s "
+            f"({limits.key('body_timeout_seconds')})"
+        )
+        return limits.Refusal(408, message)
+    raw = b"".join(chunks)
+    del chunks
+    if size > BIG:
+        parsed = await asyncio.to_thread(limits.parse_body, raw, caps)
+    else:
+        parsed = limits.parse_body(raw, caps)
+    return parsed if isinstance(parsed, limits.Refusal) else (raw, parsed)
+
+
 # ------------------------------------------------------------------ the turn
 
 
@@ -473,37 +533,54 @@ async def serve_turn(
     *,
     client_request_id: str | None = None,
     from_peer: bool = True,
+    budget: limits.InflightBudget,
 ) -> web.StreamResponse:
     """One turn. ``request_id`` is the sidecar's own (the engines see it);
     ``client_request_id`` the client's X-Request-Id, logged beside it and passed on to
     the owner when the turn is forwarded. ``from_peer``: the request came in on the
     internal port, so an ``X-Kvferry-Forwarded-By`` header on it is a peer's, not a
-    client's."""
+    client's. ``budget``: the body bytes every turn in progress holds; this turn's
+    count until it is over."""
     received_at = time.monotonic()
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
-        body = None
-    if not isinstance(body, dict):
-        return web.json_response(
-            error_body("request body must be a JSON object", "invalid_request_error", 400),
-            status=400,
+    caps = limits.body_caps(sc.settings, sc.local.info.max_model_len)
+    with budget.hold() as held:
+        read = await read_body(sc, request, caps, held)
+        if isinstance(read, limits.Refusal):
+            return refuse(read)
+        raw, body = read
+        field = session.invalid_text_field(body, request.headers, sc.settings.session_keys)
+        if field is not None:
+            message = (
+                f"{field} is not valid Unicode text (it holds a lone surrogate, U+D800-U+DFFF)"
+            )
+            return refuse(limits.Refusal(400, message, field))
+        parse = functools.partial(
+            plan.parse_turn,
+            api,
+            body,
+            request.headers,
+            request_id,
+            received_at,
+            sc.settings.session_keys,
         )
-    field = session.invalid_text_field(body, request.headers, sc.settings.session_keys)
-    if field is not None:
-        message = f"{field} is not valid Unicode text (it holds a lone surrogate, U+D800-U+DFFF)"
-        return web.json_response(
-            error_body(message, "invalid_request_error", 400, param=field), status=400
-        )
-    try:
-        turn = plan.parse_turn(
-            api, body, request.headers, request_id, received_at, sc.settings.session_keys
-        )
-    except fields.InvalidField as exc:
-        return web.json_response(
-            error_body(str(exc), "invalid_request_error", 400, exc.field), status=400
-        )
+        try:
+            # The media digests walk the whole body: off the loop when it is big.
+            turn = await asyncio.to_thread(parse) if len(raw) > BIG else parse()
+        except fields.InvalidField as exc:
+            return refuse(limits.Refusal(400, str(exc), exc.field))
+        return await _serve(sc, request, turn, raw, client_request_id, from_peer)
+
+
+async def _serve(
+    sc: Sidecar,
+    request: web.Request,
+    turn: TurnInput,
+    raw: bytes,
+    client_request_id: str | None,
+    from_peer: bool,
+) -> web.StreamResponse:
+    """Steps 2 to 7 of a parsed turn."""
+    api, request_id, received_at = turn.api, turn.request_id, turn.received_at
 
     owner = forward.target(sc, turn, forwarded=from_peer and HDR_FORWARDED_BY in request.headers)
     if owner is not None:

@@ -1,7 +1,8 @@
 """HTTP to vLLM's OpenAI server (0.32 and 0.33): the local engine and the prefill pool.
 
 Endpoints used, all present in both versions: ``/health`` (readiness), ``/version``
-(capabilities), ``/metrics`` (``vllm:cache_config_info`` carries the KV block size),
+(capabilities), ``/v1/models`` (``max_model_len``: the context, which bounds request
+bodies), ``/metrics`` (``vllm:cache_config_info`` carries the KV block size),
 ``/tokenize`` (chat messages or a prompt -> ``tokens``), ``/v1/chat/completions`` and
 ``/v1/completions``. Every engine request carries the turn's ``X-Request-Id``: the
 sidecar's own id of the turn, never the client's.
@@ -28,7 +29,7 @@ from packaging.version import InvalidVersion, Version
 from kvferry_wire.protocol import HDR_REQUEST_ID
 
 from . import enginemetrics
-from .types import JSON, PATH_HEALTH, PATH_METRICS, PATH_TOKENIZE, PATH_VERSION
+from .types import JSON, PATH_HEALTH, PATH_METRICS, PATH_MODELS, PATH_TOKENIZE, PATH_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,21 @@ def streams_handles(version: str | None) -> bool:
     return parsed is not None and parsed >= STREAMING_HANDLES_SINCE
 
 
+def max_model_len(models: Any) -> int | None:
+    """The longest context among the models a vLLM ``/v1/models`` answer lists (the
+    base model and its adapters share one), or None when it names none."""
+    data = models.get("data") if isinstance(models, dict) else None
+    lengths = [
+        n
+        for m in (data if isinstance(data, list) else ())
+        if isinstance(m, dict)
+        and isinstance(n := m.get("max_model_len"), int)
+        and not isinstance(n, bool)
+        and n > 0
+    ]
+    return max(lengths, default=None)
+
+
 @dataclass
 class EngineInfo:
     """What the local engine can do, read when it becomes ready."""
@@ -87,6 +103,8 @@ class EngineInfo:
     # recomputed by the sidecar (blockhash.py).
     prefix_hash_algo: str | None = None
     started_at: float | None = None  # process start: a new value is a new engine
+    # The context length it serves (max_model_len in /v1/models): bounds request bodies.
+    max_model_len: int | None = None
 
 
 class EngineClient:
@@ -130,6 +148,10 @@ class EngineClient:
             if status == 200:
                 info.version = str(json.loads(body).get("version"))
                 info.streaming_handles = streams_handles(info.version)
+        with contextlib.suppress(UpstreamError, ValueError):
+            status, body, _ = await self.get(PATH_MODELS)
+            if status == 200:
+                info.max_model_len = max_model_len(json.loads(body))
         with contextlib.suppress(UpstreamError):
             status, body, _ = await self.get(PATH_METRICS)
             figures = enginemetrics.parse_or_none(body.decode("utf-8", "replace"))

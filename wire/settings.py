@@ -136,6 +136,29 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     engine_ucx_net_devices: str | None = None
     rdma_sysfs: str = "/sys/class/infiniband"
     topology_reload_seconds: float = 5.0
+    # What one request, and all of them together, may cost the sidecar
+    # (kvferry_sidecar.limits): a body is read, parsed and copied for each leg, so its
+    # memory is many times its size, and the CRD's default sidecar limit is 1 Gi.
+    # The context length bodies are measured against; None = the engine's own
+    # (max_model_len in its /v1/models).
+    max_model_len: int | None = None
+    # Bytes of request body (text, JSON escapes included) allowed per token of
+    # max_model_len, and a fixed allowance on top for the fields that are no prompt.
+    body_bytes_per_token: int = 16
+    body_overhead_bytes: int = 1024 * 1024
+    # Bytes of media (the strings in image_url, audio_url, video_url, input_audio, ...
+    # parts: data: URLs, base64) one request may carry, beside its text.
+    max_media_bytes: int = 16 * 1024 * 1024
+    # Request bodies held at once across every turn in progress; past it a turn gets
+    # 503 with Retry-After.
+    max_inflight_body_bytes: int = 64 * 1024 * 1024
+    max_messages: int = 4096
+    max_content_parts: int = 4096  # in all the messages of one request
+    # A connection idle or sending an unfinished request head this long is closed
+    # (between requests too: set a gateway's upstream idle timeout below it).
+    header_timeout_seconds: float = 30.0
+    # A request body that has not arrived whole this long after its head gets 408.
+    body_timeout_seconds: float = 60.0
     log_level: str = "INFO"
 
 

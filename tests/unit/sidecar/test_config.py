@@ -262,6 +262,9 @@ KEPT_FIELDS = (
     "kv_events_replay", "requested_transport", "rdma_enabled", "engine_ucx_tls",
     "engine_ucx_net_devices", "rdma_sysfs", "settings_path", "topology_path",
     "topology_reload_seconds", "log_level", "media_urls_immutable",
+    "max_model_len", "body_bytes_per_token", "body_overhead_bytes", "max_media_bytes",
+    "max_inflight_body_bytes", "max_messages", "max_content_parts", "header_timeout_seconds",
+    "body_timeout_seconds",
 )  # fmt: skip
 
 

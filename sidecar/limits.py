@@ -1,0 +1,271 @@
+"""What one request, and every request in progress together, may cost the sidecar.
+
+A turn's body is read whole, parsed, walked and copied for each engine leg, so the
+sidecar's memory for it is many times its size; the CRD's default sidecar memory
+limit is 1 Gi, and an OOM kill loses every handle and cuts every stream on the pod.
+So, before any engine sees a request:
+
+- **Size by what the model can take.** A prompt longer than the context is refused
+  by the engine anyway: the text of a body may be ``body_bytes_per_token`` bytes per
+  token of the context (``max_model_len``: the setting, else the engine's own from
+  its ``/v1/models``, else ``UNKNOWN_MAX_MODEL_LEN``) plus ``body_overhead_bytes``
+  for the fields that are no prompt. 16 bytes a token: a token of text is ~4 bytes of
+  English, up to ~12 where each character is sent as a JSON ``\\uXXXX`` escape (CJK,
+  emoji with ``ensure_ascii``); whole prompts average far less than that. Media (the
+  strings in content parts that are no text: data URLs, base64 audio) have their own
+  cap, ``max_media_bytes``: their size says nothing about tokens.
+- **Counts.** ``max_messages`` messages, ``max_content_parts`` content parts in all:
+  each costs Python objects far beyond its bytes.
+- **Bytes in flight.** Every body held by a turn in progress counts against
+  ``max_inflight_body_bytes`` until the turn is over (its parsed body lives that
+  long). A body that would exceed it gets 503 with ``Retry-After`` at once rather
+  than a wait: a waiting request still holds its connection and adds its wait to
+  every request behind it, and clients and gateways retry a 503 with backoff anyway
+  (the operator's report endpoint answers its own excess the same way).
+- **Time** (``app.py``, ``relay.py``): a request head must arrive within
+  ``header_timeout_seconds``, its body within ``body_timeout_seconds`` (408).
+
+Each refusal is a ``Refusal``: status, a message that names the limit and the
+setting (by its file key), and the request field at fault where there is one.
+Parsing and checking a body is ``parse_body``, pure, which the relay runs in a thread
+for bodies above ``PARSE_IN_THREAD_BYTES`` so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvferry_wire.settings import SidecarSettings, file_key
+
+from .identity import TEXT_PARTS
+
+# The context assumed when neither the setting nor the engine says (vLLM's default
+# for most current models; the operator's tuner assumes the same).
+UNKNOWN_MAX_MODEL_LEN: Final = 131072
+# Bodies larger than this are parsed in a thread: json.loads of 256 KiB takes a few
+# milliseconds, of 16 MiB of messages about a second on a busy core.
+PARSE_IN_THREAD_BYTES: Final = 256 * 1024
+# The Retry-After of a 503 for bytes in flight: turns end in seconds.
+RETRY_AFTER_SECONDS: Final = 1
+
+
+def key(name: str) -> str:
+    """A setting as an operator writes it (the settings-file key)."""
+    return file_key(name)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the sidecar will not take: the client's answer."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class BodyCaps:
+    """The bounds on one request's body, as of now."""
+
+    max_model_len: int
+    from_engine: bool  # max_model_len is the engine's (the setting is unset)
+    bytes_per_token: int
+    overhead_bytes: int
+    media_bytes: int
+    messages: int
+    content_parts: int
+
+    @property
+    def text_bytes(self) -> int:
+        return self.max_model_len * self.bytes_per_token + self.overhead_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.text_bytes + self.media_bytes
+
+    def context(self) -> str:
+        where = "the engine's max_model_len" if self.from_engine else key("max_model_len")
+        return (
+            f"{where} {self.max_model_len} x {key('body_bytes_per_token')} "
+            f"{self.bytes_per_token} + {key('body_overhead_bytes')} {self.overhead_bytes}"
+        )
+
+
+def body_caps(settings: SidecarSettings, engine_max_model_len: int | None) -> BodyCaps:
+    """The caps for ``settings``; ``engine_max_model_len`` is the engine's own context
+    (``None`` when it has not said)."""
+    if settings.max_model_len is not None:
+        context, from_engine = settings.max_model_len, False
+    elif engine_max_model_len is not None:
+        context, from_engine = engine_max_model_len, True
+    else:
+        context, from_engine = UNKNOWN_MAX_MODEL_LEN, False
+    return BodyCaps(
+        max_model_len=context,
+        from_engine=from_engine,
+        bytes_per_token=settings.body_bytes_per_token,
+        overhead_bytes=settings.body_overhead_bytes,
+        media_bytes=settings.max_media_bytes,
+        messages=settings.max_messages,
+        content_parts=settings.max_content_parts,
+    )
+
+
+def too_large(size: int, caps: BodyCaps) -> Refusal | None:
+    """A body of ``size`` bytes (declared or read so far) past every allowance."""
+    if size <= caps.total_bytes:
+        return None
+    return Refusal(
+        413,
+        f"request body of {size} bytes or more is larger than this server takes: "
+        f"{caps.total_bytes} bytes, text ({caps.context()}) plus media "
+        f"({key('max_media_bytes')} {caps.media_bytes})",
+    )
+
+
+def _strings_size(value: Any) -> int:
+    """The characters of every string inside ``value`` (iterative: any depth)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _parts(body: Mapping[str, Any]) -> list[list[Any]]:
+    messages = body.get("messages")
+    out: list[list[Any]] = []
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            out.append(content)
+    return out
+
+
+def _is_media(part: Any) -> bool:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    return not (isinstance(kind, str) and kind in TEXT_PARTS)
+
+
+def media_bytes(body: Mapping[str, Any]) -> int:
+    """The size of the media a chat body carries: the strings of its content parts that
+    are no text (image_url, audio_url, video_url, input_audio, image_embeds, ...)."""
+    return sum(_strings_size(p) for parts in _parts(body) for p in parts if _is_media(p))
+
+
+def check_body(body: Mapping[str, Any], size: int, caps: BodyCaps) -> Refusal | None:
+    """A parsed body of ``size`` bytes against the counts and the two allowances."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > caps.messages:
+        return Refusal(
+            400,
+            f"messages holds {len(messages)} messages; this server takes at most "
+            f"{caps.messages} ({key('max_messages')})",
+            "messages",
+        )
+    parts = sum(len(p) for p in _parts(body))
+    if parts > caps.content_parts:
+        return Refusal(
+            400,
+            f"messages hold {parts} content parts; this server takes at most "
+            f"{caps.content_parts} ({key('max_content_parts')})",
+            "messages",
+        )
+    media = media_bytes(body)
+    if media > caps.media_bytes:
+        return Refusal(
+            413,
+            f"request carries {media} bytes of media; this server takes at most "
+            f"{caps.media_bytes} ({key('max_media_bytes')})",
+            "messages",
+        )
+    text = size - media
+    if text > caps.text_bytes:
+        return Refusal(
+            413,
+            f"request body holds {text} bytes besides media; this server takes at most "
+            f"{caps.text_bytes} ({caps.context()}): more than the model's context",
+        )
+    return None
+
+
+NOT_AN_OBJECT: Final = Refusal(400, "request body must be a JSON object")
+
+
+def parse_body(raw: bytes, caps: BodyCaps) -> dict[str, Any] | Refusal:
+    """The body as a JSON object, or why it is refused."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
+        return NOT_AN_OBJECT
+    if not isinstance(body, dict):
+        return NOT_AN_OBJECT
+    return check_body(body, len(raw), caps) or body
+
+
+class InflightBudget:
+    """Bytes of request body held across every turn in progress (one event loop: no
+    lock). ``take`` refuses what would pass ``capacity``; ``give`` returns it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+
+    def refusal(self, size: int) -> Refusal:
+        name = key("max_inflight_body_bytes")
+        if size > self.capacity:
+            return Refusal(
+                413,
+                f"request body of {size} bytes is larger than every body this server "
+                f"holds at once: {self.capacity} bytes ({name})",
+            )
+        return Refusal(
+            503,
+            f"the server holds {self.in_use} bytes of request bodies; {size} more would "
+            f"pass {self.capacity} ({name}); retry shortly",
+        )
+
+    def take(self, size: int) -> bool:
+        if self.in_use + size > self.capacity:
+            return False
+        self.in_use += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.in_use -= size
+
+    def hold(self) -> Hold:
+        return Hold(self)
+
+
+class Hold:
+    """One request's share of the budget, grown as its body arrives; a context
+    manager that gives it all back on exit."""
+
+    def __init__(self, budget: InflightBudget) -> None:
+        self.budget = budget
+        self.size = 0
+
+    def grow(self, size: int) -> Refusal | None:
+        """Cover ``size`` bytes; a refusal when the budget cannot."""
+        if size <= self.size:
+            return None
+        if not self.budget.take(size - self.size):
+            return self.budget.refusal(size)
+        self.size = size
+        return None
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.budget.give(self.size)
+        self.size = 0

@@ -1,0 +1,343 @@
+"""What one request, and all requests together, may cost the sidecar: each bound
+refused with its status and a message naming the limit and its setting, never a 5xx,
+never an engine's request; big bodies parsed off the event loop.
+
+Bug prevented: a 60 MiB chat body took the sidecar from 43 to 1,668 MiB RSS and
+stalled /healthz 4.2 s (the default sidecar memory limit is 1 Gi: an OOM kill loses
+every handle and cuts every stream on the pod); a slow sender held a connection as
+long as it liked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from kvferry_sidecar import limits, upstream
+from kvferry_sidecar.app import BODY_BUDGET
+from kvferry_sidecar.config import ConfigError, build
+
+from .conftest import Engines, MakeSidecar
+from .test_turns import CHAT, LONG_QUESTION
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+# Small caps: a text allowance of 64 tokens x 16 bytes + 1,024 = 2,048 bytes.
+SMALL = {"max_model_len": 64, "body_overhead_bytes": 1024}
+
+
+def chat(content: Any = LONG_QUESTION, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def media_part(kind: str, size: int) -> dict[str, Any]:
+    data = "A" * size
+    if kind == "input_audio":
+        return {"type": kind, kind: {"data": data, "format": "wav"}}
+    return {"type": kind, kind: {"url": f"data:application/octet-stream;base64,{data}"}}
+
+
+async def refusal(resp: Any, status: int) -> dict[str, Any]:
+    assert resp.status == status, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["code"] == status
+    return error
+
+
+def nothing_reached_an_engine(engines: Engines) -> None:
+    assert engines.decode.seen == [] and engines.prefill_calls() == 0
+
+
+async def open_raw(client: TestClient, head: bytes) -> tuple[asyncio.StreamReader, Any]:
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(head)
+    await writer.drain()
+    return reader, writer
+
+
+def post_head(length: int) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
+    )
+
+
+async def status_of(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+    """The status and the JSON error of a raw answer, read by its Content-Length (the
+    server may go on reading an unread body for a while before it closes); bounded:
+    a hang fails the test."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode().split("\r\n")
+    length = next(
+        int(v) for k, _, v in (h.partition(": ") for h in lines) if k.lower() == "content-length"
+    )
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    return int(lines[0].split()[1]), json.loads(body)["error"]
+
+
+# ------------------------------------------------------------------ the caps, pure
+
+
+def test_the_text_allowance_is_bytes_per_token_times_the_context_plus_the_overhead() -> None:
+    caps = limits.body_caps(build({"max_model_len": 1000}, env={}), engine_max_model_len=None)
+    assert caps.text_bytes == 1000 * 16 + 1024 * 1024
+    assert caps.media_bytes == 16 * 1024 * 1024
+    assert caps.total_bytes == caps.text_bytes + caps.media_bytes
+
+
+def test_the_setting_wins_over_the_engines_context_and_the_engines_over_the_fallback() -> None:
+    settings = build({}, env={})
+    assert limits.body_caps(settings, engine_max_model_len=100).max_model_len == 100
+    fallback = limits.body_caps(settings, engine_max_model_len=None)
+    assert fallback.max_model_len == limits.UNKNOWN_MAX_MODEL_LEN
+    own = build({"max_model_len": 50}, env={})
+    assert limits.body_caps(own, engine_max_model_len=100).max_model_len == 50
+
+
+@pytest.mark.parametrize(
+    ("models", "expected"),
+    [
+        ({"data": [{"id": "m", "max_model_len": 4096}]}, 4096),
+        ({"data": [{"id": "m", "max_model_len": 4096}, {"id": "a", "max_model_len": 8192}]}, 8192),
+        ({"data": [{"id": "m"}]}, None),
+        ({"data": [{"id": "m", "max_model_len": True}, {"max_model_len": -1}]}, None),
+        ({"data": "x"}, None),
+        ([], None),
+    ],
+)
+def test_the_engines_context_is_read_from_its_models_list(models: Any, expected: int) -> None:
+    assert upstream.max_model_len(models) == expected
+
+
+@pytest.mark.parametrize("kind", ["image_url", "audio_url", "video_url", "input_audio"])
+def test_media_bytes_are_the_strings_of_media_parts(kind: str) -> None:
+    body = chat([{"type": "text", "text": "x" * 500}, media_part(kind, 3000)])
+    assert 3000 <= limits.media_bytes(body) < 3100
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_model_len", 0),
+        ("body_bytes_per_token", 0),
+        ("body_overhead_bytes", -1),
+        ("max_media_bytes", -1),
+        ("max_inflight_body_bytes", 0),
+        ("max_messages", 0),
+        ("max_content_parts", -1),
+        ("header_timeout_seconds", 0),
+        ("body_timeout_seconds", 0),
+    ],
+)
+def test_a_bound_out_of_range_is_a_config_error_naming_it(name: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=name):
+        build({name: value}, env={})
+
+
+# ------------------------------------------------------------------ size
+
+
+async def test_a_body_past_what_the_model_can_take_is_a_413_naming_the_limit(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(**SMALL)
+    resp = await client.post(CHAT, json=chat("word " * 1000))
+    error = await refusal(resp, 413)
+    assert "maxModelLen" in error["message"] and "bodyBytesPerToken" in error["message"]
+    assert "2048" in error["message"], error
+    nothing_reached_an_engine(engines)
+    assert (await client.post(CHAT, json=chat("word " * 100))).status == 200
+
+
+async def test_the_engines_context_length_bounds_the_body_when_the_setting_is_unset(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    engines.decode.max_model_len = 64
+    client = await make_sidecar(body_overhead_bytes=1024)
+    error = await refusal(await client.post(CHAT, json=chat("word " * 1000)), 413)
+    assert "max_model_len 64" in error["message"], error
+    assert (await client.post(CHAT, json=chat("word " * 100))).status == 200
+
+
+async def test_a_declared_length_past_the_cap_is_refused_before_the_body_is_read(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The answer comes while the body is still unsent: nothing is buffered for it."""
+    client = await make_sidecar(**SMALL, max_media_bytes=1024)
+    reader, writer = await open_raw(client, post_head(10_000_000))
+    try:
+        status, error = await status_of(reader)
+    finally:
+        writer.close()
+    assert status == 413 and "maxMediaBytes" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
+async def test_a_chunked_body_past_the_cap_is_a_413(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(**SMALL, max_media_bytes=1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(100):
+            yield b" " * 1000
+
+    resp = await client.post(CHAT, data=chunks(), headers=JSON_HEADERS)
+    await refusal(resp, 413)
+    nothing_reached_an_engine(engines)
+
+
+@pytest.mark.parametrize("kind", ["image_url", "audio_url", "video_url", "input_audio"])
+async def test_media_past_their_own_cap_are_a_413_naming_it(
+    make_sidecar: MakeSidecar, engines: Engines, kind: str
+) -> None:
+    client = await make_sidecar(max_media_bytes=1000)
+    resp = await client.post(CHAT, json=chat([media_part(kind, 2000)]))
+    error = await refusal(resp, 413)
+    assert "maxMediaBytes" in error["message"] and "1000" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
+# ------------------------------------------------------------------ counts
+
+
+async def test_too_many_messages_is_a_400_naming_the_field_and_the_setting(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(max_messages=3)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 4}
+    error = await refusal(await client.post(CHAT, json=body), 400)
+    assert error["param"] == "messages" and "maxMessages" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
+async def test_too_many_content_parts_is_a_400_naming_the_field_and_the_setting(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(max_content_parts=2)
+    parts = [{"type": "text", "text": "hi"}] * 2
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}] * 2}
+    error = await refusal(await client.post(CHAT, json=body), 400)
+    assert error["param"] == "messages" and "maxContentParts" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
+# ------------------------------------------------------------------ bytes in flight
+
+
+async def test_bodies_past_the_in_flight_budget_get_503_with_retry_after(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A body held (here: still arriving) counts against maxInflightBodyBytes until
+    its turn is over; another that would exceed it is refused at once, not queued."""
+    client = await make_sidecar(max_inflight_body_bytes=3000)
+    budget = client.app[BODY_BUDGET]
+    held = json.dumps(chat("word " * 300)).encode()
+    reader, writer = await open_raw(client, post_head(len(held)) + held[:10])
+    try:
+        for _ in range(1000):  # until the sidecar has read the head and reserved it
+            if budget.in_use:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.in_use == len(held)
+        resp = await client.post(CHAT, data=held, headers=JSON_HEADERS)
+        error = await refusal(resp, 503)
+        assert resp.headers["Retry-After"] == "1"
+        assert "maxInflightBodyBytes" in error["message"], error
+        writer.write(held[10:])
+        await writer.drain()
+        status = int((await asyncio.wait_for(reader.readline(), 10)).split()[1])
+        assert status == 200
+    finally:
+        writer.close()
+    await writer.wait_closed()
+    resp = await client.post(CHAT, data=held, headers=JSON_HEADERS)
+    assert resp.status == 200, await resp.text()
+    assert budget.in_use == 0
+
+
+async def test_a_body_larger_than_the_whole_budget_is_a_413_naming_it(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(max_inflight_body_bytes=100)
+    error = await refusal(await client.post(CHAT, json=chat()), 413)
+    assert "maxInflightBodyBytes" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
+# ------------------------------------------------------------------ slow senders
+
+
+async def test_a_body_that_does_not_arrive_in_time_gets_408(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await make_sidecar(body_timeout_seconds=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await open_raw(client, post_head(100) + b'{"model"')
+    try:
+        status, error = await status_of(reader)
+    finally:
+        writer.close()
+    assert status == 408 and "bodyTimeoutSeconds" in error["message"], error
+    # 0.2 s asked; the bound leaves room for a loaded machine, far below a hang.
+    assert loop.time() - started < 5.0
+    nothing_reached_an_engine(engines)
+    assert client.app[BODY_BUDGET].in_use == 0
+
+
+async def test_a_request_head_that_does_not_arrive_in_time_is_cut(
+    make_sidecar: MakeSidecar,
+) -> None:
+    """A head never finished gets no answer (there is no request to answer), the
+    connection is closed at the deadline."""
+    client = await make_sidecar(header_timeout_seconds=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await open_raw(client, b"POST /v1/chat/completions HTTP/1.1\r\nHost: s")
+    try:
+        rest = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert rest == b""
+    assert loop.time() - started < 5.0
+
+
+# ------------------------------------------------------------------ the event loop
+
+
+async def test_a_big_body_is_parsed_off_the_loop_while_other_turns_flow(
+    make_sidecar: MakeSidecar, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a big body is being parsed, /healthz answers and a whole streamed turn
+    runs; then the big body is refused. The parse is held on an event: were it on the
+    loop, nothing else could run until the hold timed out, which the test sees."""
+    client = await make_sidecar(max_media_bytes=1000)
+    entered, release = threading.Event(), threading.Event()
+    held_to_the_end: list[bool] = []
+    parse = limits.parse_body
+
+    def parse_held(raw: bytes, caps: limits.BodyCaps) -> Any:
+        if len(raw) > limits.PARSE_IN_THREAD_BYTES:
+            entered.set()
+            held_to_the_end.append(not release.wait(10))
+        return parse(raw, caps)
+
+    monkeypatch.setattr(limits, "parse_body", parse_held)
+    big = json.dumps(chat([media_part("image_url", 2 * limits.PARSE_IN_THREAD_BYTES)]))
+    refused = asyncio.create_task(client.post(CHAT, data=big, headers=JSON_HEADERS))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        assert (await client.get("/healthz")).status == 200
+        stream = await client.post(CHAT, json=chat(stream=True))
+        assert stream.status == 200 and "fine" in await stream.text()
+        assert not refused.done()
+    finally:
+        release.set()
+    error = await refusal(await refused, 413)
+    assert "maxMediaBytes" in error["message"]
+    assert held_to_the_end == [False]
