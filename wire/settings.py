@@ -155,8 +155,11 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     max_messages: int = 4096
     max_content_parts: int = 4096  # in all the messages of one request
     # A connection idle or sending an unfinished request head this long is closed
-    # (between requests too: set a gateway's upstream idle timeout below it).
-    header_timeout_seconds: float = 30.0
+    # (aiohttp's keep-alive deadline: between requests too). Above the 1 h upstream
+    # idle timeout of common gateways (Envoy's default), so the sidecar never closes
+    # a pooled connection a gateway is about to reuse (a 503 race); lower it only
+    # below the gateway's own idle timeout.
+    header_timeout_seconds: float = 3630.0
     # A request body that has not arrived whole this long after its head gets 408.
     body_timeout_seconds: float = 60.0
     log_level: str = "INFO"
