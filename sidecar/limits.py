@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvferry_wire.jsondepth import nested_deeper_than
 from kvferry_wire.settings import SidecarSettings, file_key
 
 from .identity import TEXT_PARTS
@@ -198,10 +199,16 @@ def check_body(body: Mapping[str, Any], size: int, caps: BodyCaps) -> Refusal | 
 
 
 NOT_AN_OBJECT: Final = Refusal(400, "request body must be a JSON object")
+# Deeper than any request vLLM takes (a tool's JSON schema nests a few dozen levels at
+# most), far below what the parser and the engine legs' re-encoding survive.
+MAX_DEPTH: Final = 64
+TOO_DEEP: Final = Refusal(400, f"request body nests JSON deeper than {MAX_DEPTH} levels")
 
 
 def parse_body(raw: bytes, caps: BodyCaps) -> dict[str, Any] | Refusal:
     """The body as a JSON object, or why it is refused."""
+    if nested_deeper_than(raw, MAX_DEPTH):
+        return TOO_DEEP
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from .jsondepth import nested_deeper_than
 from .protocol import ROLES, HandleFate, Outcome
 
 REPORT_VERSION = 2
@@ -293,27 +294,6 @@ def _check_value(path: str, value: Any) -> None:
             _check_value(f"{path}[{i}]", item)
 
 
-# Strings, then everything that is not a bracket: what is left is the nesting.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear time
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_OPENING = frozenset(b"[{")
-
-
-def _nested_deeper_than(raw: bytes, limit: int) -> bool:
-    """Whether the JSON in ``raw`` nests arrays and objects deeper than ``limit``.
-
-    Checked before decoding: msgspec's own bound is the interpreter's recursion
-    limit (it raises RecursionError, also while skipping a field the report does
-    not have), which depends on the caller's stack. A deep body is refused at the
-    bracket past ``limit``; a long flat one costs one step per bracket."""
-    depth = 0
-    for byte in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
-        depth += 1 if byte in _OPENING else -1
-        if depth > limit:
-            return True
-    return False
-
-
 def _brief(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:40] + "..."
@@ -333,7 +313,7 @@ def decode(raw: bytes) -> Report:
     """Parse and check a report; raise :class:`ReportError` naming the problem."""
     if len(raw) > MAX_REPORT_BYTES:
         raise ReportError(f"report of {len(raw)} bytes exceeds {MAX_REPORT_BYTES}")
-    if _nested_deeper_than(raw, MAX_DEPTH):
+    if nested_deeper_than(raw, MAX_DEPTH):
         raise ReportError(f"malformed report: JSON nested too deeply (over {MAX_DEPTH} levels)")
     try:
         version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")

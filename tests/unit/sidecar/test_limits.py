@@ -153,6 +153,21 @@ async def test_a_body_past_what_the_model_can_take_is_a_413_naming_the_limit(
     assert (await client.post(CHAT, json=chat("word " * 100))).status == 200
 
 
+@pytest.mark.parametrize("depth", [limits.MAX_DEPTH + 1, 970, 5000])
+async def test_json_nested_past_the_depth_limit_is_a_400(
+    make_sidecar: MakeSidecar, engines: Engines, depth: int
+) -> None:
+    # 970 levels parsed, then the /tokenize leg's re-encoding hit the recursion limit: 500.
+    client = await make_sidecar()
+    part = {"type": "image_url", "image_url": {"url": "data:,x"}, "extra": "NEST"}
+    text = json.dumps(chat([{"type": "text", "text": "hi"}, part]))
+    text = text.replace('"NEST"', "[" * depth + "]" * depth)  # json.dumps would recurse
+    resp = await client.post(CHAT, data=text, headers={"Content-Type": "application/json"})
+    error = await refusal(resp, 400)
+    assert f"deeper than {limits.MAX_DEPTH}" in error["message"], error
+    nothing_reached_an_engine(engines)
+
+
 async def test_the_engines_context_length_bounds_the_body_when_the_setting_is_unset(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
