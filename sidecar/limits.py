@@ -202,7 +202,9 @@ NOT_AN_OBJECT: Final = Refusal(400, "request body must be a JSON object")
 # Deeper than any request vLLM takes (a tool's JSON schema nests a few dozen levels at
 # most), far below what the parser and the engine legs' re-encoding survive.
 MAX_DEPTH: Final = 64
-TOO_DEEP: Final = Refusal(400, f"request body nests JSON deeper than {MAX_DEPTH} levels")
+TOO_DEEP: Final = Refusal(
+    400, f"request body must be a JSON object nested no deeper than {MAX_DEPTH} levels"
+)
 
 
 def parse_body(raw: bytes, caps: BodyCaps) -> dict[str, Any] | Refusal:

@@ -251,12 +251,42 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
     return {"error": error}
 
 
+def engine_error(status: int, raw: bytes) -> JSON:
+    """D's error answer rebuilt, never relayed as sent: a 4xx keeps vLLM's message,
+    type and param (the request was refused; the client must learn why), a 5xx says
+    only its status (its text is the engine's internals)."""
+    if 400 <= status < 500:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            data = None
+        # vLLM answers {"error": {...}}; older releases put the fields at the top.
+        error = data.get("error", data) if isinstance(data, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            kind = error.get("type")
+            param = error.get("param")
+            return error_body(
+                error["message"][:2000],
+                kind if isinstance(kind, str) else "invalid_request_error",
+                status,
+                param if isinstance(param, str) else None,
+            )
+        return error_body(
+            f"the engine refused the request ({status})", "invalid_request_error", status
+        )
+    return error_body(f"the engine failed ({status}); retry shortly", "engine_error", status)
+
+
 def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
-    message = (
-        f"decode engine at {sc.settings.engine_url} is not ready ({detail}); "
-        "the request was not served, retry shortly"
+    # The engine's address and the connection error stay in the log: they are the
+    # pod's internals, not the client's business.
+    message = "the decode engine is not ready; the request was not served, retry shortly"
+    log.warning(
+        "upstream not ready request_id=%s engine=%s detail=%s",
+        request_id,
+        sc.settings.engine_url,
+        detail,
     )
-    log.warning("upstream not ready request_id=%s detail=%s", request_id, detail)
     # X-Request-Id: app.echo_request_id, as on every response.
     return web.json_response(error_body(message, "upstream_not_ready", 502), status=502)
 
@@ -332,11 +362,14 @@ async def run_decode(
         if upstream.status != 200:
             raw = await upstream.read()
             report.error = f"decode answered {upstream.status}"
-            return web.Response(
-                status=upstream.status,
-                body=raw,
-                content_type=upstream.content_type,
-                headers=headers,
+            log.warning(
+                "decode answered %d request_id=%s body=%r",
+                upstream.status,
+                turn.request_id,
+                raw[:2000],
+            )
+            return web.json_response(
+                engine_error(upstream.status, raw), status=upstream.status, headers=headers
             )
         # What D sent decides the relay, not what the request asked: a JSON answer to
         # a streamed request is parsed and stripped like any JSON answer.

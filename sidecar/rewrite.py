@@ -195,7 +195,12 @@ def capture_body(obj: Mapping[str, Any]) -> Capture:
 
 
 def _dump(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate from the engine: escape it as JSON does
+        return json.dumps(obj, separators=(",", ":"))
+    return text
 
 
 class SSERewriter:

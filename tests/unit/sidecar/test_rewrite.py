@@ -192,3 +192,13 @@ def test_sse_rewriter_strips_an_event_with_other_fields_or_several_data_lines() 
     out = sse.feed(split)
     assert b"prompt_token_ids" not in out and out.startswith(b"data: {")
     assert sse.capture.prompt_ids == [1, 2]
+
+
+def test_sse_rewriter_escapes_a_lone_surrogate_instead_of_failing_mid_stream() -> None:
+    """Bug prevented: a lone surrogate in D's streamed text raised UnicodeEncodeError
+    while re-encoding the chunk, and the client's stream died."""
+    sse = rewrite.SSERewriter(wants_token_ids=False)
+    out = sse.feed(b'data: {"choices":[{"index":0,"delta":{"content":"\\ud800"}}]}\n\n')
+    assert out.startswith(b"data: ")
+    chunk = json.loads(out.decode("utf-8")[len("data: ") :])
+    assert chunk["choices"][0]["delta"]["content"] == "\ud800"

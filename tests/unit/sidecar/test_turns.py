@@ -17,6 +17,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from kvferry_dev.fakeengines import EOS, chat_ids, ids
+from kvferry_sidecar import relay
 from kvferry_sidecar.types import LOCAL_HANDLE_PARAMS, PREFILL_REQUEST_PARAMS
 from kvferry_sidecar.upstream import FAILURES_BEFORE_NOT_READY
 from kvferry_wire import protocol
@@ -589,7 +590,7 @@ async def test_decode_client_error_is_passed_through(
 async def test_upstream_not_ready_is_502_with_message(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """The local engine failing /health: 502 naming the engine, request id echoed."""
+    """The local engine failing /health: 502, request id echoed, no engine address."""
     engines.decode.healthy = False
     client = await make_sidecar()
     resp = await client.post(
@@ -599,7 +600,9 @@ async def test_upstream_not_ready_is_502_with_message(
     assert resp.headers["X-Request-Id"] == "r9"
     error = (await resp.json())["error"]
     assert error["type"] == "upstream_not_ready"
-    assert engines.decode.url in error["message"] and "not ready" in error["message"]
+    assert "not ready" in error["message"]
+    assert engines.decode.url not in error["message"]
+    assert engines.decode.url.rsplit(":", 1)[-1] not in error["message"]  # the port
     assert (await client.get("/readyz")).status == 503
 
 
@@ -727,3 +730,50 @@ async def test_turn_log_line_is_key_value(
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvferry_sidecar.turn"]
     assert "outcome=no-handle" in line and "route=remote" in line
     assert "session=kvf-" in line and "alice" not in line
+
+
+@pytest.mark.parametrize(
+    ("status", "raw", "expected"),
+    [
+        # A refusal keeps vLLM's words: the client must learn what to change.
+        (
+            400,
+            b'{"error": {"message": "max_tokens too large", "type": "BadRequestError",'
+            b' "param": "max_tokens", "code": 400, "engine": "nixl@10.0.0.1"}}',
+            {
+                "message": "max_tokens too large",
+                "type": "BadRequestError",
+                "code": 400,
+                "param": "max_tokens",
+            },
+        ),
+        (
+            400,
+            b'{"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}',
+            {"message": "bad", "type": "BadRequestError", "code": 400},
+        ),
+        (
+            422,
+            b"<html>not json</html>",
+            {
+                "message": "the engine refused the request (422)",
+                "type": "invalid_request_error",
+                "code": 422,
+            },
+        ),
+        # A failure's text is the engine's internals: only the status reaches the client.
+        (
+            500,
+            b'{"error": {"message": "Remote NIXL agent engine ID mismatch 10.0.0.1:5600"}}',
+            {
+                "message": "the engine failed (500); retry shortly",
+                "type": "engine_error",
+                "code": 500,
+            },
+        ),
+    ],
+)
+def test_an_engine_error_is_rebuilt_never_relayed_as_sent(
+    status: int, raw: bytes, expected: dict
+) -> None:
+    assert relay.engine_error(status, raw) == {"error": expected}
