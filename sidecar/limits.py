@@ -263,6 +263,10 @@ class Hold:
         self.budget = budget
         self.size = 0
 
+    def fits(self, size: int) -> Refusal | None:
+        """A 413 when ``size`` bytes are more than the whole budget ever holds."""
+        return self.budget.refusal(size) if size > self.budget.capacity else None
+
     def grow(self, size: int) -> Refusal | None:
         """Cover ``size`` bytes; a refusal when the budget cannot."""
         if size <= self.size:

@@ -515,12 +515,13 @@ async def read_body(
     sc: Sidecar, request: web.Request, caps: limits.BodyCaps, held: limits.Hold
 ) -> tuple[bytes, dict[str, Any]] | limits.Refusal:
     """The raw body and its JSON object, read within ``caps``, the in-flight budget
-    (``held`` grows with what arrives: the declared length at once) and
-    ``body_timeout_seconds``; or why not. A declared length past the caps is refused
-    before a byte of the body is read."""
+    (``held`` grows with the bytes that arrive, never with a length only declared:
+    heads that declare big bodies and send nothing must not hold the budget from
+    everyone else) and ``body_timeout_seconds``; or why not. A declared length past
+    the caps is refused before a byte of the body is read."""
     declared = request.content_length
     if declared is not None:
-        refused = limits.too_large(declared, caps) or held.grow(declared)
+        refused = limits.too_large(declared, caps) or held.fits(declared)
         if refused is not None:
             return refused
     chunks: list[bytes] = []
