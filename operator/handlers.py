@@ -252,6 +252,12 @@ def apply_children(
         if only and (child["kind"], meta["name"]) != only:
             continue
         key = (child["kind"], meta["namespace"], meta["name"])
+        if child["kind"] == "StatefulSet" and any(
+            ownership.feeds_pods(c, server.name) for c in claims.conflicts(server_key)
+        ):
+            logger.warning("not applied while its pods' ConfigMap or peers are taken: %s", key)
+            ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
+            continue
         try:
             taken = _taken(child, server, kube, claims)
             if taken is not None:

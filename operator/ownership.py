@@ -9,7 +9,8 @@ server-side apply would take such an object over, and the garbage collector woul
 delete it with the server. So an object is applied to only when it is absent (the
 apply creates it) or its controller owner reference is this server's uid; anything
 else is a :class:`Conflict`, which leaves the object as it is and makes the server
-``Degraded`` (``status.REASON_CHILD_CONFLICT``).
+``Degraded`` (``status.REASON_CHILD_CONFLICT``). While the object is one the pods
+would use (:func:`feeds_pods`), their StatefulSets wait too.
 
 Reading each child before every apply would double the operator's requests, so
 :class:`Claims` remembers the children known to be ours (learned from a read, from
@@ -71,15 +72,28 @@ def conflict(
     return Conflict(kind, name, held_by)
 
 
-def message(conflicts: Iterable[Conflict]) -> str:
+def feeds_pods(found: Conflict, server_name: str) -> bool:
+    """The pods would use the object: they mount ConfigMap ``<name>-sidecar`` and find
+    their peers through the headless Services ``<name>-<role>``, by name. Pods must not
+    start on someone else's settings or peers, so their StatefulSets wait."""
+    return found.kind == "ConfigMap" or (found.kind == "Service" and found.name != server_name)
+
+
+def message(conflicts: Iterable[Conflict], server_name: str) -> str:
     """The condition's message: each object, and what the user can do."""
     found = sorted(conflicts, key=lambda c: (c.kind, c.name))
     what = "; ".join(str(c) for c in found)
+    held = (
+        " The StatefulSets are not applied either: the pods would read that ConfigMap or "
+        "find that Service's pods as peers."
+        if any(feeds_pods(c, server_name) for c in found)
+        else ""
+    )
     return (
         f"{len(found)} child name(s) taken by objects this server does not control, so "
-        f"nothing is applied to them: {what}. Child names come from the server's name: "
-        "rename this server, or delete or rename those objects if they are not needed "
-        "(an earlier server's child goes once the garbage collector removes it)"
+        f"nothing is applied to them: {what}.{held} Child names come from the server's "
+        "name: rename this server, or delete or rename those objects if they are not "
+        "needed (an earlier server's child goes once the garbage collector removes it)"
     )
 
 

@@ -296,7 +296,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
     node_lost = node_lost_summary(observed)
-    conflict = ownership.message(observed.conflicts) if observed.conflicts else None
+    conflict = ownership.message(observed.conflicts, server.name) if observed.conflicts else None
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
     not_ready = [

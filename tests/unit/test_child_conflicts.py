@@ -103,6 +103,40 @@ def test_an_object_we_do_not_control_is_never_applied_to(existing):
     assert result is handlers.Applied.NEVER
 
 
+@pytest.mark.parametrize(
+    "existing",
+    [
+        {**service("postgres-sidecar"), "kind": "ConfigMap", "data": {"sidecar.json": "{}"}},
+        service("postgres-decode"),  # the headless Service the pods find their peers by
+        service("postgres-prefill"),
+    ],
+    ids=["configmap", "decode-peers", "prefill-peers"],
+)
+def test_pods_never_start_on_someone_elses_settings_or_peers(existing):
+    kube = ClusterKube(existing)
+    claims = ownership.Claims()
+    handlers.apply_children(postgres_server(), kube, SETTINGS, LOG, claims=claims)
+    applied_kinds = {kind for kind, _ in kube.applied}
+    assert "StatefulSet" not in applied_kinds
+    assert (existing["kind"], existing["metadata"]["name"]) not in kube.applied
+    assert {"Service", "PodDisruptionBudget", api.STATUS_KIND} <= applied_kinds
+    # A watch event of one StatefulSet does not bring it in behind the conflict's back.
+    kube.applied.clear()
+    handlers.apply_children(
+        postgres_server(),
+        kube,
+        SETTINGS,
+        LOG,
+        claims=claims,
+        only=("StatefulSet", "postgres-decode"),
+    )
+    assert kube.applied == []
+    # Once the name is free, the next pass applies everything.
+    del kube.objects[(existing["kind"], existing["metadata"]["name"])]
+    assert handlers.apply_children(postgres_server(), kube, SETTINGS, LOG, claims=claims)
+    assert ("StatefulSet", "postgres-decode") in kube.applied
+
+
 def test_a_server_named_like_another_servers_child_takes_nothing_from_it():
     # Servers chat and chat-decode both render Service chat-decode.
     chat = server()
@@ -215,12 +249,16 @@ def test_the_message_names_each_object_and_the_fix():
     text = ownership.message(
         [
             ownership.Conflict("Service", "postgres", ""),
-            ownership.Conflict("Service", "chat-decode", "DisaggregatedServer chat"),
-        ]
+            ownership.Conflict("PodDisruptionBudget", "postgres-decode", "Deployment db"),
+        ],
+        "postgres",
     )
     assert "Service postgres (controlled by nothing)" in text
-    assert "Service chat-decode (controlled by DisaggregatedServer chat)" in text
+    assert "PodDisruptionBudget postgres-decode (controlled by Deployment db)" in text
     assert "nothing is applied to them" in text and "rename this server" in text
+    assert "StatefulSets" not in text  # the pods use neither
+    peers = ownership.message([ownership.Conflict("Service", "postgres-decode", "")], "postgres")
+    assert "The StatefulSets are not applied either" in peers
 
 
 def test_claims_forget_a_server_and_a_child():
