@@ -3,9 +3,11 @@
 Reconcile, in named steps:
   1. parse the server spec (defaults from the CRD);
   2. render the children (pure);
-  3. server-side apply each child under our field manager; keep going when
-     one fails, so an independent child still lands; a server whose apply may
-     land later is retried with backoff (``retries.py``, ``backoff.py``);
+  3. server-side apply each child under our field manager, but only to an object
+     that is absent or ours (``ownership.py``: a name another object holds is a
+     conflict, left alone and shown as ``Degraded``); keep going when one fails,
+     so an independent child still lands; a server whose apply may land later is
+     retried with backoff (``retries.py``, ``backoff.py``);
   4. fold the StatefulSets and pods (from indexes) into status;
   5. write status only when it changed, then emit Events for the changes.
 
@@ -33,6 +35,7 @@ from . import (
     api,
     drift,
     metrics,
+    ownership,
     prerequisites,
     publisher,
     render,
@@ -87,11 +90,13 @@ async def configure(
     memo.kube = Kube()
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
+    memo.claims = ownership.Claims()
     loop = asyncio.get_running_loop()
     memo.tasks = [loop.create_task(_resync_forever(memo, ours, logger))]
     kube_for_retries: Kube = memo.kube
+    claims: ownership.Claims = memo.claims
     memo.retries = ApplyRetries(
-        loop, lambda ns, name: retry_apply(ns, name, kube_for_retries, ours, logger)
+        loop, lambda ns, name: retry_apply(ns, name, kube_for_retries, ours, logger, claims)
     )
     memo.reports = reports.ReportStore()
     memo.report_runner = None
@@ -229,19 +234,37 @@ def apply_children(
     settings: Settings,
     logger: logging.Logger,
     only: tuple[str, str] | None = None,
+    claims: ownership.Claims | None = None,
 ) -> Applied:
-    """Steps 1-3. ``only`` = (kind, name) applies just that child."""
+    """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
+    children known to be ours and records conflicts for status (a throwaway one
+    without it: every child is read first)."""
     try:
         server = api.parse_server(body)
     except api.SpecError as exc:
         kopf.warn(body, reason=EVENT_INVALID, message=str(exc))
         return Applied.NEVER
+    claims = claims if claims is not None else ownership.Claims()
+    server_key = (server.namespace, server.name)
     ok = Applied.ALL
     for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
         if only and (child["kind"], meta["name"]) != only:
             continue
+        key = (child["kind"], meta["namespace"], meta["name"])
+        if child["kind"] == "StatefulSet" and any(
+            ownership.feeds_pods(c, server.name) for c in claims.conflicts(server_key)
+        ):
+            logger.warning("not applied while its pods' ConfigMap or peers are taken: %s", key)
+            ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
+            continue
         try:
+            taken = _taken(child, server, kube, claims)
+            if taken is not None:
+                claims.record(server_key, key, taken)
+                logger.warning("not applied, the name is taken: %s", taken)
+                ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
+                continue
             applied = kube.apply(child)
         except Exception as exc:
             if not isinstance(exc, ApiException):
@@ -263,6 +286,8 @@ def apply_children(
             logger.error("apply failed: %s", message)
             kopf.warn(body, reason=EVENT_APPLY_FAILED, message=message)
             continue
+        claims.remember(key, server.uid)
+        claims.record(server_key, key, None)
         if child["kind"] == api.STATUS_KIND and not applied.get("status"):
             kube.patch_status(
                 api.API_VERSION,
@@ -274,6 +299,19 @@ def apply_children(
     return ok
 
 
+def _taken(
+    child: dict[str, Any], server: api.Server, kube: Kube, claims: ownership.Claims
+) -> ownership.Conflict | None:
+    """The conflict when an object we do not control holds the child's name. A child
+    known to be ours costs no read; any other is read once (a forced apply to it
+    would take it over, and the garbage collector would delete it with the server)."""
+    meta = child["metadata"]
+    if server.uid and claims.owner((child["kind"], meta["namespace"], meta["name"])) == server.uid:
+        return None
+    existing = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+    return ownership.conflict(existing, child["kind"], meta["name"], server.uid)
+
+
 def apply_or_retry(
     body: dict[str, Any],
     memo: kopf.Memo,
@@ -281,7 +319,8 @@ def apply_or_retry(
     only: tuple[str, str] | None = None,
 ) -> Applied:
     """apply_children, and a bounded retry of the whole server when it may land later."""
-    result = apply_children(body, memo.kube, memo.settings, logger, only)
+    claims: ownership.Claims | None = getattr(memo, "claims", None)
+    result = apply_children(body, memo.kube, memo.settings, logger, only, claims)
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
         meta = body["metadata"]
@@ -290,14 +329,19 @@ def apply_or_retry(
 
 
 def retry_apply(
-    namespace: str, name: str, kube: Kube, settings: Settings, logger: logging.Logger
+    namespace: str,
+    name: str,
+    kube: Kube,
+    settings: Settings,
+    logger: logging.Logger,
+    claims: ownership.Claims | None = None,
 ) -> bool:
     """One retry of a server's apply, on its current object: True when done (all
     landed, the server is gone or being deleted, or retrying cannot help)."""
     body = kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return True
-    return apply_children(body, kube, settings, logger) is not Applied.RETRY
+    return apply_children(body, kube, settings, logger, None, claims) is not Applied.RETRY
 
 
 def check_prerequisites(
@@ -328,9 +372,11 @@ def refresh_status(
     settings: Settings | None = None,
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
     nodes: kopf.Index | None = None,
+    claims: ownership.Claims | None = None,
 ) -> None:
     """Steps 4-5. ``post(body, type, reason, message)`` emits an Event where no kopf
-    handler runs (kopf.info/warn need one)."""
+    handler runs (kopf.info/warn need one); ``claims`` has the conflicts the last
+    apply found."""
     try:
         server = api.parse_server(body)
     except api.SpecError:
@@ -349,6 +395,7 @@ def refresh_status(
         transport_reason=old.get("transportReason", ""),
         prerequisites=check_prerequisites(server, roles, probe, settings),
         nodes=_nodes_seen(nodes) if nodes is not None else None,
+        conflicts=claims.conflicts(key) if claims is not None else (),
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
@@ -400,7 +447,10 @@ def server_changed(
     # Live views, for the resync loop. Per-object memos are shallow copies of the
     # operator's, so the shared dict (made at start-up) is the way back to it.
     memo.indexes.setdefault("live", (statefulsets, pods, nodes))
+    claims: ownership.Claims | None = getattr(memo, "claims", None)
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
+        if type == "DELETED" and claims is not None:
+            claims.drop_server((body.metadata["namespace"], body.metadata["name"]))
         return  # the garbage collector removes the children
     plain = _plain(body)
     generation = body.metadata.get("generation")
@@ -409,7 +459,9 @@ def server_changed(
     new_generation = body.status.get("observedGeneration") != generation
     if (type in (None, "ADDED") or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
-    refresh_status(plain, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes)
+    refresh_status(
+        plain, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes, claims=claims
+    )
 
 
 def _brief(exc: BaseException) -> str:
@@ -429,6 +481,7 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
     unchanged status.
     """
     kube: Kube = memo.kube
+    claims: ownership.Claims | None = getattr(memo, "claims", None)
     while True:
         await asyncio.sleep(settings.resync_seconds)
         try:
@@ -442,7 +495,7 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
             if body["metadata"].get("deletionTimestamp"):
                 continue
             try:
-                await asyncio.to_thread(apply_children, body, kube, settings, logger)
+                await asyncio.to_thread(apply_children, body, kube, settings, logger, None, claims)
             except Exception as exc:  # the loop must outlive any one server's trouble
                 logger.warning("resync of %s failed: %s", body["metadata"].get("name"), _brief(exc))
             if indexes is not None:
@@ -458,6 +511,7 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
                         settings,
                         kube.create_event,
                         nodes,
+                        claims,
                     )
                 except Exception as exc:  # the next pass tries again
                     logger.warning(
@@ -502,6 +556,7 @@ def _refresh(
         memo.probe,
         memo.settings,
         nodes=nodes,
+        claims=getattr(memo, "claims", None),
     )
 
 
@@ -524,6 +579,16 @@ def _on_child_event(kind: str):
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
+        claims: ownership.Claims | None = getattr(memo, "claims", None)
+        if claims is not None:
+            # What the watch shows is the freshest word on whose the child is: a deleted
+            # child's name is read again before it is recreated.
+            key = (kind, namespace, name)
+            uid = owner["metadata"].get("uid") or ""
+            if type != "DELETED" and ownership.is_ours(dict(body), uid):
+                claims.remember(key, uid)
+            else:
+                claims.forget(key)
         # Re-apply this one child when someone edited or deleted it. A deleted child
         # comes back; an edited one gets our fields back, while fields we never set
         # (another manager's) stay as they are. Its own creation and the status its

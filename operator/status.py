@@ -16,7 +16,7 @@ from typing import Any
 
 from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
-from . import api, prerequisites
+from . import api, ownership, prerequisites
 from .api import Server
 from .prerequisites import Finding
 from .render import entry_url, selector_labels
@@ -33,6 +33,8 @@ REASON_HEALTHY = "Healthy"
 REASON_CRASHING = "ContainersCrashing"
 REASON_NO_REPORTS = "NoReports"
 REASON_NODE_LOST = "NodeLost"
+# A child's name is held by an object the server does not control (ownership.py).
+REASON_CHILD_CONFLICT = "ChildConflict"
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
@@ -79,6 +81,8 @@ class Observed:
     # Nodes as the operator sees them: name -> Ready. None: not known (no node
     # has been seen), so no pod is taken for lost.
     nodes: dict[str, bool] | None = None
+    # Children not applied because another object holds their name.
+    conflicts: tuple[ownership.Conflict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -287,11 +291,12 @@ def prerequisites_condition(server: Server, observed: Observed) -> tuple[str, st
 
 def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any]]:
     """Ready, Progressing, Degraded, KVTransport and Prerequisites, without
-    transition times."""
+    transition times. A child conflict makes the server Degraded and not Ready."""
     roles = observed.roles
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
     node_lost = node_lost_summary(observed)
+    conflict = ownership.message(observed.conflicts, server.name) if observed.conflicts else None
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
     not_ready = [
@@ -306,6 +311,9 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
             REASON_NO_DECODE,
             "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more",
         )
+    elif conflict:
+        # Pods may run, but some child (the entry Service, say) is someone else's.
+        ready = ("False", REASON_CHILD_CONFLICT, conflict)
     elif unschedulable:
         ready = ("False", REASON_UNSCHEDULABLE, unschedulable)
     elif node_lost:
@@ -333,7 +341,9 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)
         progressing = ("True", REASON_ROLLING, what or "waiting for StatefulSets")
 
-    if unschedulable:
+    if conflict:
+        degraded = ("True", REASON_CHILD_CONFLICT, conflict)
+    elif unschedulable:
         degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
     elif node_lost:
         degraded = ("True", REASON_NODE_LOST, node_lost)

@@ -341,4 +341,17 @@ INVALID: list[Invalid] = [
         "",
         "metadata.name must be at most 44 characters",
     ),
+    # Server chat renders Service chat-decode; a server chat-decode would render it too.
+    Invalid(
+        "name-ends-in-decode",
+        merge(MINIMAL, {"metadata": {"name": "chat-decode"}}),
+        "",
+        "metadata.name must not end in -prefill or -decode",
+    ),
+    Invalid(
+        "name-ends-in-prefill",
+        merge(MINIMAL, {"metadata": {"name": "chat-prefill"}}),
+        "",
+        "metadata.name must not end in -prefill or -decode",
+    ),
 ]

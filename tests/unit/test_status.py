@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import api, prerequisites, status
+from kvferry_operator import api, ownership, prerequisites, status
 from kvferry_operator.status import Observed, PodState, RoleObserved
 from tests.manifests import server
 from tests.unit.observed import SETTLED
@@ -87,6 +87,12 @@ def cond(conditions: list[dict], ctype: str) -> dict:
             observed(pods=[PodState("tiny-decode-0", "decode", unschedulable_message=GPU_MESSAGE)]),
             "False",
             status.REASON_UNSCHEDULABLE,
+        ),
+        (
+            "a child conflict wins over settled pods",
+            observed(conflicts=(ownership.Conflict("Service", "tiny", ""),)),
+            "False",
+            status.REASON_CHILD_CONFLICT,
         ),
     ],
     ids=lambda v: v if isinstance(v, str) and " " in v else None,
@@ -225,6 +231,17 @@ def test_zero_decode_replicas_is_never_ready():
     decode = RoleObserved(exists=True, replicas=0)
     c = cond(status.compute_conditions(zero, observed(decode=decode)), api.COND_READY)
     assert (c["status"], c["reason"]) == ("False", status.REASON_NO_DECODE)
+
+
+def test_a_child_conflict_degrades_naming_the_object_and_the_fix():
+    obs = observed(
+        pods=[PodState("tiny-decode-0", "decode", waiting_reason="engine: CrashLoopBackOff")],
+        conflicts=(ownership.Conflict("Service", "tiny", "Deployment db"),),
+    )
+    c = cond(status.compute_conditions(SERVER, obs), api.COND_DEGRADED)
+    assert (c["status"], c["reason"]) == ("True", status.REASON_CHILD_CONFLICT)
+    assert "Service tiny (controlled by Deployment db)" in c["message"]
+    assert "rename this server" in c["message"]
 
 
 def test_crashing_containers_degrade():

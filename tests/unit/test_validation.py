@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import api, validation
-from tests.manifests import EXAMPLES, INVALID, Invalid, load_example
+from kvferry_operator import api, render, validation
+from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, server
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -78,3 +78,28 @@ def test_unquoted_off_gets_a_yaml_hint():
     case = next(c for c in INVALID if c.id == "tuning-mode-yaml-bool")
     (err,) = validation.validate(case.manifest)
     assert "quote it" in err.message
+
+
+def test_a_server_that_already_has_a_status_keeps_its_name():
+    # Created before the suffix rule: the API server must still take its spec edits
+    # and the operator's status writes (create drops status, so new ones are checked).
+    existing = {**server(name="chat-decode"), "status": {"observedGeneration": 1}}
+    assert validation.validate(existing) == []
+
+
+def _children(name: str) -> set[tuple[str, str]]:
+    obj = api.parse_server({**server(name=name), "metadata": {"name": name, "namespace": "ns"}})
+    return {(c["kind"], c["metadata"]["name"]) for c in render.render(obj)}
+
+
+def test_the_names_the_crd_accepts_never_render_the_same_child():
+    # Every child name of server "chat" is itself a server name someone might pick.
+    names = {"chat"} | {name for _, name in _children("chat")}
+    names |= {f"{n}-x" for n in set(names)}
+    accepted = sorted(n for n in names if validation.validate(server(name=n)) == [])
+    assert "chat" in accepted and "chat-sidecar" in accepted
+    for i, a in enumerate(accepted):
+        for b in accepted[i + 1 :]:
+            assert not _children(a) & _children(b), (a, b)
+    rejected = set(names) - set(accepted)
+    assert rejected >= {"chat-decode", "chat-prefill"}

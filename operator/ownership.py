@@ -1,0 +1,138 @@
+"""Whether an object that holds a child's name is the server's own. Pure.
+
+A child's name comes from the server's name alone (``render.name_for``), so it can be
+taken: by a user's object (a server ``postgres`` and the Service ``postgres`` the
+database already has), by another server's child (servers ``chat`` and
+``chat-decode`` both render Service ``chat-decode``), or by the child of an earlier
+server of the same name that the garbage collector has not removed yet. A forced
+server-side apply would take such an object over, and the garbage collector would
+delete it with the server. So an object is applied to only when it is absent (the
+apply creates it) or its controller owner reference is this server's uid; anything
+else is a :class:`Conflict`, which leaves the object as it is and makes the server
+``Degraded`` (``status.REASON_CHILD_CONFLICT``). While the object is one the pods
+would use (:func:`feeds_pods`), their StatefulSets wait too.
+
+Reading each child before every apply would double the operator's requests, so
+:class:`Claims` remembers the children known to be ours (learned from a read, from
+our own apply, and from the child watch, which also forgets a deleted one): only a
+child not known to be ours is read first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from . import api
+
+ChildKey = tuple[str, str, str]  # kind, namespace, name
+ServerKey = tuple[str, str]  # namespace, name
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A child's name held by an object this server does not control."""
+
+    kind: str
+    name: str
+    controller: str = ""  # "<kind> <name>" of what controls it; "" when nothing does
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} (controlled by {self.controller or 'nothing'})"
+
+
+def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The owner reference with ``controller: true``; an object has at most one."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((r for r in refs if isinstance(r, dict) and r.get("controller") is True), None)
+
+
+def is_ours(obj: dict[str, Any], server_uid: str) -> bool:
+    """The object's controller is the server with ``server_uid``."""
+    ref = controller_of(obj)
+    return (
+        bool(server_uid)
+        and ref is not None
+        and ref.get("uid") == server_uid
+        and ref.get("kind") == api.SERVER_KIND
+        and str(ref.get("apiVersion", "")).split("/")[0] == api.GROUP
+    )
+
+
+def conflict(
+    existing: dict[str, Any] | None, kind: str, name: str, server_uid: str
+) -> Conflict | None:
+    """None when the child may be applied: absent, or controlled by this server."""
+    if existing is None or is_ours(existing, server_uid):
+        return None
+    ref = controller_of(existing)
+    held_by = f"{ref.get('kind', '?')} {ref.get('name', '?')}" if ref else ""
+    return Conflict(kind, name, held_by)
+
+
+def feeds_pods(found: Conflict, server_name: str) -> bool:
+    """The pods would use the object: they mount ConfigMap ``<name>-sidecar`` and find
+    their peers through the headless Services ``<name>-<role>``, by name. Pods must not
+    start on someone else's settings or peers, so their StatefulSets wait."""
+    return found.kind == "ConfigMap" or (found.kind == "Service" and found.name != server_name)
+
+
+def message(conflicts: Iterable[Conflict], server_name: str) -> str:
+    """The condition's message: each object, and what the user can do."""
+    found = sorted(conflicts, key=lambda c: (c.kind, c.name))
+    what = "; ".join(str(c) for c in found)
+    held = (
+        " The StatefulSets are not applied either: the pods would read that ConfigMap or "
+        "find that Service's pods as peers."
+        if any(feeds_pods(c, server_name) for c in found)
+        else ""
+    )
+    return (
+        f"{len(found)} child name(s) taken by objects this server does not control, so "
+        f"nothing is applied to them: {what}.{held} Child names come from the server's "
+        "name: rename this server, or delete or rename those objects if they are not "
+        "needed (an earlier server's child goes once the garbage collector removes it)"
+    )
+
+
+class Claims:
+    """Children known to be ours (key -> the owning server's uid) and each server's
+    current conflicts. Shared by the operator's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[ChildKey, str] = {}
+        self._conflicts: dict[ServerKey, dict[ChildKey, Conflict]] = {}
+
+    def owner(self, key: ChildKey) -> str | None:
+        with self._lock:
+            return self._owners.get(key)
+
+    def remember(self, key: ChildKey, server_uid: str) -> None:
+        with self._lock:
+            self._owners[key] = server_uid
+
+    def forget(self, key: ChildKey) -> None:
+        with self._lock:
+            self._owners.pop(key, None)
+
+    def record(self, server: ServerKey, key: ChildKey, found: Conflict | None) -> None:
+        """The outcome of one child's claim: a conflict, or None when it was ours."""
+        with self._lock:
+            held = self._conflicts.setdefault(server, {})
+            if found is None:
+                held.pop(key, None)
+            else:
+                held[key] = found
+            if not held:
+                del self._conflicts[server]
+
+    def conflicts(self, server: ServerKey) -> tuple[Conflict, ...]:
+        with self._lock:
+            return tuple(self._conflicts.get(server, {}).values())
+
+    def drop_server(self, server: ServerKey) -> None:
+        with self._lock:
+            self._conflicts.pop(server, None)
