@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from .rewrite import TEMPLATE_FIELDS, TOKENIZE_IGNORES
 from .types import Api
 
 # Sampling, stopping, output shape and scheduling: read after the prompt is rendered.
@@ -99,18 +100,8 @@ _IDENTITY: Final = frozenset(
     }
 )
 
-# Sent to /tokenize as the engine gets them (rewrite.tokenize_body).
-CHAT_TOKENIZED: Final = frozenset(
-    {
-        "messages",
-        "tools",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        "add_special_tokens",
-    }
-)
+# Sent to /tokenize as the engine gets them, and read there (rewrite.tokenize_body).
+CHAT_TOKENIZED: Final = frozenset(TEMPLATE_FIELDS) - TOKENIZE_IGNORES
 COMPLETION_TOKENIZED: Final = frozenset({"prompt", "add_special_tokens"})
 
 ALLOWED: Final[Mapping[Api, frozenset[str]]] = {

@@ -43,7 +43,10 @@ from .types import (
 
 # Fields P must not get: it generates exactly one token.
 _PREFILL_DROPPED = ("min_tokens", "min_completion_tokens", F_STREAM_OPTIONS, F_RETURN_TOKEN_IDS)
-# Chat fields that change how the prompt is rendered; /tokenize needs the same ones.
+# Chat fields that change how the prompt is rendered, sent to /tokenize as the engine
+# gets them. vLLM 0.32's /tokenize ignores the last three (TOKENIZE_IGNORES): a turn
+# carrying documents or reasoning_effort does not reuse (allowlist.py), and
+# mm_processor_kwargs is part of the KV identity instead.
 TEMPLATE_FIELDS = (
     "messages",
     "tools",
@@ -56,6 +59,7 @@ TEMPLATE_FIELDS = (
     "mm_processor_kwargs",
     "reasoning_effort",
 )
+TOKENIZE_IGNORES = frozenset({"documents", "mm_processor_kwargs", "reasoning_effort"})
 
 
 def client_body(body: Mapping[str, Any]) -> JSON:
