@@ -596,6 +596,7 @@ async def serve_turn(
             request_id,
             received_at,
             sc.settings.session_keys,
+            sc.owner_rule,
         )
         try:
             # The media digests walk the whole body: off the loop when it is big.
@@ -635,6 +636,7 @@ async def _serve(
     report = TurnReport(
         request_id=request_id,
         client_request_id=client_request_id,
+        owner=turn.owner,
         session=turn.slot,
         api=api,
         stream=turn.stream,
