@@ -167,8 +167,10 @@ class HandleStore:
         owned = self._owned.get(owner)
         return (len(owned.slots), owned.tokens) if owned else (0, 0)
 
-    def put(self, handle: KVHandle) -> None:
-        """Keep ``handle`` for its session, replacing (and evicting) as the rules say."""
+    def put(self, handle: KVHandle) -> bool:
+        """Keep ``handle`` for its session, replacing (and evicting) as the rules say;
+        False when a cap evicted the handle itself at once (alone over its owner's
+        token cap)."""
         self._expired.pop(handle.session, None)
         old = self._pop(handle.session)
         if old is not None:
@@ -182,6 +184,7 @@ class HandleStore:
                 self._enforce(owned, self._owner_caps())
         while len(self._items) > self._cap:
             self._evict(first_to_evict(self._items.values()), EVICT_STORE_CAP)
+        return self._items.get(handle.session) is handle
 
     def _enforce(self, owned: _Owned, caps: Caps) -> None:
         """The owner's own handles go, oldest first, until it is within its caps."""

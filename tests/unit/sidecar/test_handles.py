@@ -270,7 +270,7 @@ def test_handle_owner_caps_count_pinned_tokens() -> None:
 def test_handle_owner_caps_do_not_keep_a_handle_alone_over_the_token_cap() -> None:
     evictions: list = []
     store = owned_store(Caps(8, 20), evictions=evictions)
-    store.put(owned_handle("a1", "alice", tokens=25))
+    assert store.put(owned_handle("a1", "alice", tokens=25)) is False
     assert evictions == [(EVICT_OWNER_TOKENS, "a1")]
     assert len(store) == 0 and store.owner_figures("alice") == (0, 0)
 

@@ -208,6 +208,19 @@ async def test_an_owner_over_its_token_cap_loses_its_own_oldest_handle(
     assert outcome(resp) == "no-handle"
 
 
+async def test_a_handle_alone_over_its_owners_token_cap_is_not_kept(
+    make_sidecar: MakeSidecar,
+) -> None:
+    """Released at once, and the turn says it kept nothing (not-kept owner-tokens)."""
+    client = await owners_sidecar(make_sidecar, owner_max_pinned_tokens=10)
+    await Owned(client, ALICE, session_id="a0").ask(LONG_QUESTION)
+    await releases_done(client)
+    assert len(sidecar_of(client).store) == 0
+    text = await (await client.get("/metrics")).text()
+    assert 'kvferry_handles_not_kept_total{reason="owner-tokens"} 1.0' in text
+    assert (await residency(client)).releases.request == 1
+
+
 async def test_evictions_are_exported_by_reason(make_sidecar: MakeSidecar) -> None:
     client = await owners_sidecar(make_sidecar, owner_max_handles=1, handle_store_cap=2)
     await Owned(client, ALICE, session_id="a0").ask(LONG_QUESTION)
