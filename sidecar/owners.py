@@ -10,15 +10,17 @@ slot and finds nothing.
 Rules:
 - owners off (no ``owner_header``, the default): every client is one owner, no
   per-owner caps, as before.
-- a turn whose header is missing, empty, longer than ``MAX_OWNER_CHARS`` or not
-  printable ASCII has no owner: it neither uses nor keeps a handle (outcome
-  ``no-owner``), rather than a 400, so a gateway route that forgot the header
-  degrades to recompute instead of failing its clients; it can reach no one's
-  handle either way.
-- the raw value never leaves this module: the owner is known by ``owner_tag``, a
-  digest keyed with a per-process random key (so a log line does not let a reader
-  confirm a guessed identity by hashing it; tags of one owner agree within one
-  sidecar process, which is as long as its handles live).
+- a turn whose header is missing, sent twice, empty, longer than
+  ``MAX_OWNER_CHARS`` or not printable ASCII has no owner: it neither uses nor keeps
+  a handle (outcome ``no-owner``), rather than a 400, so a gateway route that forgot
+  the header degrades to recompute instead of failing its clients; it can reach no
+  one's handle either way.
+- the raw value is never logged and never sent to an engine: past ``read_owner``
+  the owner is its ``owner_tag``, a digest keyed with a per-process random key (so a
+  log line does not let a reader confirm a guessed identity by hashing it; tags of
+  one owner agree within one sidecar process, which is as long as its handles live).
+  Only the header itself travels on, unchanged, when a turn is relayed to the
+  session's decode pod (``forward.py``), which reads it the same way.
 - caps: an owner keeps at most ``max_handles`` handles pinning at most
   ``max_pinned_tokens`` tokens; by default an eighth of the store's cap and an eighth
   of D's KV (``caps``), so at least eight owners fit before one crowds out another.
@@ -71,8 +73,12 @@ def _valid(value: str) -> bool:
 
 
 def read_owner(headers: Mapping[str, str], rule: Rule) -> OwnerTag | None:
-    """The turn's owner, or None when the header is missing or no valid identity."""
-    raw = headers.get(rule.header)
+    """The turn's owner, or None when the header is missing, sent more than once or
+    no valid identity. Twice is refused because a gateway that appends its value
+    instead of overwriting leaves the client's first, and ``get`` would read that."""
+    getall = getattr(headers, "getall", None)  # a multidict (aiohttp's request headers)
+    values = getall(rule.header, []) if getall is not None else [headers.get(rule.header)]
+    raw = values[0] if len(values) == 1 else None
     value = raw.strip() if isinstance(raw, str) else ""
     return owner_tag(value, rule.key) if _valid(value) else None
 

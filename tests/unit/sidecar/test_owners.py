@@ -8,17 +8,19 @@ its own oldest handle (released through P), never another owner's."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from multidict import CIMultiDict
 
 from kvferry_sidecar import config, owners
 from kvferry_wire import report
 from kvferry_wire import settings as wire_settings
 
-from .conftest import Engines, MakeSidecar, sidecar_of
+from .conftest import Engines, MakeSidecar, post_raw, sidecar_of
 from .test_turns import (
     LONG_QUESTION,
     Conversation,
@@ -264,6 +266,28 @@ def test_an_owner_is_read_stripped_and_up_to_its_length_limit() -> None:
     )
     assert owners.read_owner({HEADER: "a" * owners.MAX_OWNER_CHARS}, RULE) is not None
     assert owners.read_owner({HEADER: "a\x00b"}, RULE) is None
+
+
+def test_an_owner_header_sent_twice_is_no_owner() -> None:
+    """A gateway that appends its value leaves the client's first: neither counts."""
+    twice = CIMultiDict([(HEADER, "mallory"), (HEADER.lower(), "alice")])
+    assert owners.read_owner(twice, RULE) is None
+    assert owners.read_owner(CIMultiDict([(HEADER, "alice")]), RULE) is not None
+
+
+async def test_a_turn_with_the_owner_header_twice_gets_no_owner(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    client = await owners_sidecar(make_sidecar)
+    alice = Owned(client, ALICE, session_id="s")
+    await alice.ask(LONG_QUESTION)
+    head = {HEADER: b"mallory", HEADER.lower(): b"alice@example.com"}
+    messages = [{"role": "user", "content": LONG_QUESTION + " and then"}]
+    body = json.dumps({"model": "m", "session_id": "s", "messages": messages}).encode()
+    status, rest = await post_raw(client, "/v1/chat/completions", head, body)
+    assert status == 200
+    assert b"X-Kvferry-Outcome: no-owner" in rest
+    assert not pulls(prefill_bodies(engines)[-1])
 
 
 def test_unset_caps_are_an_eighth_of_the_store_and_of_ds_kv() -> None:
