@@ -108,6 +108,7 @@ class FakeEngine:
     name: str
     version: str = "0.33.0"
     block_size: int = 4
+    num_gpu_blocks: int = 1024  # in cache_config_info, as vLLM reports its KV size
     max_model_len: int = 4096  # in /v1/models, as vLLM lists it
     hash_algo: str = "sha256_cbor"
     # process_start_time_seconds: the engine's identity (a restart changes it).
@@ -181,7 +182,8 @@ class FakeEngine:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
-            f'enable_prefix_caching="True",prefix_caching_hash_algo="{self.hash_algo}"}} 1.0\n'
+            f'enable_prefix_caching="True",num_gpu_blocks="{self.num_gpu_blocks}",'
+            f'prefix_caching_hash_algo="{self.hash_algo}"}} 1.0\n'
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {self.started_at}\n"
         )

@@ -26,11 +26,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvferry_wire.protocol import ROLE_DECODE
 from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
     TRANSPORT_UNKNOWN,
+    Evictions,
     Histogram,
     Releases,
     Report,
@@ -353,6 +356,13 @@ def _aggregate(
             "releases": {
                 name: sum(getattr(r.releases, name) for r in fresh)
                 for name in Releases.__struct_fields__
+            },
+            # Handles a cap evicted, by the cap: the store's own (handleStoreCap is too
+            # small for the sessions) or one owner's (spec.owners: that owner keeps
+            # more than its share).
+            "evictions": {
+                field.encode_name: sum(getattr(r.evictions, field.name) for r in fresh)
+                for field in msgspec.structs.fields(Evictions)
             },
             "decodeKVUsageMax": max(usage) if usage else None,
             "decodePreemptionsRecent": preemptions_delta,

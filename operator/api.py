@@ -261,6 +261,16 @@ class Routing:
     diagnostic_headers: bool
 
 
+@dataclass(frozen=True)
+class Owners:
+    """spec.owners: handles bound to the client the gateway authenticated (None = off),
+    and one owner's caps (None = the sidecar derives them)."""
+
+    header: str | None = None
+    max_handles: int | None = None
+    max_pinned_tokens: int | None = None
+
+
 # spec.cacheTuning.mode: Observe shows figures only, Recommend adds the tuner's
 # recommendations, Auto also applies them (status.retention.applied).
 MODE_OBSERVE = "Observe"
@@ -288,6 +298,7 @@ class ServerSpec:
     network: Network
     routing: Routing
     cache_tuning: CacheTuning
+    owners: Owners = Owners()
 
     def role(self, name: str) -> Role:
         return self.prefill if name == ROLE_PREFILL else self.decode
@@ -399,6 +410,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         rdma = net["rdma"]
         routing = raw["routing"]
         tuning = raw["cacheTuning"]
+        owners = raw.get("owners") or {}
         return ServerSpec(
             model=model,
             engine=Engine(
@@ -439,6 +451,11 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
                 min_retention_seconds=tuning["minRetentionSeconds"],
                 max_retention_seconds=tuning["maxRetentionSeconds"],
                 max_restarts_per_day=tuning["maxRestartsPerDay"],
+            ),
+            owners=Owners(
+                header=owners.get("header"),
+                max_handles=owners.get("maxHandles"),
+                max_pinned_tokens=owners.get("maxPinnedTokens"),
             ),
         )
     except (KeyError, TypeError) as exc:

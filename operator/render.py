@@ -368,6 +368,17 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
     spec = server.spec
     ctx = ctx or Context()
     report: Obj = {}
+    # Only what spec.owners sets: unset, the sidecar keeps today's one store (no owners)
+    # and derives an owner's caps itself, so servers without owners render as before.
+    owned = {
+        name: value
+        for name, value in (
+            ("owner_header", spec.owners.header),
+            ("owner_max_handles", spec.owners.max_handles),
+            ("owner_max_pinned_tokens", spec.owners.max_pinned_tokens),
+        )
+        if value is not None
+    }
     if ctx.report_url:
         report["operator_url"] = ctx.report_url
         if ctx.report_ca_pem:
@@ -375,6 +386,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
     return wire_settings.encode_file(
         wire_settings.SettingsFile(
             **report,
+            **owned,
             version=wire_settings.SETTINGS_VERSION,
             server=server.name,
             model=spec.model.name,
@@ -407,6 +419,9 @@ DECODE_ONLY_SETTINGS = tuple(
         "skip_prefill_below_tokens",
         "recompute_threshold",
         "diagnostic_headers",
+        "owner_header",
+        "owner_max_handles",
+        "owner_max_pinned_tokens",
     )
 )
 

@@ -40,6 +40,9 @@ _HELP = {
     "kv_events_replay": "engine KV-event replay endpoint",
     "max_model_len": "context bodies are measured against (default: the engine's)",
     "max_inflight_body_bytes": "request bodies held at once, all turns (then 503)",
+    "owner_header": "header the gateway sets to the authenticated client (default: no owners)",
+    "owner_max_handles": "handles one owner keeps (default: handle_store_cap / 8)",
+    "owner_max_pinned_tokens": "tokens one owner's handles pin (default: D's KV / 8)",
 }
 
 

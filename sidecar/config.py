@@ -217,7 +217,34 @@ def validate(settings: Settings) -> Settings:
     for key in settings.session_keys:
         if key.startswith("header:") and len(key) == len("header:"):
             raise ConfigError("session_keys: 'header:' needs a header name")
+    _validate_owners(settings)
     return settings
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,128}")
+
+
+def _validate_owners(settings: Settings) -> None:
+    header = settings.owner_header
+    if header and not _HEADER_NAME.fullmatch(header):
+        raise ConfigError(
+            f"owner_header must be a header name (letters, digits and '-'), got {header!r}"
+        )
+    if header and header.lower().startswith("x-kvferry-"):
+        raise ConfigError(
+            f"owner_header {header!r} is one of the sidecar's own headers (X-Kvferry-*): "
+            "name the header your gateway sets to the authenticated client"
+        )
+    for name in ("owner_max_handles", "owner_max_pinned_tokens"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1")
+        if value is not None and not header:
+            log.warning(
+                "%s is set but owner_header is not: without owners there are no "
+                "per-owner caps, only handle_store_cap",
+                name,
+            )
 
 
 def build(

@@ -11,7 +11,8 @@ Names as vLLM 0.32 registers them (``v1/metrics/loggers.py``,
 - ``vllm:nixl_num_kv_expired_reqs``, ``vllm:nixl_num_failed_transfers`` (counters)
 - ``vllm:prompt_tokens_cached_by_source{source="p2p"}`` (counter: prompt tokens this
   engine received from another vLLM instance, i.e. NIXL pulls)
-- ``vllm:cache_config_info{block_size=..., prefix_caching_hash_algo=...}`` (info gauge)
+- ``vllm:cache_config_info{block_size=..., num_gpu_blocks=..., prefix_caching_hash_algo=...}``
+  (info gauge)
 
 Every series is summed over its label sets (engines, models), except the KV usage
 fraction, where the highest engine counts (the pressure the tuner must see).
@@ -54,6 +55,8 @@ class EngineFigures:
     nixl_failed: float = 0.0
     p2p_tokens: float = 0.0
     block_size: int | None = None
+    # The engine's KV blocks in all (cache_config_info): x block_size = D's KV in tokens.
+    num_gpu_blocks: int | None = None
     prefix_hash_algo: str | None = None  # e.g. sha256_cbor (reproducible block hashes)
     started_at: float | None = None  # the engine process's start (its identity)
 
@@ -65,6 +68,7 @@ def parse(text: str) -> EngineFigures:
         ("pre", "bytes", "bytes_plain", "secs", "xfers", "expired", "failed", "p2p"), 0.0
     )
     block_size: int | None = None
+    num_gpu_blocks: int | None = None
     hash_algo: str | None = None
     started_at: float | None = None
     for s in samples(text):
@@ -94,6 +98,8 @@ def parse(text: str) -> EngineFigures:
         elif name == CACHE_CONFIG and block_size is None:
             raw = s.labels.get("block_size", "")
             block_size = int(raw) if raw.isdigit() else None
+            blocks = s.labels.get("num_gpu_blocks", "")
+            num_gpu_blocks = int(blocks) if blocks.isdigit() else None
             hash_algo = s.labels.get("prefix_caching_hash_algo") or None
     return EngineFigures(
         kv_usage=kv,
@@ -105,6 +111,7 @@ def parse(text: str) -> EngineFigures:
         nixl_failed=sums["failed"],
         p2p_tokens=sums["p2p"],
         block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
         prefix_hash_algo=hash_algo,
         started_at=started_at,
     )

@@ -7,6 +7,13 @@ Rules (each has a test named after it):
   decline the read anyway (vLLM's own 5 s margin) or, without the deadline, read
   freed blocks.
 - LRU cap: at most ``cap`` handles; the least recently stored goes first.
+- bound to the owner: with owners on (``owners.py``) a handle's slot digests its
+  owner with the key, so another owner's turn looks up another slot and finds nothing.
+- owner caps: an owner over its ``owners.Caps`` (handles, or the tokens they pin)
+  loses its own handles, oldest first, never another owner's; a handle alone over
+  the token cap is not kept either.
+- which goes first is ``first_to_evict`` alone (the eviction policy's one decision);
+  every eviction is reported with its reason (``on_evict``) besides its fate.
 - clear: when the local engine restarts every handle points at freed memory.
 - expired stays expired: a handle ``purge_expired`` dropped still makes the session's
   next ``take`` report EXPIRED (not NO_HANDLE), whichever saw the expiry first.
@@ -23,12 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvferry_wire.protocol import Outcome
 
+from .owners import EVICT_OWNER_HANDLES, EVICT_OWNER_TOKENS, EVICT_STORE_CAP, Caps, OwnerTag
 from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 
 log = logging.getLogger(__name__)
@@ -70,6 +78,24 @@ class Lookup:
 
 
 DropHook = Callable[[HandleFate, KVHandle], None]
+EvictHook = Callable[[str, KVHandle], None]  # (owners.EVICT_* reason, the handle)
+CapsSource = Callable[[], Caps]  # an owner's caps as of now (D's KV size may change)
+
+
+def first_to_evict(handles: Iterable[KVHandle]) -> KVHandle:
+    """Which of ``handles`` (oldest stored first) a cap evicts: the least recently
+    stored. The eviction policy's one decision, here so it can be replaced alone."""
+    return next(iter(handles))
+
+
+class _Owned:
+    """One owner's handles in the store, oldest stored first, and the tokens they pin."""
+
+    __slots__ = ("slots", "tokens")
+
+    def __init__(self) -> None:
+        self.slots: OrderedDict[SessionTag, KVHandle] = OrderedDict()
+        self.tokens = 0
 
 
 class HandleStore:
@@ -81,8 +107,13 @@ class HandleStore:
         engine_build: str | None = None,
         clock: Clock = time.perf_counter,
         on_drop: DropHook | None = None,
+        on_evict: EvictHook | None = None,
+        owner_caps: CapsSource | None = None,
     ) -> None:
         self._cap = cap
+        self._on_evict = on_evict
+        self._owner_caps = owner_caps
+        self._owned: dict[OwnerTag, _Owned] = {}
         self._margin_s = margin_s
         self._engine_build = engine_build
         self._clock = clock
@@ -114,16 +145,54 @@ class HandleStore:
         until = self._usable_until(handle)
         return until is not None and now >= until
 
-    def put(self, handle: KVHandle) -> None:
-        """Keep ``handle`` for its session, replacing (and evicting) as the rules say."""
+    def _pop(self, session: SessionTag) -> KVHandle | None:
+        """Remove a handle from the store and from its owner's account."""
+        handle = self._items.pop(session, None)
+        if handle is not None and handle.owner is not None:
+            owned = self._owned[handle.owner]
+            del owned.slots[session]
+            owned.tokens -= handle.num_tokens
+            if not owned.slots:
+                del self._owned[handle.owner]
+        return handle
+
+    def _evict(self, handle: KVHandle, reason: str) -> None:
+        self._pop(handle.session)
+        if self._on_evict is not None:
+            self._on_evict(reason, handle)
+        self._drop(HandleFate.EVICTED, handle)
+
+    def owner_figures(self, owner: OwnerTag) -> tuple[int, int]:
+        """(handles, pinned tokens) the owner keeps here now."""
+        owned = self._owned.get(owner)
+        return (len(owned.slots), owned.tokens) if owned else (0, 0)
+
+    def put(self, handle: KVHandle) -> bool:
+        """Keep ``handle`` for its session, replacing (and evicting) as the rules say;
+        False when a cap evicted the handle itself at once (alone over its owner's
+        token cap)."""
         self._expired.pop(handle.session, None)
-        old = self._items.pop(handle.session, None)
+        old = self._pop(handle.session)
         if old is not None:
             self._drop(HandleFate.SUPERSEDED, old)
         self._items[handle.session] = handle
+        if handle.owner is not None:
+            owned = self._owned.setdefault(handle.owner, _Owned())
+            owned.slots[handle.session] = handle
+            owned.tokens += handle.num_tokens
+            if self._owner_caps is not None:
+                self._enforce(owned, self._owner_caps())
         while len(self._items) > self._cap:
-            _, evicted = self._items.popitem(last=False)
-            self._drop(HandleFate.EVICTED, evicted)
+            self._evict(first_to_evict(self._items.values()), EVICT_STORE_CAP)
+        return self._items.get(handle.session) is handle
+
+    def _enforce(self, owned: _Owned, caps: Caps) -> None:
+        """The owner's own handles go, oldest first, until it is within its caps."""
+        while len(owned.slots) > caps.max_handles:
+            self._evict(first_to_evict(owned.slots.values()), EVICT_OWNER_HANDLES)
+        limit = caps.max_pinned_tokens
+        while limit is not None and owned.slots and owned.tokens > limit:
+            self._evict(first_to_evict(owned.slots.values()), EVICT_OWNER_TOKENS)
 
     def take(self, session: SessionTag) -> Lookup:
         """Remove and return the session's handle if it is still usable.
@@ -131,7 +200,7 @@ class HandleStore:
         Synchronous on purpose: with no await between the lookup and the removal,
         two requests of one session can never both get the handle.
         """
-        handle = self._items.pop(session, None)
+        handle = self._pop(session)
         if handle is None:
             created = self._expired.pop(session, None)
             if created is not None:
@@ -154,7 +223,9 @@ class HandleStore:
         now = self._clock()
         stale = [s for s, h in self._items.items() if self.is_expired(h, now)]
         for session in stale:
-            handle = self._items.pop(session)
+            handle = self._pop(session)
+            if handle is None:
+                continue
             self._expired[session] = handle.created_at
             self._drop(HandleFate.EXPIRED, handle)
         while len(self._expired) > self._cap:
@@ -165,6 +236,7 @@ class HandleStore:
         """Forget every handle (the local engine restarted: its blocks are gone)."""
         count = len(self._items)
         self._expired.clear()
+        self._owned.clear()
         while self._items:
             _, handle = self._items.popitem(last=False)
             self._drop(HandleFate.CLEARED, handle)

@@ -161,7 +161,7 @@ def log_turn(report: TurnReport) -> None:
     t = report.timings
     log.info(
         # The client's id is its text: quoted (%r), so it cannot pose as other fields.
-        "turn request_id=%s client_request_id=%r session=%s api=%s stream=%s status=%s "
+        "turn request_id=%s client_request_id=%r session=%s owner=%s api=%s stream=%s status=%s "
         "outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
         "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
@@ -169,6 +169,7 @@ def log_turn(report: TurnReport) -> None:
         report.request_id,
         report.client_request_id,
         report.session,
+        report.owner or "-",
         report.api.value,
         report.stream,
         report.status,
@@ -261,6 +262,17 @@ def report_families(r: rpt.Report) -> list:
             "(expired, evicted, superseded, cleared).",
             "fate",
             r.handles,
+        ),
+        _labelled_counter(
+            "kvferry_handle_evictions",
+            "Handles evicted, by the cap that evicted them (they add up to "
+            'kvferry_handle_fates_total{fate="evicted"}): store-cap (handleStoreCap), '
+            "owner-handles and owner-tokens (an owner's own caps).",
+            "reason",
+            {
+                name.replace("_", "-"): getattr(r.evictions, name)
+                for name in rpt.Evictions.__struct_fields__
+            },
         ),
         _labelled_counter("kvferry_turns_by_index", "Turns by turn index.", "turn", turns),
         _labelled_counter(

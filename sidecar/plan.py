@@ -7,9 +7,9 @@ without aiohttp:
 - ``parse_turn``: body + headers -> ``TurnInput`` (session key, stream, one
   sequence or several; the fields read as vLLM reads them, ``fields.py``, or
   ``fields.InvalidField``);
-- ``reuse_off``: the allowlist rule (``allowlist.py``) and media behind URLs: a
-  turn that may render another prompt than its ids say neither uses nor keeps a
-  handle;
+- ``reuse_off``: the allowlist rule (``allowlist.py``), media behind URLs and a
+  turn of no known owner (``owners.py``): a turn that may render another prompt than
+  its ids say, or may be anyone's, neither uses nor keeps a handle;
 - ``handle_not_kept``: whether this turn can leave a handle for the next one;
 - ``plan_turn``: with the session's handle (already taken from the store), the
   prompt's ids, the engine's block size and what D's prefix cache holds: use the
@@ -37,7 +37,7 @@ from kvferry_wire.protocol import (
     Route,
 )
 
-from . import allowlist, fields, rewrite
+from . import allowlist, fields, owners, rewrite
 from .align import align, held_by_decode
 from .handles import Lookup, local_deadline
 from .identity import compatible, kv_identity
@@ -66,6 +66,7 @@ NOT_KEPT_ERROR = "error"
 NOT_KEPT_TRUNCATION = "truncation"  # the engine truncates: positions are not the ids'
 NOT_KEPT_UNSAFE_FIELD = Outcome.UNSAFE_FIELD.value
 NOT_KEPT_UNCACHEABLE_MEDIA = Outcome.UNCACHEABLE_MEDIA.value
+NOT_KEPT_NO_OWNER = Outcome.NO_OWNER.value
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,14 @@ def parse_turn(
     request_id: str,
     received_at: float,
     session_keys: tuple[str, ...],
+    owner_rule: owners.Rule | None = None,
 ) -> TurnInput:
-    """Raises ``fields.InvalidField`` for a field vLLM would refuse."""
+    """Raises ``fields.InvalidField`` for a field vLLM would refuse. ``owner_rule``:
+    owners are on (the ``owner_header`` setting), read the turn's from its header."""
     asked = fields.read_request(api, body)
     key = session_key(body, headers, session_keys)
+    owner = owners.read_owner(headers, owner_rule) if owner_rule is not None else None
+    no_owner = owner_rule is not None and owner is None
     prompt = body.get("prompt")
     single_prompt = (
         api is Api.CHAT or isinstance(prompt, str) or (rewrite.prompt_ids_in_body(body) is not None)
@@ -108,13 +113,15 @@ def parse_turn(
         request_id=request_id,
         session_key=key,
         session=session_tag(key),
-        slot=handle_slot(key, body),
+        slot=handle_slot(key, body, owners.NO_OWNER if no_owner else owner),
         identity=kv_identity(body),
         stream=asked.stream,
         wants_token_ids=asked.return_token_ids,
         single_sequence=single,
         received_at=received_at,
         unsafe_field=allowlist.unsafe_field(api, body, session_keys),
+        owner=owner,
+        no_owner=no_owner,
     )
 
 
@@ -126,7 +133,10 @@ def reuse_off(turn: TurnInput, rules: Rules) -> Outcome | None:
 
     Its KV may not be what its ids describe: a field off the allowlist may render
     another prompt than ``/tokenize`` did (``allowlist.py``), and media behind a URL
-    may have other bytes than last turn under the same identity."""
+    may have other bytes than last turn under the same identity. A turn of no known
+    owner (owners on, no valid header) could be anyone's: it may touch no handle."""
+    if turn.no_owner:
+        return Outcome.NO_OWNER
     if turn.unsafe_field is not None:
         return Outcome.UNSAFE_FIELD
     if turn.identity.remote_media and not rules.media_urls_immutable:
@@ -293,7 +303,7 @@ def build_handle(
     num = params.get(K_REMOTE_NUM_TOKENS)
     num_tokens = num if isinstance(num, int) and num > 0 else len(ids) - 1
     handle = KVHandle(
-        session=next_handle_slot(turn.session_key, turn.body, capture.text),
+        session=next_handle_slot(turn.session_key, turn.body, capture.text, turn.owner),
         params=dict(params),
         token_ids=ids,
         num_tokens=min(num_tokens, len(ids)),
@@ -304,6 +314,7 @@ def build_handle(
         ),
         request_id=turn.request_id,
         identity=turn.identity,
+        owner=turn.owner,
     )
     return handle, why
 

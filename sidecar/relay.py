@@ -48,7 +48,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import fields, forward, limits, plan, rewrite, session
+from . import fields, forward, limits, owners, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -479,9 +479,12 @@ def _keep_handle(
         local_lease_s=sc.settings.local_handle_seconds,
     )
     if handle is not None and reason is None and why is None:
-        sc.store.put(handle)
-        report.handle_kept = True
-        report.next_session = handle.session
+        if sc.store.put(handle):
+            report.handle_kept = True
+            report.next_session = handle.session
+        else:
+            # Alone over its owner's token cap: evicted (and released) at once.
+            report.handle_not_kept_reason = owners.EVICT_OWNER_TOKENS
         return
     report.handle_not_kept_reason = reason or why
     if handle is not None:
@@ -596,6 +599,7 @@ async def serve_turn(
             request_id,
             received_at,
             sc.settings.session_keys,
+            sc.owner_rule,
         )
         try:
             # The media digests walk the whole body: off the loop when it is big.
@@ -635,6 +639,7 @@ async def _serve(
     report = TurnReport(
         request_id=request_id,
         client_request_id=client_request_id,
+        owner=turn.owner,
         session=turn.slot,
         api=api,
         stream=turn.stream,

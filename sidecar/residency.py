@@ -133,6 +133,8 @@ class Residency:
         self.handles: dict[str, int] = {}
         # Handles dropped unread, by how D was told to free them (release.py).
         self.releases: dict[str, int] = dict.fromkeys(rpt.Releases.__struct_fields__, 0)
+        # Handles a cap evicted, by the cap (owners.EVICT_*: report.Evictions' fields).
+        self.evictions: dict[str, int] = dict.fromkeys(rpt.Evictions.__struct_fields__, 0)
         self.by_turn: dict[str, rpt.TurnBucket] = {}
         self.gaps = rpt.Histogram.empty(rpt.GAP_BOUNDS)
         self.ttft_reused = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
@@ -196,6 +198,10 @@ class Residency:
 
     def on_release(self, kind: str) -> None:
         self._count(self.releases, kind)
+
+    def on_eviction(self, reason: str) -> None:
+        """A cap evicted a handle (its fate, ``evicted``, comes through on_handle_drop)."""
+        self._count(self.evictions, reason.replace("-", "_"))
 
     def on_handle_drop(self, fate: HandleFate, session: SessionTag) -> None:
         if fate is HandleFate.TAKEN:
@@ -289,6 +295,7 @@ class Residency:
                 unused_blocks=pinned.unused_blocks,
             ),
             releases=rpt.Releases(**self.releases),
+            evictions=rpt.Evictions(**self.evictions),
             transfer=transfer,
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,

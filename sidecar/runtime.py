@@ -23,7 +23,7 @@ import aiohttp
 
 from kvferry_wire import protocol, report
 
-from . import config, enginemetrics, plan, transport
+from . import config, enginemetrics, owners, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -57,12 +57,18 @@ class Sidecar:
     def __init__(self, settings: Settings, *, clock: Clock = time.perf_counter) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        # Owners on: each handle is bound to the client the gateway authenticated, and
+        # each owner has its own caps (owners.py).
+        header = settings.owner_header
+        self.owner_rule = owners.Rule.new(header) if header else None  # "" = off, as unset
         self.store = HandleStore(
             cap=settings.handle_store_cap,
             margin_s=protocol.HANDLE_EXPIRY_MARGIN_SECONDS,
             engine_build=settings.engine_build,
             clock=clock,
             on_drop=self._on_drop,
+            on_evict=self._on_evict,
+            owner_caps=self.owner_caps if self.owner_rule is not None else None,
         )
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
         self._topology = (
@@ -106,6 +112,22 @@ class Sidecar:
         elif fate is HandleFate.EXPIRED:
             # Dropped a margin before D frees it: pinned until then.
             self.releaser.pin_until_expiry(handle, PINNED_EXPIRING)
+
+    def _on_evict(self, reason: str, handle: KVHandle) -> None:
+        # Released through the drop hook (fate evicted); counted here by its cap.
+        self.residency.on_eviction(reason)
+
+    def owner_caps(self) -> owners.Caps:
+        """One owner's caps as of now: unset ones follow D's KV size, read from the
+        engine (known once it is ready)."""
+        s = self.settings
+        local = getattr(self, "local", None)
+        return owners.caps(
+            s.handle_store_cap,
+            s.owner_max_handles,
+            s.owner_max_pinned_tokens,
+            local.kv_capacity_tokens if local is not None else None,
+        )
 
     def _pinned(self) -> PinnedFigures:
         handles = self.store.values()

@@ -20,6 +20,11 @@ next turn of the same conversation sends (agent loops with tool results included
 Routing still uses the key, so a conversation keeps its decode pod (and sessions
 sharing a preamble share D's prefix cache).
 
+Owners. With the ``owner_header`` setting (``owners.py``) a slot digests the turn's
+owner (the client the gateway authenticated) with its key, so the same
+``session_id`` sent by another owner names another slot: it finds nothing there and
+leaves the first owner's handle alone. Routing still uses the key alone.
+
 Client text. The keys, the model and ``cache_salt`` must be Unicode text: a lone
 surrogate (JSON's ``"\ud800"``, or header bytes that are not UTF-8, which the HTTP
 parser decodes to surrogates) is no text, and :func:`invalid_text_field` names the
@@ -168,21 +173,30 @@ def _until_last_assistant(messages: list[Any]) -> list[Any]:
     return []
 
 
-def handle_slot(key: SessionKey, body: Mapping[str, Any]) -> SessionTag:
+def _owned(key: SessionKey, owner: str | None) -> str:
+    """The key a slot digests: bound to the handle's owner when there is one, so
+    another owner sending the same key digests another slot (owners.py)."""
+    return key if owner is None else f"{owner}|{key}"
+
+
+def handle_slot(key: SessionKey, body: Mapping[str, Any], owner: str | None = None) -> SessionTag:
     """Where this turn looks for its conversation's handle."""
     messages = body.get("messages")
     if not refines_slot(key) or not isinstance(messages, list):
-        return session_tag(key)
-    return session_tag(f"{key}|{_history_digest(_until_last_assistant(messages))}")
+        return session_tag(_owned(key, owner))
+    history = _history_digest(_until_last_assistant(messages))
+    return session_tag(f"{_owned(key, owner)}|{history}")
 
 
-def next_handle_slot(key: SessionKey, body: Mapping[str, Any], answer: str) -> SessionTag:
+def next_handle_slot(
+    key: SessionKey, body: Mapping[str, Any], answer: str, owner: str | None = None
+) -> SessionTag:
     """Where this turn's handle is kept: the slot the next turn will look up."""
     messages = body.get("messages")
     if not refines_slot(key) or not isinstance(messages, list):
-        return session_tag(key)
+        return session_tag(_owned(key, owner))
     history = [*messages, {"role": "assistant", "content": answer}]
-    return session_tag(f"{key}|{_history_digest(history)}")
+    return session_tag(f"{_owned(key, owner)}|{_history_digest(history)}")
 
 
 def session_tag(key: SessionKey) -> SessionTag:

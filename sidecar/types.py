@@ -128,6 +128,8 @@ class KVHandle:
     request_id: RequestId = ""
     # What the KV depends on besides the token ids (identity.compatible decides).
     identity: KVIdentity = field(default_factory=KVIdentity)
+    # The authenticated client it belongs to (owners.owner_tag); None = owners off.
+    owner: str | None = None
 
     @property
     def blocks(self) -> int:
@@ -195,6 +197,10 @@ class TurnInput:
     received_at: float
     # The first field off the allowlist (allowlist.unsafe_field): no reuse this turn.
     unsafe_field: str | None = None
+    # The authenticated client (owners.owner_tag); None = owners off or none valid.
+    owner: str | None = None
+    # Owners are on and the request carried no valid owner: no reuse this turn.
+    no_owner: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ class TurnReport:
     route: Route
     status: int = 200
     client_request_id: str | None = None  # the client's X-Request-Id (its text)
+    owner: str | None = None  # the owner's tag (never the raw identity)
     # The slot this turn's handle was kept under (the next turn's); None = session.
     next_session: SessionTag | None = None
     prefill_engine: str | None = None

@@ -99,6 +99,7 @@ class EngineInfo:
     version: str | None = None
     streaming_handles: bool = False
     block_size: int | None = None
+    num_gpu_blocks: int | None = None  # its KV blocks in all (owners' token caps)
     # The engine's prefix-cache hash algorithm: only sha256_cbor hashes can be
     # recomputed by the sidecar (blockhash.py).
     prefix_hash_algo: str | None = None
@@ -157,6 +158,7 @@ class EngineClient:
             figures = enginemetrics.parse_or_none(body.decode("utf-8", "replace"))
             if status == 200 and figures is not None:
                 info.block_size = figures.block_size
+                info.num_gpu_blocks = figures.num_gpu_blocks
                 info.prefix_hash_algo = figures.prefix_hash_algo
                 info.started_at = figures.started_at
         return info
@@ -256,6 +258,12 @@ class LocalEngine:
     @property
     def block_size(self) -> int | None:
         return self._block_size_override or self.info.block_size
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The tokens of KV the engine holds in all, when it says."""
+        blocks, size = self.info.num_gpu_blocks, self.block_size
+        return blocks * size if blocks and size else None
 
     def observe_identity(self, started_at: float | None) -> bool:
         """The engine's process start as last seen; True when it changed (a restart)."""

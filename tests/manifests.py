@@ -354,4 +354,35 @@ INVALID: list[Invalid] = [
         "",
         "metadata.name must not end in -prefill or -decode",
     ),
+    # Per-owner caps mean nothing without an owner identity: every client is one owner.
+    Invalid(
+        "owner-caps-without-header",
+        _spec({"owners": {"maxHandles": 8}}),
+        "spec.owners",
+        "spec.owners.maxHandles and maxPinnedTokens need spec.owners.header",
+    ),
+    Invalid(
+        "owner-header-ours",
+        _spec({"owners": {"header": "X-Kvferry-Owner"}}),
+        "spec.owners.header",
+        "spec.owners.header must not be one of the sidecar's own headers",
+    ),
+    Invalid(
+        "owner-header-pattern",
+        _spec({"owners": {"header": "X User"}}),
+        "spec.owners.header",
+        "should match",
+    ),
+    Invalid(
+        "owner-max-handles-positive",
+        _spec({"owners": {"header": "X-User", "maxHandles": 0}}),
+        "spec.owners.maxHandles",
+        "should be greater than or equal to 1",
+    ),
+    Invalid(
+        "owner-max-pinned-tokens-positive",
+        _spec({"owners": {"header": "X-User", "maxPinnedTokens": 0}}),
+        "spec.owners.maxPinnedTokens",
+        "should be greater than or equal to 1",
+    ),
 ]

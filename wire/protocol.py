@@ -86,6 +86,9 @@ class Outcome(enum.StrEnum):
     # Media behind a URL whose bytes the sidecar cannot see (the sidecar setting
     # mediaUrlsImmutable says they never change). No handle used or kept.
     UNCACHEABLE_MEDIA = "uncacheable-media"
+    # The sidecar binds handles to an owner (ownerHeader) and the request carried no
+    # valid one: the gateway did not authenticate it. No handle used or kept.
+    NO_OWNER = "no-owner"
 
 
 class HandleFate(enum.StrEnum):
@@ -106,7 +109,7 @@ class HandleFate(enum.StrEnum):
     PULL_FAILED = "pull-failed"
     KV_MISMATCH = "kv-mismatch"
     EXPIRED = "expired"
-    EVICTED = "evicted"  # the store's LRU cap
+    EVICTED = "evicted"  # a cap of the store: its own, or the owner's (report.Evictions)
     SUPERSEDED = "superseded"  # a newer turn's handle replaced it
     CLEARED = "cleared"  # the local engine restarted
 

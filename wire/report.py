@@ -13,6 +13,9 @@ REPORT_VERSION history:
       reads 1 and 2: a version-1 report decodes with those fields empty.
       Also added in 2, with defaults: ``pinned.unusedHandles``/``unusedBlocks`` (pinned
       KV no turn will read) and ``releases`` (how handles dropped unread were freed).
+      Later in 2, with defaults: ``evictions`` (the ``evicted`` handles by the cap that
+      evicted them). Not a new version: an operator that does not know the field
+      ignores it (unknown fields are), and a report without it reads as no evictions.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -190,6 +193,15 @@ class Releases(msgspec.Struct, rename="camel"):
     unreleasable: int = 0  # no prefill engine, a failed pull, not returned by D
 
 
+class Evictions(msgspec.Struct, rename="camel"):
+    """Handles a cap evicted, by the cap (cumulative; they add up to the ``evicted``
+    fate). Each is released on D like any handle dropped unread."""
+
+    store_cap: int = 0  # handleStoreCap: the store was full
+    owner_handles: int = 0  # an owner over its ownerMaxHandles lost its oldest
+    owner_tokens: int = 0  # an owner over its ownerMaxPinnedTokens lost its oldest
+
+
 class Transfer(msgspec.Struct, rename="camel"):
     pulls: int = 0  # turns served with pulled KV
     bytes: int = 0  # NIXL bytes (engine metric where available)
@@ -244,6 +256,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
     )
     pinned: Pinned = msgspec.field(default_factory=Pinned)
     releases: Releases = msgspec.field(default_factory=Releases)
+    evictions: Evictions = msgspec.field(default_factory=Evictions)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)

@@ -88,6 +88,15 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # D's kv_lease_duration: how long D keeps a turn it prefilled alone (its handle).
     local_handle_seconds: float = 30.0
     handle_store_cap: int = 1024
+    # The request header the gateway sets to the authenticated client (the handle's
+    # owner); None = no owners (every client shares one store, as before). With it a
+    # handle is filed and found under (owner, key), and each owner has its own caps.
+    owner_header: str | None = None
+    # An owner's kept handles and the tokens they pin, at most; past either its own
+    # oldest handle goes. None = derived (kvferry_sidecar.owners.caps): an eighth of
+    # handle_store_cap, and an eighth of D's KV (num_gpu_blocks x block_size).
+    owner_max_handles: int | None = None
+    owner_max_pinned_tokens: int | None = None
     # A handle dropped unread waits this long for a ride on a prefill this sidecar
     # sends anyway (free) before a release request of its own (costs P one block for
     # its KV lease). D pins it meanwhile.

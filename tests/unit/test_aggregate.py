@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kvferry_operator import aggregate, api, reports, tune
 from kvferry_wire import report as wire
 from tests.manifests import server
@@ -114,6 +116,29 @@ def test_unused_pinned_handles_and_releases_are_summed():
     assert retention["unusedPinnedBlocks"] == 10
     assert retention["releases"] == {"rider": 2, "request": 4, "failed": 0, "unreleasable": 0}
     assert [p["unusedPinnedHandles"] for p in agg.status["pods"]] == [1, 0]
+
+
+def test_evictions_by_cap_are_summed_over_pods():
+    """Handles a cap evicted, by the cap: a store too small and one owner crowding out
+    the others call for different fixes."""
+    a = rep("a", evictions=wire.Evictions(store_cap=1, owner_handles=2))
+    b = rep("b", evictions=wire.Evictions(owner_handles=3, owner_tokens=4))
+    agg = aggregate.aggregate(
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
+    )
+    assert agg.status["retention"]["evictions"] == {
+        "storeCap": 1,
+        "ownerHandles": 5,
+        "ownerTokens": 4,
+    }
+
+
+def test_a_report_from_a_sidecar_without_evictions_decodes_as_none():
+    """An older sidecar's report has no evictions field: no evictions, not refused."""
+    raw = wire.encode(rep("a"))
+    older = json.loads(raw)
+    del older["evictions"]
+    assert wire.decode(json.dumps(older).encode()).evictions == wire.Evictions()
 
 
 def test_transport_column_shows_the_measured_bandwidth_and_the_evidence():

@@ -17,6 +17,7 @@ import pytest
 
 from kvferry_operator import api, cli, render, validation
 from kvferry_wire import protocol
+from kvferry_wire import settings as wire_settings
 from tests.manifests import EXAMPLES, ROOT, load_example, server
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -404,6 +405,49 @@ class TestSidecar:
         sc = sidecar(rendered(server()), "decode")
         assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def sidecar_json(objs: list[dict]) -> dict:
+    cm = next(o for o in objs if o["kind"] == "ConfigMap")
+    return json.loads(cm["data"][render.CONFIG_KEY_SETTINGS])
+
+
+OWNERS = {"header": "X-Authenticated-User", "maxHandles": 16, "maxPinnedTokens": 200000}
+
+
+class TestOwners:
+    """spec.owners -> the decode sidecars' ownerHeader and per-owner caps."""
+
+    def test_owners_render_into_the_sidecar_settings(self):
+        settings = sidecar_json(rendered(server({"owners": OWNERS})))
+        assert {k: settings[k] for k in ("ownerHeader", "ownerMaxHandles")} == {
+            "ownerHeader": "X-Authenticated-User",
+            "ownerMaxHandles": 16,
+        }
+        assert settings["ownerMaxPinnedTokens"] == 200000
+
+    def test_without_owners_nothing_is_rendered(self):
+        # Unset: the sidecar keeps one store and derives the caps; pods do not restart.
+        settings = sidecar_json(rendered(server()))
+        assert not [k for k in settings if k.startswith("owner")]
+
+    def test_a_header_alone_leaves_the_caps_to_the_sidecar(self):
+        settings = sidecar_json(rendered(server({"owners": {"header": "X-User"}})))
+        assert [k for k in settings if k.startswith("owner")] == ["ownerHeader"]
+
+    def test_owner_settings_restart_decode_only(self):
+        base, owned = server(), server({"owners": OWNERS})
+        ctx = render.Context()
+        for role, changes in (("decode", True), ("prefill", False)):
+            before = render.sidecar_config_hash(api.parse_server(base), role, ctx)
+            after = render.sidecar_config_hash(api.parse_server(owned), role, ctx)
+            assert (before != after) is changes
+
+    def test_the_sidecar_reads_what_the_operator_renders(self):
+        settings = sidecar_json(rendered(server({"owners": OWNERS})))
+        decoded = wire_settings.given(wire_settings.decode_file(settings, "sidecar.json"))
+        assert decoded["owner_header"] == "X-Authenticated-User"
+        assert (decoded["owner_max_handles"], decoded["owner_max_pinned_tokens"]) == (16, 200000)
 
 
 class TestRollout:

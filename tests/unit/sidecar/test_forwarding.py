@@ -125,3 +125,34 @@ async def test_forwarding_keeps_handle_with_owner(pair: Pair) -> None:
     assert resp.headers["X-Kvferry-Outcome"] == "reused"
     assert pair.d0.completions() == []
     assert len(sidecar_of(pair.s0).store) == 0
+
+
+async def test_forwarding_carries_the_owner_so_the_owner_pod_binds_the_handle(
+    aiohttp_server: Any, aiohttp_client: Any, engines: Engines
+) -> None:
+    """The owner header reaches the session's pod: the same owner reuses its handle
+    through either pod, another owner with the same session_id finds nothing."""
+    owners = {"owner_header": "X-User"}
+    d1 = await start(aiohttp_server, FakeEngine("decode", "decode-1"))
+    s1 = await aiohttp_server(
+        app_factory(
+            sidecar_settings(
+                engines, engine_url=d1.url, ordinal=1, decode_sidecars=(UNUSED, UNUSED), **owners
+            )
+        )
+    )
+    url1 = str(s1.make_url("")).rstrip("/")
+    s0 = await aiohttp_client(
+        app_factory(sidecar_settings(engines, ordinal=0, decode_sidecars=(UNUSED, url1), **owners))
+    )
+    session = session_owned_by(1, 2)
+    first = body(session)
+    first["messages"][0]["content"] = "one two three four five six seven eight nine ten"
+    resp = await s0.post(CHAT, json=first, headers={"X-User": "alice"})
+    answer = (await resp.json())["choices"][0]["message"]
+    later = {**first, "messages": [*first["messages"], answer, {"role": "user", "content": "and"}]}
+    resp = await s0.post(CHAT, json=later, headers={"X-User": "bob"})
+    assert resp.headers["X-Kvferry-Outcome"] == "no-handle"
+    resp = await s0.post(CHAT, json=later, headers={"X-User": "alice"})
+    assert resp.headers["X-Kvferry-Outcome"] == "reused"
+    assert engines.decode.completions() == []

@@ -1,10 +1,14 @@
-"""The handle store's rules: single use, expiry margin, LRU cap, clear, build."""
+"""The handle store's rules: single use, expiry margin, LRU cap, clear, build, owners."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvferry_sidecar.handles import HandleStore, local_deadline
+from kvferry_sidecar.handles import HandleStore, first_to_evict, local_deadline
+from kvferry_sidecar.owners import EVICT_OWNER_HANDLES, EVICT_OWNER_TOKENS, EVICT_STORE_CAP, Caps
+from kvferry_sidecar.session import handle_slot
 from kvferry_sidecar.types import (
     HandleFate,
     KVHandle,
@@ -204,3 +208,104 @@ class TestLocalDeadline:
             received_wall=1.7e9,
             retention_s=TTL,
         ) == pytest.approx(NOW + TTL)
+
+
+# ------------------------------------------------------------------ owners
+
+
+def owned_handle(session: str, owner: str, *, tokens: int = 7) -> KVHandle:
+    return dataclasses.replace(make_handle(session), owner=owner, num_tokens=tokens)
+
+
+def owned_store(
+    caps: Caps, *, cap: int = 8, drops: list | None = None, evictions: list | None = None
+) -> HandleStore:
+    def on_drop(fate: HandleFate, handle: KVHandle) -> None:
+        if drops is not None:
+            drops.append((fate, handle.session))
+
+    def on_evict(reason: str, handle: KVHandle) -> None:
+        if evictions is not None:
+            evictions.append((reason, handle.session))
+
+    return HandleStore(
+        cap=cap,
+        margin_s=MARGIN,
+        engine_build=BUILD,
+        clock=Clock(),
+        on_drop=on_drop,
+        on_evict=on_evict,
+        owner_caps=lambda: caps,
+    )
+
+
+def test_handle_owner_caps_evict_the_owners_oldest_never_another_owners() -> None:
+    # Bug prevented: one client filling the store pushes every other client's handles
+    # out (the store's LRU cap alone), pinning most of D's KV for itself.
+    drops: list = []
+    evictions: list = []
+    store = owned_store(Caps(2, None), drops=drops, evictions=evictions)
+    store.put(owned_handle("b1", "bob"))
+    for slot in ("a1", "a2", "a3"):
+        store.put(owned_handle(slot, "alice"))
+    assert evictions == [(EVICT_OWNER_HANDLES, "a1")]
+    assert drops == [(HandleFate.EVICTED, "a1")]
+    assert [h.session for h in store.values()] == ["b1", "a2", "a3"]
+    assert store.owner_figures("alice") == (2, 14)
+    assert store.owner_figures("bob") == (1, 7)
+
+
+def test_handle_owner_caps_count_pinned_tokens() -> None:
+    evictions: list = []
+    store = owned_store(Caps(8, 20), evictions=evictions)
+    store.put(owned_handle("a1", "alice", tokens=10))
+    store.put(owned_handle("b1", "bob", tokens=15))
+    store.put(owned_handle("a2", "alice", tokens=10))
+    assert evictions == []
+    store.put(owned_handle("a3", "alice", tokens=5))
+    assert evictions == [(EVICT_OWNER_TOKENS, "a1")]
+    assert store.owner_figures("alice") == (2, 15)
+
+
+def test_handle_owner_caps_do_not_keep_a_handle_alone_over_the_token_cap() -> None:
+    evictions: list = []
+    store = owned_store(Caps(8, 20), evictions=evictions)
+    assert store.put(owned_handle("a1", "alice", tokens=25)) is False
+    assert evictions == [(EVICT_OWNER_TOKENS, "a1")]
+    assert len(store) == 0 and store.owner_figures("alice") == (0, 0)
+
+
+def test_handle_owner_accounts_follow_take_supersede_purge_and_clear() -> None:
+    store = owned_store(Caps(8, None))
+    store.put(owned_handle("a1", "alice"))
+    store.put(owned_handle("a1", "alice", tokens=9))  # superseded
+    store.put(owned_handle("a2", "alice"))
+    assert store.owner_figures("alice") == (2, 16)
+    store.take("a2")
+    assert store.owner_figures("alice") == (1, 9)
+    store.clear()
+    assert store.owner_figures("alice") == (0, 0)
+
+
+def test_handle_bound_to_the_owner() -> None:
+    """Another owner sending the same key looks up another slot: nothing found."""
+    alices = handle_slot("session_id=s", {}, "own-alice")
+    bobs = handle_slot("session_id=s", {}, "own-bob")
+    store = owned_store(Caps(8, None))
+    store.put(owned_handle(alices, "own-alice"))
+    assert store.take(bobs).outcome is Outcome.NO_HANDLE
+    assert store.take(alices).outcome is Outcome.REUSED
+
+
+def test_handle_store_cap_evicts_across_owners_with_its_own_reason() -> None:
+    evictions: list = []
+    store = owned_store(Caps(8, None), cap=2, evictions=evictions)
+    for slot, owner in (("a1", "alice"), ("b1", "bob"), ("c1", "carol")):
+        store.put(owned_handle(slot, owner))
+    assert evictions == [(EVICT_STORE_CAP, "a1")]
+    assert store.owner_figures("alice") == (0, 0)
+
+
+def test_handle_first_to_evict_is_the_least_recently_stored() -> None:
+    handles = [make_handle("old"), make_handle("new")]
+    assert first_to_evict(handles).session == "old"

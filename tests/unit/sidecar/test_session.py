@@ -153,6 +153,19 @@ def test_next_turn_finds_the_slot_its_predecessor_filled(key: str) -> None:
     assert handle_slot(key, {"messages": [*turn2["messages"], call, result]}) == filed
 
 
+@pytest.mark.parametrize("key", ["session_id=s", "user=u", "auto:abc"])
+def test_slots_are_bound_to_their_owner(key: str) -> None:
+    """With owners, one key under two owners names two slots, and each owner's next
+    turn finds the slot its own predecessor filled; no owner keeps the slot as before."""
+    turn1 = {"messages": [SYSTEM, Q1]}
+    turn2 = {"messages": [SYSTEM, Q1, {"role": "assistant", "content": "hi there"}, Q2]}
+    filed = {o: next_handle_slot(key, turn1, "hi there", o) for o in ("own-a", "own-b")}
+    assert filed["own-a"] != filed["own-b"]
+    assert {o: handle_slot(key, turn2, o) for o in filed} == filed
+    assert handle_slot(key, turn2) == next_handle_slot(key, turn1, "hi there")
+    assert handle_slot(key, turn2) not in filed.values()
+
+
 def test_parallel_conversations_of_one_user_have_their_own_slots() -> None:
     """Two conversations of one user (one routing key) keep separate handles."""
     a = next_handle_slot("user=u", {"messages": [Q1]}, "answer a")
