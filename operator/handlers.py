@@ -235,18 +235,31 @@ def apply_children(
     logger: logging.Logger,
     only: tuple[str, str] | None = None,
     claims: ownership.Claims | None = None,
+    post: Callable[[dict[str, Any], str, str, str], None] | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
-    children known to be ours and records conflicts for status (a throwaway one
-    without it: every child is read first)."""
+    children known to be ours and records conflicts and the outcome for status (a
+    throwaway one without it: every child is read first). ``post`` posts Events
+    outside a kopf handler (the resync loop, the retries), where kopf.warn cannot."""
+
+    def warn(reason: str, message: str) -> None:
+        if post is None:
+            kopf.warn(body, reason=reason, message=message)
+            return
+        try:
+            post(body, "Warning", reason, message)
+        except Exception as exc:  # an Event is news, never a reason to stop applying
+            logger.warning("event %s not posted: %s", reason, _brief(exc))
+
     try:
         server = api.parse_server(body)
     except api.SpecError as exc:
-        kopf.warn(body, reason=EVENT_INVALID, message=str(exc))
+        warn(EVENT_INVALID, str(exc))
         return Applied.NEVER
     claims = claims if claims is not None else ownership.Claims()
     server_key = (server.namespace, server.name)
     ok = Applied.ALL
+    refusals: list[str] = []
     for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
         if only and (child["kind"], meta["name"]) != only:
@@ -284,7 +297,8 @@ def apply_children(
             ok = Applied.RETRY if retry or ok is Applied.RETRY else Applied.NEVER
             message = f"{child['kind']} {meta['name']}: {api_error_message(exc)}"
             logger.error("apply failed: %s", message)
-            kopf.warn(body, reason=EVENT_APPLY_FAILED, message=message)
+            warn(EVENT_APPLY_FAILED, message)
+            refusals.append(message)
             continue
         claims.remember(key, server.uid)
         claims.record(server_key, key, None)
@@ -296,6 +310,10 @@ def apply_children(
                 meta["name"],
                 {**aggregate.NO_REPORTS_STATUS, "lastUpdateTime": api.iso_time()},
             )
+    if only is None:
+        # What status may call observed: only a generation whose children all landed.
+        outcome = ownership.ApplyOutcome(server.generation, ok is Applied.ALL, tuple(refusals))
+        claims.applied(server_key, outcome)
     return ok
 
 
@@ -341,7 +359,8 @@ def retry_apply(
     body = kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return True
-    return apply_children(body, kube, settings, logger, None, claims) is not Applied.RETRY
+    applied = apply_children(body, kube, settings, logger, None, claims, kube.create_event)
+    return applied is not Applied.RETRY
 
 
 def check_prerequisites(
@@ -396,6 +415,7 @@ def refresh_status(
         prerequisites=check_prerequisites(server, roles, probe, settings),
         nodes=_nodes_seen(nodes) if nodes is not None else None,
         conflicts=claims.conflicts(key) if claims is not None else (),
+        last_apply=claims.last_apply(key) if claims is not None else None,
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):
@@ -414,13 +434,14 @@ def refresh_status(
         )
         return
     for change in changes:
-        healthy = (change.type == api.COND_DEGRADED) == (change.status != "True")
-        normal = healthy or change.status == "Unknown"
+        kind = status.event_type(change)
         message = f"{change.type}={change.status}: {change.message}"
         if post is not None:
-            post(body, "Normal" if normal else "Warning", change.reason, message)
+            post(body, kind, change.reason, message)
         else:
-            (kopf.info if normal else kopf.warn)(body, reason=change.reason, message=message)
+            (kopf.info if kind == "Normal" else kopf.warn)(
+                body, reason=change.reason, message=message
+            )
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -495,7 +516,9 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
             if body["metadata"].get("deletionTimestamp"):
                 continue
             try:
-                await asyncio.to_thread(apply_children, body, kube, settings, logger, None, claims)
+                await asyncio.to_thread(
+                    apply_children, body, kube, settings, logger, None, claims, kube.create_event
+                )
             except Exception as exc:  # the loop must outlive any one server's trouble
                 logger.warning("resync of %s failed: %s", body["metadata"].get("name"), _brief(exc))
             if indexes is not None:

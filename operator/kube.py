@@ -68,10 +68,16 @@ class Kube:
         """Server-side apply ``obj`` as ours; forced, since these are our children."""
         meta = obj["metadata"]
         res = self._resource(obj["apiVersion"], obj["kind"])
-        out = res.server_side_apply(
-            body=obj,
-            name=meta["name"],
-            namespace=meta.get("namespace"),
+        # An apply patch is YAML to the API server, and YAML has no surrogate-pair
+        # escapes: the client's json.dumps writes an emoji as "\ud83d\ude00", which
+        # the API server refuses (400 "invalid Unicode character escape code"). UTF-8
+        # JSON is YAML too.
+        body = json.dumps(obj, ensure_ascii=False).encode()
+        out = self.dyn.request(
+            "patch",
+            res.path(name=meta["name"], namespace=meta.get("namespace")),
+            body=body,
+            content_type="application/apply-patch+yaml",
             field_manager=api.FIELD_MANAGER,
             force_conflicts=True,
             _request_timeout=REQUEST_TIMEOUT,

@@ -43,6 +43,15 @@ class Conflict:
         return f"{self.kind} {self.name} (controlled by {self.controller or 'nothing'})"
 
 
+@dataclass(frozen=True)
+class ApplyOutcome:
+    """A whole apply of one generation of a server (not a one-child re-apply)."""
+
+    generation: int
+    applied: bool  # every child landed
+    refusals: tuple[str, ...] = ()  # "<kind> <name>: <the API server's message>"
+
+
 def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The owner reference with ``controller: true``; an object has at most one."""
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
@@ -105,6 +114,7 @@ class Claims:
         self._lock = threading.Lock()
         self._owners: dict[ChildKey, str] = {}
         self._conflicts: dict[ServerKey, dict[ChildKey, Conflict]] = {}
+        self._applies: dict[ServerKey, ApplyOutcome] = {}
 
     def owner(self, key: ChildKey) -> str | None:
         with self._lock:
@@ -133,6 +143,15 @@ class Claims:
         with self._lock:
             return tuple(self._conflicts.get(server, {}).values())
 
+    def applied(self, server: ServerKey, outcome: ApplyOutcome) -> None:
+        with self._lock:
+            self._applies[server] = outcome
+
+    def last_apply(self, server: ServerKey) -> ApplyOutcome | None:
+        with self._lock:
+            return self._applies.get(server)
+
     def drop_server(self, server: ServerKey) -> None:
         with self._lock:
             self._conflicts.pop(server, None)
+            self._applies.pop(server, None)

@@ -35,6 +35,7 @@ REASON_NO_REPORTS = "NoReports"
 REASON_NODE_LOST = "NodeLost"
 # A child's name is held by an object the server does not control (ownership.py).
 REASON_CHILD_CONFLICT = "ChildConflict"
+REASON_APPLY_FAILED = "ApplyFailed"  # the API server refused a child of this generation
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
@@ -83,6 +84,9 @@ class Observed:
     nodes: dict[str, bool] | None = None
     # Children not applied because another object holds their name.
     conflicts: tuple[ownership.Conflict, ...] = ()
+    # The server's last whole apply; None: not known (not applied since the
+    # operator started), so observedGeneration stays what it was.
+    last_apply: ownership.ApplyOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
     node_lost = node_lost_summary(observed)
     conflict = ownership.message(observed.conflicts, server.name) if observed.conflicts else None
+    refused = apply_failure(server, observed.last_apply)
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
     not_ready = [
@@ -327,7 +332,10 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     else:
         ready = ("False", REASON_WAITING, "waiting for " + (", ".join(not_ready) or "rollout"))
 
-    if settled:
+    if refused:
+        # The pods may be ready, but on the previous generation: never "Complete".
+        progressing = ("False", REASON_APPLY_FAILED, refused)
+    elif settled:
         progressing = ("False", REASON_COMPLETE, "prefill and decode match the spec")
     elif not all(roles.get(r, RoleObserved()).exists for r in api.ROLES):
         progressing = ("True", REASON_CREATING, "creating StatefulSets")
@@ -343,6 +351,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
 
     if conflict:
         degraded = ("True", REASON_CHILD_CONFLICT, conflict)
+    elif refused:
+        degraded = ("True", REASON_APPLY_FAILED, refused)
     elif unschedulable:
         degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
     elif node_lost:
@@ -371,6 +381,39 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
             }
         )
     return out
+
+
+def apply_failure(server: Server, last: ownership.ApplyOutcome | None) -> str | None:
+    """The message for a generation whose children the API server refused, or None."""
+    if last is None or last.generation != server.generation or not last.refusals:
+        return None
+    return (
+        f"generation {last.generation} is not applied, the API server refused: "
+        f"{'; '.join(last.refusals)}. Change the field the message names (or what "
+        "refused it: an admission policy, a quota); the operator applies again on the "
+        "next change of the server and on every resync"
+    )
+
+
+def observed_generation(observed: Observed, old_status: dict[str, Any]) -> int | None:
+    """The generation whose children all landed: status must not call a generation
+    observed (GitOps tools read that as rolled out) when its apply failed."""
+    last = observed.last_apply
+    if last is not None and last.applied:
+        return last.generation
+    old = old_status.get("observedGeneration")
+    return old if isinstance(old, int) else None
+
+
+def event_type(change: ConditionChange) -> str:
+    """Normal or Warning for a condition's Event: Warning only for news of a fault
+    (alerting pipelines page on Warnings, so a finished rollout must not be one)."""
+    if change.status == "Unknown":
+        return "Normal"
+    if change.type == api.COND_PROGRESSING:
+        return "Warning" if change.reason == REASON_APPLY_FAILED else "Normal"
+    bad = "True" if change.type == api.COND_DEGRADED else "False"
+    return "Warning" if change.status == bad else "Normal"
 
 
 def rdma_asked(server: Server) -> str | None:
@@ -430,9 +473,10 @@ def compute_status(
     conditions, changes = merge_conditions(
         old_status.get("conditions") or [], compute_conditions(server, observed), now
     )
+    generation = observed_generation(observed, old_status)
     status = {
         **{k: v for k, v in old_status.items() if k == "retention"},
-        "observedGeneration": server.generation,
+        **({"observedGeneration": generation} if generation is not None else {}),
         "endpoint": entry_url(server),
         "transport": observed.transport,
         **({"transportReason": observed.transport_reason} if observed.transport_reason else {}),

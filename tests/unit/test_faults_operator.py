@@ -199,6 +199,9 @@ class UnreachableKube:
         self.applies += 1
         raise urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")
 
+    def create_event(self, body, type, reason, message):
+        raise urllib3.exceptions.MaxRetryError(None, "/api", "connection refused")
+
 
 async def test_the_resync_loop_outlives_an_api_server_that_goes_away_mid_pass(caplog):
     from kvferry_operator import handlers

@@ -100,6 +100,7 @@ class FlakyKube:
         self.obj, self.down = obj, down
         self.applies = 0
         self.landed: list[str] = []
+        self.events: list[tuple[str, str]] = []
 
     def apply(self, child: dict) -> dict:
         self.applies += 1
@@ -110,6 +111,9 @@ class FlakyKube:
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         return self.obj if kind == api.SERVER_KIND else None
+
+    def create_event(self, body: dict, type: str, reason: str, message: str) -> None:
+        self.events.append((type, reason))
 
 
 @pytest.mark.parametrize("retried", [True, False], ids=["unreachable", "invalid-spec"])

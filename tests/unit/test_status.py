@@ -325,7 +325,8 @@ def test_transition_time_moves_when_status_flips():
 
 def test_role_counts_and_display():
     decode = RoleObserved(exists=True, replicas=2, ready_replicas=1, updated_replicas=2)
-    st, _ = status.compute_status(SERVER, observed(decode=decode), None, NOW)
+    obs = observed(decode=decode, last_apply=ownership.ApplyOutcome(3, applied=True))
+    st, _ = status.compute_status(SERVER, obs, None, NOW)
     assert st["decode"] == {
         "replicas": 2,
         "readyReplicas": 1,
@@ -418,3 +419,69 @@ def test_unschedulable_pods_keep_the_ready_reason_and_prerequisites_say_why():
     conditions = status.compute_conditions(SERVER, obs)
     assert cond(conditions, api.COND_READY)["reason"] == status.REASON_UNSCHEDULABLE
     assert cond(conditions, api.COND_PREREQUISITES)["reason"] == "NoGPUNodes"
+
+
+# ---------------------------------------------------------- observedGeneration (GitOps)
+
+REFUSED = "StatefulSet tiny-decode: admission webhook denied the request: replicas over 3"
+
+
+def test_a_refused_generation_is_not_observed_and_says_what_was_refused():
+    # Generation 3 refused, generation 2 was running: Argo CD / Flux must not read
+    # generation 3 as rolled out (observedGeneration 3 + Complete looked Healthy).
+    obs = observed(last_apply=ownership.ApplyOutcome(3, applied=False, refusals=(REFUSED,)))
+    st, changes = status.compute_status(SERVER, obs, {"observedGeneration": 2}, NOW)
+    assert st["observedGeneration"] == 2
+    progressing = cond(st["conditions"], api.COND_PROGRESSING)
+    degraded = cond(st["conditions"], api.COND_DEGRADED)
+    for c in (progressing, degraded):
+        assert c["reason"] == status.REASON_APPLY_FAILED
+        assert REFUSED in c["message"] and "generation 3 is not applied" in c["message"]
+    assert (progressing["status"], degraded["status"]) == ("False", "True")
+    kinds = {c.type: status.event_type(c) for c in changes}
+    assert kinds[api.COND_PROGRESSING] == kinds[api.COND_DEGRADED] == "Warning"
+
+
+def test_the_generation_observed_is_the_one_whose_children_all_landed():
+    landed = observed(last_apply=ownership.ApplyOutcome(3, applied=True))
+    st, _ = status.compute_status(SERVER, landed, {"observedGeneration": 2}, NOW)
+    assert st["observedGeneration"] == 3
+    assert cond(st["conditions"], api.COND_PROGRESSING)["reason"] == status.REASON_COMPLETE
+    # A child conflict (nothing refused, something not applied) does not advance it either.
+    held = observed(last_apply=ownership.ApplyOutcome(3, applied=False))
+    st, _ = status.compute_status(SERVER, held, {"observedGeneration": 2}, NOW)
+    assert st["observedGeneration"] == 2
+
+
+def test_an_apply_not_known_keeps_the_observed_generation_and_never_invents_one():
+    st, _ = status.compute_status(SERVER, observed(), {"observedGeneration": 2}, NOW)
+    assert st["observedGeneration"] == 2
+    st, _ = status.compute_status(SERVER, observed(), None, NOW)
+    assert "observedGeneration" not in st
+
+
+def test_an_older_generations_refusal_does_not_mark_the_current_one():
+    obs = observed(last_apply=ownership.ApplyOutcome(2, applied=False, refusals=(REFUSED,)))
+    c = cond(status.compute_conditions(SERVER, obs), api.COND_PROGRESSING)
+    assert c["reason"] == status.REASON_COMPLETE
+
+
+@pytest.mark.parametrize(
+    ("ctype", "value", "reason", "kind"),
+    [
+        # A rollout that finished is good news: a Warning here paged on every rollout.
+        (api.COND_PROGRESSING, "False", status.REASON_COMPLETE, "Normal"),
+        (api.COND_PROGRESSING, "True", status.REASON_ROLLING, "Normal"),
+        (api.COND_PROGRESSING, "False", status.REASON_APPLY_FAILED, "Warning"),
+        (api.COND_READY, "True", status.REASON_READY, "Normal"),
+        (api.COND_READY, "False", status.REASON_UNSCHEDULABLE, "Warning"),
+        (api.COND_DEGRADED, "False", status.REASON_HEALTHY, "Normal"),
+        (api.COND_DEGRADED, "True", status.REASON_CRASHING, "Warning"),
+        (api.COND_KV_TRANSPORT, "False", "TCPFallback", "Warning"),
+        (api.COND_KV_TRANSPORT, "Unknown", status.REASON_NO_REPORTS, "Normal"),
+        (api.COND_PREREQUISITES, "False", "NoGPUNodes", "Warning"),
+        (api.COND_PREREQUISITES, "True", "Met", "Normal"),
+    ],
+)
+def test_event_type_is_warning_only_for_a_fault(ctype, value, reason, kind):
+    assert status.event_type(status.ConditionChange(ctype, value, reason, "m")) == kind
