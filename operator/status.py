@@ -16,7 +16,7 @@ from typing import Any
 
 from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
-from . import api, ownership, prerequisites
+from . import api, hostpaths, ownership, prerequisites
 from .api import Server
 from .prerequisites import Finding
 from .render import entry_url, selector_labels
@@ -35,6 +35,7 @@ REASON_NO_REPORTS = "NoReports"
 REASON_NODE_LOST = "NodeLost"
 # A child's name is held by an object the server does not control (ownership.py).
 REASON_CHILD_CONFLICT = "ChildConflict"
+# hostpaths.REASON: spec.model.source.hub.cache.hostPath is not under an allowed folder.
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
@@ -83,6 +84,8 @@ class Observed:
     nodes: dict[str, bool] | None = None
     # Children not applied because another object holds their name.
     conflicts: tuple[ownership.Conflict, ...] = ()
+    # Why the spec's hostPath is refused (hostpaths.refusal): no StatefulSets then.
+    host_path_refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -311,6 +314,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
             REASON_NO_DECODE,
             "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more",
         )
+    elif observed.host_path_refused:
+        ready = ("False", hostpaths.REASON, observed.host_path_refused)
     elif conflict:
         # Pods may run, but some child (the entry Service, say) is someone else's.
         ready = ("False", REASON_CHILD_CONFLICT, conflict)
@@ -341,7 +346,9 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)
         progressing = ("True", REASON_ROLLING, what or "waiting for StatefulSets")
 
-    if conflict:
+    if observed.host_path_refused:
+        degraded = ("True", hostpaths.REASON, observed.host_path_refused)
+    elif conflict:
         degraded = ("True", REASON_CHILD_CONFLICT, conflict)
     elif unschedulable:
         degraded = ("True", REASON_UNSCHEDULABLE, unschedulable)
