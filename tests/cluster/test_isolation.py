@@ -6,7 +6,14 @@ not allow gets a condition that names the field and no StatefulSet."""
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+import textwrap
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvferry_operator import api, hostpaths, render
 from tests.cluster.conftest import Kubectl, Operator, wait_until
@@ -118,3 +125,107 @@ def test_a_host_path_the_operator_does_not_allow_gets_the_condition_and_no_state
     message = condition(kubectl, ns, "nodecache", "Ready")["message"]
     assert "settings.hostPathPrefixes" in message and "KVFERRY_HOST_PATH_PREFIXES" in message
     assert kubectl.get("statefulset", "nodecache-decode", ns) is None
+
+
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+# The identities the documented policy names: the chart's operator, and the StatefulSet
+# controller's in its two forms.
+DOC_USERS = (
+    "system:serviceaccount:kvferry-system:kvferry",
+    "system:serviceaccount:kube-system:statefulset-controller",
+    "system:kube-controller-manager",
+)
+
+
+def documented_policy(name: str, user: str) -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy docs/security.md gives, as a reader would copy it,
+    with this cluster's identities in place of the documented ones: here the test's
+    operator and the controller-manager both run as the admin user."""
+    text = SECURITY_DOC.read_text()
+    for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
+        doc = yaml.safe_load(textwrap.dedent(block))
+        if doc.get("kind") == "ValidatingAdmissionPolicy":
+            raw = json.dumps(doc)
+            for documented in DOC_USERS:
+                assert documented in raw, documented
+                raw = raw.replace(documented, user)
+            doc = json.loads(raw)
+            doc["metadata"]["name"] = name
+            return doc
+    raise AssertionError("docs/security.md has no ValidatingAdmissionPolicy")
+
+
+# Anyone else, with every RBAC right: only the policy can refuse them.
+MALLORY = ("--as=mallory", "--as-group=system:masters")
+
+
+def labelled_pod(ns: str, name: str, server_name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {api.LABEL_SERVER: server_name}},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
+
+
+def test_the_documented_admission_policy_keeps_the_peer_label_to_kvferry(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """Within a namespace anyone who may create pods may set labels: the policy in
+    docs/security.md admits kvferry.io/server only from the operator (StatefulSets) and
+    the StatefulSet controller (pods)."""
+    me = kubectl.json("auth", "whoami")["status"]["userInfo"]["username"]
+    name = f"kvferry-server-label-{ns}"
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}
+            },
+        },
+    }
+    kubectl.apply([documented_policy(name, me), binding])
+    try:
+        # The API server loads a new policy asynchronously; once refused, it stays so.
+        refused = wait_until(
+            lambda: (
+                (
+                    p := kubectl.apply(
+                        labelled_pod(ns, "intruder", "iso"),
+                        *MALLORY,
+                        "--dry-run=server",
+                        check=False,
+                    )
+                ).returncode
+                != 0
+                and p
+            ),
+            60,
+            "the policy in force",
+        )
+        assert "kvferry.io/server is set by the kvferry operator" in refused.stderr
+        assert "not by mallory" in refused.stderr
+
+        kubectl.apply(server(name="iso", namespace=ns), "--server-side")
+        pod = wait_until(lambda: kubectl.get("pod", "iso-decode-0", ns), 60, "pod iso-decode-0")
+        assert pod["metadata"]["labels"][api.LABEL_SERVER] == "iso"
+        # Relabelling a pod, theirs or ours, is refused; other label edits pass.
+        proc = kubectl.run(
+            "label", "pod", "iso-decode-0", "-n", ns, f"{api.LABEL_SERVER}=other",
+            "--overwrite", *MALLORY, check=False,
+        )  # fmt: skip
+        assert proc.returncode != 0 and "not by mallory" in proc.stderr
+        kubectl.run("label", "pod", "iso-decode-0", "-n", ns, "team=a", *MALLORY)
+        # Someone else's StatefulSet with the label in its template (full RBAC rights).
+        sts = copy.deepcopy(kubectl.get("statefulset", "iso-decode", ns))
+        sts["metadata"] = {"name": "impostor", "namespace": ns}
+        sts.pop("status", None)
+        proc = kubectl.apply(sts, *MALLORY, "--dry-run=server", check=False)
+        assert proc.returncode != 0 and "not by mallory" in proc.stderr
+    finally:
+        kubectl.run("delete", "validatingadmissionpolicybinding", name, check=False)
+        kubectl.run("delete", "validatingadmissionpolicy", name, check=False)
