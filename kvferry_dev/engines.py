@@ -195,10 +195,11 @@ class Engine(HttpServer):
 
     # --- command line
     def kv_events_config(self) -> dict[str, Any]:
-        """The operator's ``--kv-events-config`` on this engine's ports. It binds
-        ``tcp://*:PORT``: vLLM's publisher *connects* its PUB socket to any endpoint
-        without a wildcard, so with ``tcp://127.0.0.1:PORT`` it and the sidecar both
-        connect and no event ever arrives (seen here)."""
+        """The operator's ``--kv-events-config`` on this engine's ports: both sockets
+        on 127.0.0.1 only, the PUB one written ``tcp://[::ffff:127.0.0.1]:PORT``
+        because vLLM's publisher *connects* its PUB socket to any endpoint without
+        "*" or "::" (with ``tcp://127.0.0.1:PORT`` it and the sidecar both connect and
+        no event ever arrives: engine_config.KV_EVENTS_ENDPOINT)."""
         cfg = dict(build_kv_events_config())
         for key, default, port in (
             ("endpoint", protocol.KV_EVENTS_PORT, self.kv_events_port),

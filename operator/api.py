@@ -43,7 +43,9 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"  # always "kvferry-operator"
 LABEL_PART_OF = "app.kubernetes.io/part-of"  # always "kvferry"
 # On StatefulSets, their pods and headless Services: which engine role.
 LABEL_ROLE = "kvferry.io/role"  # prefill | decode
-# On pods: the DisaggregatedServer they belong to (the report endpoint checks it).
+# On pods: the DisaggregatedServer they belong to. The report endpoint checks it and
+# the server's NetworkPolicy admits its peers by it; render sets it after the spec's
+# podLabels, so no spec can put it on another server's pods.
 LABEL_SERVER = "kvferry.io/server"
 
 # On pod templates: hash of everything that decides the engine build (image,
@@ -271,6 +273,13 @@ class Owners:
     max_pinned_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class NetworkPolicy:
+    # NetworkPolicy peers (from-entries, as the CRD checked them) that may reach the
+    # client port; () = none. The CRD's default is every pod of the cluster.
+    clients: tuple[dict[str, Any], ...]
+
+
 # spec.cacheTuning.mode: Observe shows figures only, Recommend adds the tuner's
 # recommendations, Auto also applies them (status.retention.applied).
 MODE_OBSERVE = "Observe"
@@ -298,6 +307,7 @@ class ServerSpec:
     network: Network
     routing: Routing
     cache_tuning: CacheTuning
+    network_policy: NetworkPolicy
     owners: Owners = Owners()
 
     def role(self, name: str) -> Role:
@@ -410,6 +420,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         rdma = net["rdma"]
         routing = raw["routing"]
         tuning = raw["cacheTuning"]
+        policy = raw["networkPolicy"]
         owners = raw.get("owners") or {}
         return ServerSpec(
             model=model,
@@ -457,6 +468,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
                 max_handles=owners.get("maxHandles"),
                 max_pinned_tokens=owners.get("maxPinnedTokens"),
             ),
+            network_policy=NetworkPolicy(clients=tuple(policy["clients"])),
         )
     except (KeyError, TypeError) as exc:
         # The CRD schema rejects these before the operator sees them; this

@@ -99,12 +99,23 @@ def build_kv_transfer_config(server: Server, role: str) -> Obj:
     }
 
 
+# The KV events carry every prompt's block hashes and token ids, and their only reader
+# is the sidecar in the same pod: both sockets listen on loopback alone. vLLM 0.32
+# binds the PUB socket only for an endpoint with "*" or "::" in it and *connects* to
+# any other (tcp://127.0.0.1:PORT would connect, as the sidecar does, and no event
+# would ever arrive); the IPv4-mapped form has "::" and ZeroMQ binds it on
+# 127.0.0.1. The replay ROUTER socket is always bound. The engine tier checks both
+# on vLLM itself (tests/engine/test_kv_events_bind.py).
+KV_EVENTS_ENDPOINT = f"tcp://[::ffff:127.0.0.1]:{protocol.KV_EVENTS_PORT}"
+KV_EVENTS_REPLAY_ENDPOINT = f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
+
+
 def build_kv_events_config() -> Obj:
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{protocol.KV_EVENTS_PORT}",
-        "replay_endpoint": f"tcp://*:{protocol.KV_EVENTS_REPLAY_PORT}",
+        "endpoint": KV_EVENTS_ENDPOINT,
+        "replay_endpoint": KV_EVENTS_REPLAY_ENDPOINT,
         "topic": "kv-events",
     }
 

@@ -34,6 +34,7 @@ from . import (
     aggregate,
     api,
     drift,
+    hostpaths,
     metrics,
     ownership,
     prerequisites,
@@ -63,6 +64,7 @@ CHILD_KINDS = [
     ("", "v1", "services", "v1", "Service"),
     ("", "v1", "configmaps", "v1", "ConfigMap"),
     ("policy", "v1", "poddisruptionbudgets", "policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io", "v1", "networkpolicies", "networking.k8s.io/v1", "NetworkPolicy"),
     (api.GROUP, api.VERSION, api.STATUS_PLURAL, api.API_VERSION, api.STATUS_KIND),
 ]
 
@@ -260,11 +262,23 @@ def apply_children(
     server_key = (server.namespace, server.name)
     ok = Applied.ALL
     refusals: list[str] = []
+    refused = hostpaths.refusal(server, settings.host_path_prefixes)
+    # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
+    isolated = True
     for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
         if only and (child["kind"], meta["name"]) != only:
             continue
         key = (child["kind"], meta["namespace"], meta["name"])
+        if child["kind"] == "StatefulSet" and (refused or not isolated):
+            # The status says why (refresh_status): HostPathNotAllowed, or the
+            # NetworkPolicy's ApplyFailed Event.
+            logger.warning("not applied: %s %s", key, refused or "its NetworkPolicy did not land")
+            # A refusal stays until the spec or the operator's settings change; the
+            # NetworkPolicy's failure already set ok.
+            if refused and ok is not Applied.RETRY:
+                ok = Applied.NEVER
+            continue
         if child["kind"] == "StatefulSet" and any(
             ownership.feeds_pods(c, server.name) for c in claims.conflicts(server_key)
         ):
@@ -295,6 +309,8 @@ def apply_children(
             # resync tries it again, a backoff would only repeat the Warning.
             retry = is_transient(exc) or exc.status == 409
             ok = Applied.RETRY if retry or ok is Applied.RETRY else Applied.NEVER
+            if child["kind"] == "NetworkPolicy":
+                isolated = False
             message = f"{child['kind']} {meta['name']}: {api_error_message(exc)}"
             logger.error("apply failed: %s", message)
             warn(EVENT_APPLY_FAILED, message)
@@ -416,6 +432,9 @@ def refresh_status(
         nodes=_nodes_seen(nodes) if nodes is not None else None,
         conflicts=claims.conflicts(key) if claims is not None else (),
         last_apply=claims.last_apply(key) if claims is not None else None,
+        host_path_refused=hostpaths.refusal(server, settings.host_path_prefixes)
+        if settings
+        else None,
     )
     new, changes = status.compute_status(server, observed, old, api.iso_time())
     if not status.status_changed(old, new):

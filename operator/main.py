@@ -15,7 +15,12 @@ def run(namespaces: list[str], standalone: bool) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The handlers find the operator's settings and scope in kopf's memo, not in globals.
-    memo = kopf.Memo(settings=from_env(), namespaces=list(namespaces))
+    try:
+        settings = from_env()
+    except ValueError as exc:  # a bad variable: say which, without a traceback
+        logging.getLogger(__name__).error("bad setting: %s", exc)
+        return 2
+    memo = kopf.Memo(settings=settings, namespaces=list(namespaces))
     asyncio.run(
         kopf.operator(
             standalone=standalone,

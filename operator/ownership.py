@@ -82,10 +82,13 @@ def conflict(
 
 
 def feeds_pods(found: Conflict, server_name: str) -> bool:
-    """The pods would use the object: they mount ConfigMap ``<name>-sidecar`` and find
-    their peers through the headless Services ``<name>-<role>``, by name. Pods must not
-    start on someone else's settings or peers, so their StatefulSets wait."""
-    return found.kind == "ConfigMap" or (found.kind == "Service" and found.name != server_name)
+    """The pods would use the object: they mount ConfigMap ``<name>-sidecar``, find
+    their peers through the headless Services ``<name>-<role>``, by name, and are
+    isolated by NetworkPolicy ``<name>``. Pods must not start on someone else's
+    settings or peers, or without their isolation, so their StatefulSets wait."""
+    return found.kind in ("ConfigMap", "NetworkPolicy") or (
+        found.kind == "Service" and found.name != server_name
+    )
 
 
 def message(conflicts: Iterable[Conflict], server_name: str) -> str:
@@ -93,8 +96,8 @@ def message(conflicts: Iterable[Conflict], server_name: str) -> str:
     found = sorted(conflicts, key=lambda c: (c.kind, c.name))
     what = "; ".join(str(c) for c in found)
     held = (
-        " The StatefulSets are not applied either: the pods would read that ConfigMap or "
-        "find that Service's pods as peers."
+        " The StatefulSets are not applied either: the pods would read that ConfigMap, "
+        "find that Service's pods as peers, or run without their NetworkPolicy."
         if any(feeds_pods(c, server_name) for c in found)
         else ""
     )

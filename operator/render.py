@@ -10,6 +10,8 @@ For a server ``x`` in namespace ``ns``:
   Services;
 - Service ``x``: the sidecar port (8000) of the decode pods, the client entry point;
 - PodDisruptionBudgets ``x-prefill`` / ``x-decode``;
+- NetworkPolicy ``x``: ingress to the pods from the server's own pods and, on the
+  client port only, from ``spec.networkPolicy.clients``;
 - KVCacheStatus ``x`` (its status is written by the operator, not rendered).
 
 Every object carries the ``app.kubernetes.io/*`` labels and an owner
@@ -153,10 +155,6 @@ def build_engine_container(server: Server, role: Role) -> Obj:
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if spec.model.hub:
         mounts.append({"name": HF_CACHE_VOLUME, "mountPath": HF_CACHE_MOUNT})
-    security: Obj = {"allowPrivilegeEscalation": False}
-    if spec.network.rdma.enabled:
-        # RDMA registers (pins) memory; without IPC_LOCK registration fails.
-        security["capabilities"] = {"add": ["IPC_LOCK"]}
     return {
         "name": "engine",
         "image": spec.engine.image,
@@ -169,13 +167,28 @@ def build_engine_container(server: Server, role: Role) -> Obj:
             {"name": "nixl", "containerPort": protocol.NIXL_SIDE_CHANNEL_PORT},
         ],
         "resources": build_engine_resources(spec, role),
-        "securityContext": security,
+        "securityContext": build_engine_security_context(spec),
         "volumeMounts": mounts,
         # Loading a large model from a volume can take many minutes; the
         # startup probe allows 30 before liveness takes over.
         "startupProbe": _http_probe("/health", "engine", 10, 180),
         "readinessProbe": _http_probe("/health", "engine", 5, 3),
         "livenessProbe": _http_probe("/health", "engine", 10, 6),
+    }
+
+
+def build_engine_security_context(spec: ServerSpec) -> Obj:
+    """The engine keeps the image's user (vLLM images run as root and write their
+    caches under /root) but none of root's capabilities: serving, CUDA and NIXL over
+    TCP need none, so a compromised engine cannot reach the node through them."""
+    capabilities: Obj = {"drop": ["ALL"]}
+    if spec.network.rdma.enabled:
+        # RDMA registers (pins) memory; without IPC_LOCK registration fails.
+        capabilities["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": capabilities,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -493,15 +506,18 @@ def build_headless_service(server: Server, role: Role) -> Obj:
             # Peers must resolve a starting pod to finish the NIXL handshake.
             "publishNotReadyAddresses": True,
             "selector": selector_labels(server, role.name),
+            # Peers call a prefill pod's engine and a decode pod's internal port; the
+            # chart's ServiceMonitor scrapes both ports of both roles through these
+            # Services. Nothing reaches a pod's 8000 through them (clients use Service
+            # x) nor NIXL's side channel (peers learn the pod IP from the KV handle).
+            # What may connect at all is the NetworkPolicy's to say, not these ports.
             "ports": [
-                {"name": "http", "port": protocol.SIDECAR_PORT, "targetPort": "http"},
                 {
                     "name": "internal",
                     "port": protocol.SIDECAR_INTERNAL_PORT,
                     "targetPort": "internal",
                 },
                 {"name": "engine", "port": protocol.ENGINE_PORT, "targetPort": "engine"},
-                {"name": "nixl", "port": protocol.NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl"},
             ],
         },
     }
@@ -533,6 +549,43 @@ def build_pdb(server: Server, role: Role) -> Obj:
     }
 
 
+def network_policy_name(server: Server) -> str:
+    return server.name
+
+
+def build_network_policy(server: Server) -> Obj:
+    """Ingress to the server's pods: everything from the server's own pods (engine
+    HTTP, the sidecars' internal port, NIXL's side channel and UCX's data
+    connections, whose TCP ports UCX picks at random: no port list can name them),
+    the client port from ``spec.networkPolicy.clients``, nothing else. Peers are
+    told by ``kvferry.io/server``, which only the operator puts on pods. The kubelet's
+    probes come from the node, which NetworkPolicy always admits. Egress stays open:
+    the sidecars push reports to the operator and engines may download from the hub.
+    The KV-event sockets listen on 127.0.0.1 (engine_config), beyond any policy."""
+    own = {"podSelector": {"matchLabels": {api.LABEL_SERVER: server.name}}}
+    ingress: list[Obj] = [{"from": [own]}]
+    clients = [dict(peer) for peer in server.spec.network_policy.clients]
+    if clients:
+        ingress.append(
+            {
+                "from": clients,
+                "ports": [{"protocol": "TCP", "port": protocol.SIDECAR_PORT}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(
+            server, network_policy_name(server), common_labels(server, "network")
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": {api.LABEL_SERVER: server.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def build_kv_cache_status(server: Server) -> Obj:
     return {
         "apiVersion": api.API_VERSION,
@@ -555,6 +608,8 @@ def render(server: Server, ctx: Context | None = None) -> list[Obj]:
     ctx = ctx or Context()
     roles = [server.spec.prefill, server.spec.decode]
     return [
+        # The policy first: pods never start unisolated, even for a moment.
+        build_network_policy(server),
         build_config_map(server, ctx),
         *(build_headless_service(server, r) for r in roles),
         build_entry_service(server),

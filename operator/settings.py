@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from . import hostpaths
 from .render import DEFAULT_SIDECAR_IMAGE, Context
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class Settings:
     # Plain-HTTP /metrics (what the operator decided, per server); 0 = off.
     metrics_port: int = 8080
     metrics_host: str = "0.0.0.0"
+    # Node folders a server's hub cache may mount (hostPath), normalised; none by
+    # default: a hostPath is the node's disk read-write in a root container.
+    host_path_prefixes: tuple[str, ...] = ()
 
     def render_context(self) -> Context:
         return render_context_of(self)
@@ -75,6 +79,7 @@ def from_env() -> Settings:
         prerequisites_cache_seconds=float(env("KVFERRY_PREREQUISITES_CACHE_SECONDS", "30")),
         metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
+        host_path_prefixes=hostpaths.parse_prefixes(env(hostpaths.ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
     )

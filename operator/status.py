@@ -16,7 +16,7 @@ from typing import Any
 
 from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
-from . import api, ownership, prerequisites
+from . import api, hostpaths, ownership, prerequisites
 from .api import Server
 from .prerequisites import Finding
 from .render import entry_url, selector_labels
@@ -36,6 +36,7 @@ REASON_NODE_LOST = "NodeLost"
 # A child's name is held by an object the server does not control (ownership.py).
 REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_APPLY_FAILED = "ApplyFailed"  # the API server refused a child of this generation
+# hostpaths.REASON: spec.model.source.hub.cache.hostPath is not under an allowed folder.
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
 
 
@@ -87,6 +88,8 @@ class Observed:
     # The server's last whole apply; None: not known (not applied since the
     # operator started), so observedGeneration stays what it was.
     last_apply: ownership.ApplyOutcome | None = None
+    # Why the spec's hostPath is refused (hostpaths.refusal): no StatefulSets then.
+    host_path_refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
             REASON_NO_DECODE,
             "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more",
         )
+    elif observed.host_path_refused:
+        ready = ("False", hostpaths.REASON, observed.host_path_refused)
     elif conflict:
         # Pods may run, but some child (the entry Service, say) is someone else's.
         ready = ("False", REASON_CHILD_CONFLICT, conflict)
@@ -349,7 +354,9 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)
         progressing = ("True", REASON_ROLLING, what or "waiting for StatefulSets")
 
-    if conflict:
+    if observed.host_path_refused:
+        degraded = ("True", hostpaths.REASON, observed.host_path_refused)
+    elif conflict:
         degraded = ("True", REASON_CHILD_CONFLICT, conflict)
     elif refused:
         degraded = ("True", REASON_APPLY_FAILED, refused)

@@ -306,6 +306,76 @@ INVALID: list[Invalid] = [
         "should match",
     ),
     Invalid(
+        "clients-ipblock-and-selector",
+        _spec(
+            {"networkPolicy": {"clients": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}
+        ),
+        "spec.networkPolicy.clients[0]",
+        "each spec.networkPolicy.clients entry sets ipBlock alone, or podSelector",
+    ),
+    Invalid(
+        "clients-empty-peer",
+        _spec({"networkPolicy": {"clients": [{}]}}),
+        "spec.networkPolicy.clients[0]",
+        "each spec.networkPolicy.clients entry sets ipBlock alone, or podSelector",
+    ),
+    Invalid(
+        "clients-cidr-required",
+        _spec({"networkPolicy": {"clients": [{"ipBlock": {"except": ["10.0.0.0/24"]}}]}}),
+        "spec.networkPolicy.clients[0].ipBlock.cidr",
+        "Required value",
+    ),
+    Invalid(
+        "clients-pod-expression-key-required",
+        _spec(
+            {
+                "networkPolicy": {
+                    "clients": [{"podSelector": {"matchExpressions": [{"operator": "Exists"}]}}]
+                }
+            }
+        ),
+        "spec.networkPolicy.clients[0].podSelector.matchExpressions[0].key",
+        "Required value",
+    ),
+    Invalid(
+        "clients-pod-expression-operator-required",
+        _spec(
+            {
+                "networkPolicy": {
+                    "clients": [{"podSelector": {"matchExpressions": [{"key": "app"}]}}]
+                }
+            }
+        ),
+        "spec.networkPolicy.clients[0].podSelector.matchExpressions[0].operator",
+        "Required value",
+    ),
+    Invalid(
+        "clients-namespace-expression-key-required",
+        _spec(
+            {
+                "networkPolicy": {
+                    "clients": [
+                        {"namespaceSelector": {"matchExpressions": [{"operator": "Exists"}]}}
+                    ]
+                }
+            }
+        ),
+        "spec.networkPolicy.clients[0].namespaceSelector.matchExpressions[0].key",
+        "Required value",
+    ),
+    Invalid(
+        "clients-namespace-expression-operator-required",
+        _spec(
+            {
+                "networkPolicy": {
+                    "clients": [{"namespaceSelector": {"matchExpressions": [{"key": "team"}]}}]
+                }
+            }
+        ),
+        "spec.networkPolicy.clients[0].namespaceSelector.matchExpressions[0].operator",
+        "Required value",
+    ),
+    Invalid(
         "tuning-mode-off",
         _spec({"cacheTuning": {"mode": "Off"}}),
         "spec.cacheTuning.mode",

@@ -101,8 +101,8 @@ def test_rendered_chart_passes_server_side_dry_run(kubectl: Kubectl, ns: str, se
         sets = [
             f"watchNamespaces={{{ns}}}",
             "networkPolicy.enabled=true",
-            f"networkPolicy.serverNamespaces={{{ns}}}",
-            "networkPolicy.clients[0].podSelector.matchLabels.app=client",
+            "networkPolicy.metricsClients[0].podSelector.matchLabels.app=prometheus",
+            "settings.hostPathPrefixes={/var/cache/kvferry}",
         ]
     # The operator pod must meet the restricted Pod Security Standard: the API server
     # warns about workloads that would violate it in a namespace labelled so.

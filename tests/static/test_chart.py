@@ -45,8 +45,7 @@ ALL_OPTIONS = [
     "podMonitor.enabled=true",
     "grafanaDashboard.enabled=true",
     "networkPolicy.enabled=true",
-    "networkPolicy.serverNamespaces={team-a}",
-    "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
+    "settings.hostPathPrefixes={/var/cache/kvferry}",
     "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
 ]
 
@@ -69,6 +68,7 @@ KINDS = {
     "Service": ("", "services"),
     "ConfigMap": ("", "configmaps"),
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+    "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
     api.STATUS_KIND: (api.GROUP, api.STATUS_PLURAL),
     api.SERVER_KIND: (api.GROUP, api.SERVER_PLURAL),
 }
@@ -86,6 +86,8 @@ CALLS = [
     Call("kopf watch: child-configmaps", "", "configmaps", ("list", "watch")),
     Call("kopf watch: child-poddisruptionbudgets", "policy", "poddisruptionbudgets",
          ("list", "watch")),
+    Call("kopf watch: child-networkpolicies", "networking.k8s.io", "networkpolicies",
+         ("list", "watch")),
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
@@ -96,6 +98,8 @@ CALLS = [
     Call("Kube.apply Service", "", "services", ("create", "patch")),
     Call("Kube.apply ConfigMap", "", "configmaps", ("create", "patch")),
     Call("Kube.apply PodDisruptionBudget", "policy", "poddisruptionbudgets",
+         ("create", "patch")),
+    Call("Kube.apply NetworkPolicy", "networking.k8s.io", "networkpolicies",
          ("create", "patch")),
     Call("Kube.apply KVCacheStatus", "kvferry.io", "kvcachestatuses", ("create", "patch")),
     # Kube.patch_status (handlers.refresh_status, apply_children, publisher.Publisher).
@@ -111,6 +115,7 @@ CALLS = [
     Call("Kube.get Service", "", "services", ("get",)),
     Call("Kube.get ConfigMap", "", "configmaps", ("get",)),
     Call("Kube.get PodDisruptionBudget", "policy", "poddisruptionbudgets", ("get",)),
+    Call("Kube.get NetworkPolicy", "networking.k8s.io", "networkpolicies", ("get",)),
     # Kube.list_servers (handlers._resync_forever).
     Call("Kube.list_servers", "kvferry.io", "disaggregatedservers", ("list",)),
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
@@ -303,8 +308,19 @@ def test_every_value_is_used_by_a_template():
         (["image.tagg=x"], "additional properties 'tagg' not allowed"),
         (["watchNamespaces={Bad_NS}"], "/watchNamespaces/0"),
         (["image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+        # A relative folder, or one with ':' (the variable's separator).
+        (["settings.hostPathPrefixes={var/cache}"], "/settings/hostPathPrefixes/0"),
+        (["settings.hostPathPrefixes={/a:/b}"], "/settings/hostPathPrefixes/0"),
     ],
-    ids=["replicas-not-1", "unknown-top-key", "typo-nested", "bad-namespace", "bad-enum"],
+    ids=[
+        "replicas-not-1",
+        "unknown-top-key",
+        "typo-nested",
+        "bad-namespace",
+        "bad-enum",
+        "host-path-prefix-relative",
+        "host-path-prefix-colon",
+    ],
 )
 def test_values_schema_rejects(sets: list[str], message: str):
     proc = helm("template", RELEASE, str(CHART), *set_args(sets), check=False)
@@ -391,6 +407,7 @@ class TestOperatorDeployment:
                 "settings.resyncSeconds=30",
                 "settings.reportStaleSeconds=45",
                 "settings.publishSeconds=5",
+                "settings.hostPathPrefixes={/var/cache/kvferry,/mnt/models}",
             )
         )
         env = {e["name"]: e["value"] for e in c["env"]}
@@ -404,6 +421,7 @@ class TestOperatorDeployment:
             "KVFERRY_RESYNC_SECONDS": "30",
             "KVFERRY_REPORT_STALE_SECONDS": "45",
             "KVFERRY_PUBLISH_SECONDS": "5",
+            "KVFERRY_HOST_PATH_PREFIXES": "/var/cache/kvferry:/mnt/models",
             "KVFERRY_METRICS_PORT": "8080",
         }
         assert c["ports"] == [
@@ -561,23 +579,21 @@ class TestOptionalObjects:
             "run python -m kvferry_dev.dashboard"
         )
 
-    def test_network_policy_lets_metrics_clients_scrape(self):
+    def test_network_policy_lets_metrics_clients_scrape_the_operator(self):
         objs = template(
             "networkPolicy.enabled=true",
-            "networkPolicy.serverNamespaces={team-a}",
             "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
         )
         monitoring = [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
         _, metrics = one(objs, "NetworkPolicy", RELEASE)["spec"]["ingress"]
         assert metrics == {"from": monitoring, "ports": [{"port": "metrics", "protocol": "TCP"}]}
-        *_, scrape = one(objs, "NetworkPolicy", f"{RELEASE}-servers")["spec"]["ingress"]
-        assert scrape == {
-            "from": monitoring,
-            "ports": [
-                {"port": protocol.SIDECAR_INTERNAL_PORT, "protocol": "TCP"},
-                {"port": protocol.ENGINE_PORT, "protocol": "TCP"},
-            ],
-        }
+
+    def test_the_chart_renders_no_policy_for_server_pods(self):
+        """The operator renders one per server (render.build_network_policy): a chart
+        policy per namespace would admit every kvferry pod of the namespace to every
+        server's engines, and policies add up."""
+        objs = template("networkPolicy.enabled=true")
+        assert [o["metadata"]["name"] for o in objs if o["kind"] == "NetworkPolicy"] == [RELEASE]
 
     def test_network_policy_report_endpoint_only_from_kvferry_pods(self):
         objs = template("networkPolicy.enabled=true")
@@ -591,27 +607,6 @@ class TestOptionalObjects:
         # The operator pod itself is not app.kubernetes.io/name=kvferry (not a server pod).
         pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
         assert pod_labels[api.LABEL_NAME] != "kvferry"
-
-    def test_network_policy_server_pods_kv_ports_only_from_kvferry_pods(self):
-        objs = template(
-            "networkPolicy.enabled=true",
-            "networkPolicy.serverNamespaces={team-a}",
-            "networkPolicy.clients[0].namespaceSelector.matchLabels.team=apps",
-        )
-        pol = one(objs, "NetworkPolicy", f"{RELEASE}-servers")
-        assert pol["metadata"]["namespace"] == "team-a"
-        server_pods = {api.LABEL_NAME: "kvferry", api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
-        assert pol["spec"]["podSelector"] == {"matchLabels": server_pods}
-        peers, clients = pol["spec"]["ingress"]
-        assert peers == {"from": [{"podSelector": {"matchLabels": server_pods}}]}
-        assert clients == {
-            "ports": [{"port": protocol.SIDECAR_PORT, "protocol": "TCP"}],
-            "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
-        }
-        # The selector matches what the operator renders on prefill/decode pods.
-        objs = render.render(api.parse_server(load_example(EXAMPLES[0])))
-        for sts in (o for o in objs if o["kind"] == "StatefulSet"):
-            assert server_pods.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
 
 
 # ------------------------------------------------------------------ server pods
@@ -637,6 +632,9 @@ def test_rendered_server_pods_have_no_host_access_or_privilege(path: Path):
             adds = set(sec.get("capabilities", {}).get("add", []))
             # IPC_LOCK (pinning RDMA memory) is the only capability ever added.
             assert adds == ({"IPC_LOCK"} if rdma and c["name"] == "engine" else set()), c["name"]
+        (engine,) = pod["containers"]
+        assert engine["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert engine["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         (sidecar,) = pod["initContainers"]
         assert sidecar["securityContext"]["runAsNonRoot"] is True
         assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True

@@ -11,6 +11,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import kubernetes_validate
 import pytest
@@ -105,6 +106,7 @@ def test_every_builtin_object_passes_strict_kubernetes_schema(path: Path):
 def test_render_names_and_kinds():
     objs = rendered(server())
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("NetworkPolicy", "tiny"),
         ("ConfigMap", "tiny-sidecar"),
         ("Service", "tiny-prefill"),
         ("Service", "tiny-decode"),
@@ -311,6 +313,120 @@ RDMA_SPEC = {
 }
 
 
+class TestEngineSecurity:
+    """Issue 20 item 10: creating a server must not be node root. The engine keeps the
+    image's user (vLLM images run as root) but no capability, no privilege escalation
+    and the runtime's default seccomp profile."""
+
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_engine_drops_every_capability_under_runtime_default_seccomp(self, role):
+        sec = engine(rendered(server()), role)["securityContext"]
+        assert sec == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_rdma_adds_back_ipc_lock_and_nothing_else(self, role):
+        sec = engine(rendered(server(RDMA_SPEC)), role)["securityContext"]
+        assert sec == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+
+    def test_the_pod_security_level_needed_stays_baseline_without_rdma(self):
+        """Dropping capabilities and RuntimeDefault never make a pod need a looser
+        level; the engine's root user keeps it from restricted."""
+        from kvferry_operator import prerequisites
+
+        pods = [pod_spec(rendered(server()), role) for role in api.ROLES]
+        assert prerequisites.level_allowing(pods) == "baseline"
+        rdma = [pod_spec(rendered(server(RDMA_SPEC)), role) for role in api.ROLES]
+        assert prerequisites.level_allowing(rdma) == "privileged"
+
+
+class TestKVEvents:
+    def test_kv_event_sockets_listen_on_loopback_only(self):
+        """Issue 20 item 2: the KV events carry prompt token ids; their only reader is
+        the sidecar in the same pod. vLLM 0.32 binds the PUB endpoint only when it has
+        '*' or '::' (tests/engine/test_kv_events_bind.py checks it on vLLM)."""
+        args = engine(rendered(server()), "decode")["args"]
+        events = json.loads(arg_after({"args": args}, "--kv-events-config"))
+        assert events["endpoint"] == f"tcp://[::ffff:127.0.0.1]:{protocol.KV_EVENTS_PORT}"
+        assert events["replay_endpoint"] == f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
+
+    def test_the_sidecar_subscribes_where_the_engine_publishes(self):
+        cm = by_kind(rendered(server()), "ConfigMap")
+        settings = json.loads(cm["data"]["sidecar.json"])
+        assert settings["kvEvents"] == f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}"
+        assert settings["kvEventsReplay"] == f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}"
+
+
+class TestNetworkPolicy:
+    """Issue 20 item 2: every server's pods are isolated by default."""
+
+    OWN: ClassVar[dict] = {"podSelector": {"matchLabels": {api.LABEL_SERVER: "tiny"}}}
+    CLIENT_PORT: ClassVar[list] = [{"protocol": "TCP", "port": protocol.SIDECAR_PORT}]
+
+    def policy(self, spec: dict | None = None) -> dict:
+        return by_kind(rendered(server(spec or {})), "NetworkPolicy", "tiny")
+
+    def test_every_server_gets_a_policy_by_default_before_its_pods(self):
+        objs = rendered(server())
+        kinds = [o["kind"] for o in objs]
+        assert kinds.index("NetworkPolicy") < kinds.index("StatefulSet")
+        pol = by_kind(objs, "NetworkPolicy", "tiny")
+        assert pol["spec"]["podSelector"] == {"matchLabels": {api.LABEL_SERVER: "tiny"}}
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+
+    def test_own_pods_reach_every_port_clients_only_the_client_port(self):
+        own, clients = self.policy()["spec"]["ingress"]
+        # UCX over TCP picks its data ports at random: the server's own pods get all ports.
+        assert own == {"from": [self.OWN]}
+        # The default: every pod of the cluster, on 8000 only.
+        assert clients == {"from": [{"namespaceSelector": {}}], "ports": self.CLIENT_PORT}
+
+    def test_clients_come_from_the_spec(self):
+        gateway = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+            "podSelector": {"matchLabels": {"app": "envoy"}},
+        }
+        _, clients = self.policy({"networkPolicy": {"clients": [gateway]}})["spec"]["ingress"]
+        assert clients == {"from": [gateway], "ports": self.CLIENT_PORT}
+
+    def test_no_clients_leaves_only_the_servers_own_pods(self):
+        (own,) = self.policy({"networkPolicy": {"clients": []}})["spec"]["ingress"]
+        assert own == {"from": [self.OWN]}
+
+    def test_the_peer_label_is_the_operators_even_against_pod_labels(self):
+        """A spec cannot put another server's kvferry.io/server on its own pods."""
+        objs = rendered(server({"decode": {"podLabels": {api.LABEL_SERVER: "victim"}}}))
+        for role in api.ROLES:
+            sts = by_kind(objs, "StatefulSet", f"tiny-{role}")
+            assert sts["spec"]["template"]["metadata"]["labels"][api.LABEL_SERVER] == "tiny"
+
+    def test_every_port_the_pods_listen_on_is_covered_by_the_policy(self):
+        """No container port is open to clients but the sidecar's public one."""
+        objs = rendered(server())
+        _, clients = by_kind(objs, "NetworkPolicy", "tiny")["spec"]["ingress"]
+        open_to_clients = {p["port"] for p in clients["ports"]}
+        for role in api.ROLES:
+            pod = pod_spec(objs, role)
+            ports = {
+                p["containerPort"]
+                for c in pod["initContainers"] + pod["containers"]
+                for p in c["ports"]
+            }
+            assert ports - open_to_clients == {
+                protocol.SIDECAR_INTERNAL_PORT,
+                protocol.ENGINE_PORT,
+                protocol.NIXL_SIDE_CHANNEL_PORT,
+            }
+            assert open_to_clients == {protocol.SIDECAR_PORT}
+
+
 class TestRDMA:
     def test_rdma_resource_multus_and_ucx_env(self):
         objs = rendered(server(RDMA_SPEC))
@@ -328,8 +444,8 @@ class TestRDMA:
     def test_ipc_lock_only_when_rdma_is_on(self):
         on = engine(rendered(server(RDMA_SPEC)), "decode")["securityContext"]
         off = engine(rendered(server()), "decode")["securityContext"]
-        assert on["capabilities"] == {"add": ["IPC_LOCK"]}
-        assert "capabilities" not in off
+        assert on["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert off["capabilities"] == {"drop": ["ALL"]}
 
     def test_no_rdma_parts_without_rdma(self):
         objs = rendered(server())
@@ -501,6 +617,17 @@ class TestServices:
         assert [p["port"] for p in svc["spec"]["ports"]] == [protocol.SIDECAR_PORT]
         headless = by_kind(rendered(server()), "Service", "tiny-decode")
         assert protocol.SIDECAR_INTERNAL_PORT in [p["port"] for p in headless["spec"]["ports"]]
+
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_headless_services_publish_only_what_peers_and_scrapers_use(self, role):
+        """Issue 20 item 2: peers call P's engine and D's internal port (the chart's
+        ServiceMonitor scrapes both on both roles); the client port and NIXL's side
+        channel are never reached through these Services."""
+        svc = by_kind(rendered(server()), "Service", f"tiny-{role}")
+        assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
+            ("internal", protocol.SIDECAR_INTERNAL_PORT),
+            ("engine", protocol.ENGINE_PORT),
+        ]
 
     def test_diagnostic_headers_are_off_unless_asked_for(self):
         def settings(spec: dict) -> dict:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import api, ownership, prerequisites, status
+from kvferry_operator import api, hostpaths, ownership, prerequisites, status
 from kvferry_operator.status import Observed, PodState, RoleObserved
 from tests.manifests import server
 from tests.unit.observed import SETTLED
@@ -93,6 +93,13 @@ def cond(conditions: list[dict], ctype: str) -> dict:
             observed(conflicts=(ownership.Conflict("Service", "tiny", ""),)),
             "False",
             status.REASON_CHILD_CONFLICT,
+        ),
+        (
+            # Pods of an earlier spec may still run: the refusal says why no update lands.
+            "a refused host path wins over settled pods",
+            observed(host_path_refused="spec.model.source.hub.cache.hostPath.path ..."),
+            "False",
+            hostpaths.REASON,
         ),
     ],
     ids=lambda v: v if isinstance(v, str) and " " in v else None,
@@ -242,6 +249,12 @@ def test_a_child_conflict_degrades_naming_the_object_and_the_fix():
     assert (c["status"], c["reason"]) == ("True", status.REASON_CHILD_CONFLICT)
     assert "Service tiny (controlled by Deployment db)" in c["message"]
     assert "rename this server" in c["message"]
+
+
+def test_a_refused_host_path_degrades_with_its_message():
+    why = "spec.model.source.hub.cache.hostPath.path '/etc' is a node folder, ..."
+    c = cond(status.compute_conditions(SERVER, observed(host_path_refused=why)), api.COND_DEGRADED)
+    assert (c["status"], c["reason"], c["message"]) == ("True", hostpaths.REASON, why)
 
 
 def test_crashing_containers_degrade():

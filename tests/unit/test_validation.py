@@ -58,7 +58,7 @@ def test_table_covers_every_cel_rule():
     missing = [
         (path, msg)
         for path, msg in _walk_rules(SPEC_SCHEMA, "")
-        if not any(c.path == path and c.message in msg for c in INVALID)
+        if not any(re.sub(r"\[\d+\]", "[]", c.path) == path and c.message in msg for c in INVALID)
     ]
     assert missing == []
 
