@@ -562,10 +562,12 @@ down() {
   for pid in $(pgrep -f "containerd-shim-runc-v2 .*-address $state/" || true); do
     log "stray shim $pid"; kill -KILL "$pid" 2>/dev/null || true
   done
+  log "down: kube-proxy, CoreDNS, kubelets, sandboxes, containerd stopped ($((SECONDS - started)) s)"
   # 3. mounts under the state folder (volumes, rootfs, netns), deepest first
   { awk '{print $5}' /proc/self/mountinfo | grep "^$state/" || true; } | sort -r | while read -r m; do
     umount "$m" 2>/dev/null || umount -l "$m" || true
   done
+  log "down: unmounted ($((SECONDS - started)) s)"
   # 4. the kubelet's chains (kubelet_network_linux.go); kube-proxy --cleanup left them
   local ipt t
   for ipt in iptables ip6tables; do
@@ -588,8 +590,10 @@ down() {
       ((rules > 0)) || nft delete table $table
     done
   fi
+  log "down: iptables and nft cleaned ($((SECONDS - started)) s)"
   # 5. the control plane
   KVFERRY_CP_DIR=$state/cp "$here/controlplane.sh" down >/dev/null 2>&1 || true
+  log "down: control plane stopped ($((SECONDS - started)) s)"
   # 6. cgroups, conntrack entries, routes, the bridge, sysctls, host paths
   for ((n = 1; n <= n_nodes; n++)); do
     cgroups remove "kvferry-node-$n" 2>/dev/null || log "cgroup kvferry-node-$n not empty"
