@@ -436,7 +436,7 @@ up() {
   local bin; bin=$(build)
   rm -rf "$state"; mkdir -p "$(pids)" "$state/logs" "$state/run" "$state/etc"
   # From here on, a failure tears down what was made.
-  trap 'log "ERROR: up failed; tearing down (logs: $state/logs)"; tail_logs; down >/dev/null 2>&1 || true; exit 1' ERR
+  trap up_failed ERR
   echo "$n_nodes" > "$state/run/nodes"
   sysctl_snapshot > "$state/run/sysctl.saved"
   for p in $host_paths; do [[ -e $p ]] && echo "$p"; done > "$state/run/paths.present" || true
@@ -526,6 +526,13 @@ EOT
   trap - ERR
   log "up in $((SECONDS - started)) s: $n_nodes node(s)"
   echo "$state/cp/kubeconfig"
+}
+
+up_failed() {
+  log "ERROR: up failed; the last lines of each log, then down"
+  tail_logs
+  down >/dev/null 2>&1 || true
+  exit 1
 }
 
 tail_logs() {

@@ -13,9 +13,11 @@ import subprocess
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-# Other tenants of the machine: podman's CNI bridge and rules, netns.py's namespaces.
+# Other tenants of the machine: podman's CNI bridge and rules, netns.py's namespaces and
+# veths (kvferry-p-r, ...; this tier's own names are kvfnode0 and kvferry-node-N).
 FOREIGN = re.compile(
     r"cni-podman|CNI-|10\.88\.|10\.213\.|/run/netns|/var/lib/containers|/run/containers"
+    r"|kvferry-(?!node)"
 )
 # The kernel's tunables the kubelet, kube-proxy and CNI are known to write, and the
 # families around them (so a new one shows up too). Per-interface keys only for
