@@ -2,8 +2,8 @@
 # The one-time builds `make test` needs, each cached under ~/.cache/kvferry, run up front
 # so that the run says what it is doing instead of sitting silent inside a fixture.
 # Cached: a few seconds in all. On a fresh machine (2 cores): control plane ~8-13 min,
-# helm ~3.5 min, the node tier's binaries (as root) ~6-12 min; the engine venv (~3-10 min) and the container tools and image base
-# (~1.5 min) download meanwhile.
+# helm ~3.5 min; the engine venv (~3-10 min) and the container tools and image base
+# (~1.5 min) download meanwhile; then, as root, the node tier's (~3.5 min).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,11 +42,12 @@ background images "container tools and image base: hack/images.sh base (fresh ma
 step "control plane binaries: hack/controlplane.sh build (fresh machine: ~8-13 min)" \
   "$here/controlplane.sh" build
 step "helm: hack/helm.sh build (fresh machine: ~3.5 min)" "$here/helm.sh" build
-# The node tier's binaries (kubelet, kube-proxy, crictl, CoreDNS) and the pause image; it
-# needs root to run, so elsewhere this is skipped as the tier is.
-if ((EUID == 0)); then
-  step "node tier: containerd, runc, CNI from Debian; kubelet, kube-proxy, crictl, CoreDNS from Go: hack/node.sh build (fresh machine: ~6-12 min; the control plane's Go cache makes the kubelet ~1.5 min)" \
-    "$here/node.sh" build
-fi
 finish engine
 finish images
+# The node tier's binaries (kubelet, kube-proxy, crictl, CoreDNS) and the pause image; it
+# needs root to run, so elsewhere this is skipped as the tier is. After the container
+# tools: both install Debian packages, and apt runs one at a time.
+if ((EUID == 0)); then
+  step "node tier: containerd, runc, CNI from Debian; kubelet, kube-proxy, crictl, CoreDNS from Go: hack/node.sh build (~3.5 min here after the control plane, whose Go build cache the kubelet shares)" \
+    "$here/node.sh" build
+fi

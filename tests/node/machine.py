@@ -37,8 +37,23 @@ def _run(*cmd: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False).stdout
 
 
-def _keep(lines: str) -> tuple[str, ...]:
-    return tuple(sorted(line for line in lines.splitlines() if line and not FOREIGN.search(line)))
+def _podman_veths() -> frozenset[str]:
+    """The veths on podman's bridge: its containers come and go with other work."""
+    return frozenset(
+        line.split(":")[1].strip().split("@")[0]
+        for line in _run("ip", "-o", "link").splitlines()
+        if "master cni-podman" in line
+    )
+
+
+def _keep(lines: str, foreign_devs: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    return tuple(
+        sorted(
+            line
+            for line in lines.splitlines()
+            if line and not FOREIGN.search(line) and not foreign_devs & set(line.split())
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -92,16 +107,17 @@ def snapshot() -> Machine:
     links = "\n".join(
         line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-o", "link").splitlines()
     )
-    links = "\n".join(n for n in links.splitlines() if not n.startswith("veth"))
+    podman = _podman_veths()
     mounts = "\n".join(line.split()[4] for line in _run("cat", "/proc/self/mountinfo").splitlines())
     return Machine(
         sysctls=_keep(sysctls),
         iptables=_keep(_iptables()),
         routes=_keep(
             _run("ip", "route", "show", "table", "all")
-            + _run("ip", "-6", "route", "show", "table", "all")
+            + _run("ip", "-6", "route", "show", "table", "all"),
+            podman,
         ),
-        links=_keep(links),
+        links=_keep(links, podman),
         mounts=_keep(mounts),
         cgroups=_keep(_cgroups()),
         paths=tuple(p for p in HOST_PATHS if Path(p).exists()),
