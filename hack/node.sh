@@ -436,9 +436,10 @@ up() {
   tools   # a cached build does not mean this machine has containerd
   local bin; bin=$(build)
   rm -rf "$state"; mkdir -p "$(pids)" "$state/logs" "$state/run" "$state/etc"
-  # From here on, a failure tears down what was made.
-  trap up_failed ERR
+  # From here on, a failure or an interrupt tears down what was made.
+  trap up_failed ERR INT TERM
   echo "$n_nodes" > "$state/run/nodes"
+  echo "$bin" > "$state/run/bin"   # down uses these, whatever the tree says by then
   sysctl_snapshot > "$state/run/sysctl.saved"
   for p in $host_paths; do [[ -e $p ]] && echo "$p"; done > "$state/run/paths.present" || true
   # iptables-nft makes a table at first use (the kubelet's canaries make ip mangle and
@@ -524,7 +525,7 @@ EOT
   wait_for 30 kube-proxy curl -sf "http://$host_ip:10256/healthz"
   wait_for 30 CoreDNS curl -sf "http://$dns_ready/ready"
   wait_for 60 "default ServiceAccount" kctl get serviceaccount default
-  trap - ERR
+  trap - ERR INT TERM
   log "up in $((SECONDS - started)) s: $n_nodes node(s)"
   echo "$state/cp/kubeconfig"
 }
@@ -548,7 +549,7 @@ down() {
   [[ -d $state ]] || { log "not running"; return 0; }
   local started=$SECONDS n n_nodes bin
   n_nodes=$(cat "$state/run/nodes" 2>/dev/null || echo "$max_nodes")
-  bin=$(bin_dir)
+  bin=$(cat "$state/run/bin" 2>/dev/null || bin_dir)
   # 1. kube-proxy, then its chains and rules (and its conntrack entries)
   if [[ -f $(pids)/kube-proxy ]]; then
     stop kube-proxy
