@@ -3,8 +3,8 @@
 # state folder) with N nodes, each a kubelet with its own containerd (runc, bridge CNI),
 # one kube-proxy (iptables mode) and CoreDNS for cluster DNS, all on one bridge.
 #
-#   hack/node.sh tools          install containerd, runc, CNI plugins, iptables, conntrack,
-#                               gcc and the image tools from Debian packages when missing
+#   hack/node.sh tools          install containerd, runc, CNI plugins, iptables, nftables,
+#                               conntrack, gcc and the image tools from Debian packages when missing
 #   hack/node.sh build          build (or reuse) kubelet, kube-proxy, crictl, CoreDNS and the
 #                               pause image; prints their folder
 #   hack/node.sh up [N]         control plane + N (default 1) nodes; prints KUBECONFIG last
