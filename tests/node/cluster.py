@@ -57,6 +57,10 @@ class NodeCluster:
             found += [int(line.split()[1]) for line in cp.read_text().splitlines() if line.strip()]
         return found
 
+    def load(self, *images: str) -> None:
+        """Put local podman images on every node (`hack/node.sh load`)."""
+        check(node_sh("load", *images, timeout=600), f"hack/node.sh load {' '.join(images)}")
+
     def down(self) -> subprocess.CompletedProcess[str]:
         self.is_down = True
         return node_sh("down", timeout=300)

@@ -56,7 +56,7 @@ def nodes() -> Iterator[NodeCluster]:
     cluster = NodeCluster(Path(up.stdout.split()[-1]), before, bin_dir, image)
     try:
         with step(f"node tier: hack/node.sh load {image}"):
-            check(node_sh("load", image, timeout=300), f"hack/node.sh load {image}")
+            cluster.load(image)
         cluster.kubectl.run("create", "namespace", NAMESPACE)
         yield cluster
     finally:
