@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
-	deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
+	node-up node-down deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
 	bench-pull
 
 $(BIN)/.installed: pyproject.toml
@@ -50,6 +50,13 @@ controlplane-up:
 
 controlplane-down:
 	hack/controlplane.sh down
+
+# The control plane with one real kubelet node (root; hack/node.sh, tests/node/README.md).
+node-up:
+	hack/node.sh up
+
+node-down:
+	hack/node.sh down
 
 # helm v3.22.0 built from hack/helm (cached under ~/.cache/kvferry/helm); prints its path.
 helm:

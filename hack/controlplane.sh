@@ -15,7 +15,12 @@
 #   KVFERRY_CACHE      binary cache root (default ~/.cache/kvferry)
 #   KVFERRY_CP_DIR     state folder of a running plane (default /tmp/kvferry-cp)
 #   KVFERRY_CP_PORT    kube-apiserver secure port (default 16443)
-#   KVFERRY_CP_NODES   fake nodes to create (default 2): 8 nvidia.com/gpu + 1 RDMA + 2Ti disk each
+#   KVFERRY_CP_NODES   fake nodes to create (default 2): 8 nvidia.com/gpu + 1 RDMA + 2Ti disk each;
+#                      0: none (hack/node.sh brings real kubelets)
+#   KVFERRY_CP_ADDRESS kube-apiserver bind and advertise address, in its cert and the
+#                      kubeconfig (default 127.0.0.1; hack/node.sh: its bridge, for pods)
+#   KVFERRY_CP_SERVICE_CIDR  Service range (default 10.0.0.0/24; a /24 or larger, whose
+#                      first address is the `kubernetes` Service's, in the cert)
 #   KVFERRY_CP_CRDS    1 (default): apply crds/ before the controllers start; 0: a bare
 #                      cluster, as a user's is before installing kvferry
 #   KVFERRY_CP_APISERVER_ARGS  more kube-apiserver flags, space-separated (the operator-scale
@@ -27,6 +32,10 @@ cache_root=${KVFERRY_CACHE:-$HOME/.cache/kvferry}
 state=${KVFERRY_CP_DIR:-/tmp/kvferry-cp}
 port=${KVFERRY_CP_PORT:-16443}
 nodes=${KVFERRY_CP_NODES:-2}
+address=${KVFERRY_CP_ADDRESS:-127.0.0.1}
+service_cidr=${KVFERRY_CP_SERVICE_CIDR:-10.0.0.0/24}
+# The `kubernetes` Service takes the range's first address (the cert must name it).
+service_ip=${service_cidr%/*}; service_ip=${service_ip%.*}.$((${service_ip##*.} + 1))
 read -r -a apiserver_args <<< "${KVFERRY_CP_APISERVER_ARGS:-}"
 k8s_version=v1.37.2
 
@@ -122,7 +131,7 @@ certs() {
   openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 30 \
     -subj "/CN=kvferry-test-ca" 2>/dev/null
   cat > server.ext <<EOT
-subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc
+subjectAltName=IP:127.0.0.1,IP:$address,IP:$service_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc
 extendedKeyUsage=serverAuth
 EOT
   openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=kube-apiserver" 2>/dev/null
@@ -145,7 +154,7 @@ kind: Config
 clusters:
 - name: kvferry-local
   cluster:
-    server: https://127.0.0.1:$port
+    server: https://$address:$port
     certificate-authority: $state/pki/ca.crt
 users:
 - name: admin
@@ -197,13 +206,13 @@ kubectl=${KUBECTL:-kubectl}
 start_apiserver() {
   local bin=$1 pki=$state/pki
   start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$port" \
+    --bind-address "$address" --advertise-address "$address" --secure-port "$port" \
     --tls-cert-file "$pki/server.crt" --tls-private-key-file "$pki/server.key" \
     --client-ca-file "$pki/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc \
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --api-audiences https://kubernetes.default.svc \
-    --authorization-mode Node,RBAC --service-cluster-ip-range 10.0.0.0/24 \
+    --authorization-mode Node,RBAC --service-cluster-ip-range "$service_cidr" \
     --endpoint-reconciler-type none --allow-privileged=true "${apiserver_args[@]}"
   wait_for 90 kube-apiserver "$kubectl" --kubeconfig "$state/kubeconfig" get --raw /readyz
 }
@@ -266,9 +275,11 @@ up() {
   start kwok "$bin/kwok" --kubeconfig "$state/kubeconfig" --config "$state/kwok.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --node-lease-duration-seconds 40 --server-address "127.0.0.1:$kwok_port" --cidr 10.244.0.0/16
-  create_nodes
-  wait_for 60 "fake nodes" "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Ready \
-    node --all --timeout 2s
+  if ((nodes > 0)); then
+    create_nodes
+    wait_for 60 "fake nodes" "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Ready \
+      node --all --timeout 2s
+  fi
   wait_for 60 "default ServiceAccount" "$kubectl" --kubeconfig "$state/kubeconfig" get serviceaccount default
   wait_for 30 kube-scheduler curl -sfk "https://127.0.0.1:$sched_port/healthz"
   wait_for 30 kube-controller-manager curl -sfk "https://127.0.0.1:$kcm_port/healthz"

@@ -3,7 +3,7 @@
 # so that the run says what it is doing instead of sitting silent inside a fixture.
 # Cached: a few seconds in all. On a fresh machine (2 cores): control plane ~8-13 min,
 # helm ~3.5 min; the engine venv (~3-10 min) and the container tools and image base
-# (~1.5 min) download meanwhile.
+# (~1.5 min) download meanwhile; then, as root, the node tier's (~3.5 min).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -44,3 +44,10 @@ step "control plane binaries: hack/controlplane.sh build (fresh machine: ~8-13 m
 step "helm: hack/helm.sh build (fresh machine: ~3.5 min)" "$here/helm.sh" build
 finish engine
 finish images
+# The node tier's binaries (kubelet, kube-proxy, crictl, CoreDNS) and the pause image; it
+# needs root to run, so elsewhere this is skipped as the tier is. After the container
+# tools: both install Debian packages, and apt runs one at a time.
+if ((EUID == 0)); then
+  step "node tier: containerd, runc, CNI from Debian; kubelet, kube-proxy, crictl, CoreDNS from Go: hack/node.sh build (~3.5 min here after the control plane, whose Go build cache the kubelet shares)" \
+    "$here/node.sh" build
+fi
