@@ -62,6 +62,27 @@ def test_an_explicit_hub_id_wins_over_the_model_name():
     assert spec.model.hub is not None and spec.model.hub.id == "org/m"
 
 
+def test_the_engine_image_defaults_by_device():
+    # No schema default (it cannot depend on engine.device): the device picks the image.
+    engine_schema = SPEC_SCHEMA["properties"]["engine"]["properties"]
+    assert "default" not in engine_schema["image"]
+    assert engine_schema["device"]["default"] == api.DEVICE_GPU
+    gpu = api.parse_spec(MINIMAL["spec"]).engine
+    cpu = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"]).engine
+    assert (gpu.device, gpu.image) == ("gpu", "vllm/vllm-openai:v0.33.0")
+    assert (cpu.device, cpu.image) == ("cpu", "vllm/vllm-openai-cpu:v0.32.0-x86_64")
+    assert cpu.on_cpu and not gpu.on_cpu
+    assert cpu.cpu_kv_cache_space_gib == 2
+    # The CRD's description names both, so `kubectl explain` tells the user.
+    for image in api.DEFAULT_ENGINE_IMAGES.values():
+        assert image in " ".join(engine_schema["image"]["description"].split())
+
+
+def test_a_cpu_server_requests_no_gpus():
+    spec = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"])
+    assert spec.prefill.resources.gpus == 0 and spec.decode.resources.gpus == 0
+
+
 def test_gpus_default_to_tensor_parallel_size():
     spec = api.parse_spec(server({"decode": {"tensorParallelSize": 4}})["spec"])
     assert spec.decode.resources.gpus == 4
@@ -113,6 +134,7 @@ FOLDED = {
     "model.source.hub.cache.pvc.claimName": "model.hub.cache.pvc_claim_name",
     "model.source.hub.cache.hostPath.path": "model.hub.cache.host_path",
     "model.source.hub.cache.ephemeralStorage": "model.hub.cache.ephemeral_storage",
+    "engine.cpu.kvCacheSpaceGiB": "engine.cpu_kv_cache_space_gib",
 }
 
 
