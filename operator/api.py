@@ -346,6 +346,13 @@ def _amounts(raw: dict[str, Any]) -> ResourceAmounts:
 MAX_REPLICAS = 1000
 
 
+def cpu_cores(quantity: str) -> int:
+    """Whole CPUs of a Kubernetes CPU quantity ("4", "3500m" -> 3), at least 1.
+    Raises ValueError (OverflowError for "inf") on anything else."""
+    cores = int(quantity[:-1]) // 1000 if quantity.endswith("m") else int(float(quantity))
+    return max(1, cores)
+
+
 def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     res = raw["resources"]
     sidecar = raw["sidecarResources"]
@@ -354,6 +361,16 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         raise SpecError(
             f"spec.{name}.replicas is {raw['replicas']!r}: it must be 0..{MAX_REPLICAS}"
         )
+    if device == DEVICE_CPU and res.get("cpu") is not None:
+        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
+        # schema takes any int-or-string, as core/v1 does.
+        try:
+            cpu_cores(str(res["cpu"]))
+        except (ValueError, OverflowError):
+            raise SpecError(
+                f"spec.{name}.resources.cpu is {res['cpu']!r}: not a CPU quantity; "
+                'write whole or milli CPUs, e.g. "4" or "3500m"'
+            ) from None
     return Role(
         name=name,
         replicas=raw["replicas"],

@@ -222,24 +222,11 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
     return [e for e in env if e["name"] not in user] + [dict(e) for e in role.env]
 
 
-def cpu_count(quantity: str) -> int:
-    """Whole CPUs of a Kubernetes CPU quantity ("4", "3500m" -> 3), at least 1.
-    Raises ValueError on anything else (OverflowError for "inf")."""
-    cores = int(quantity[:-1]) // 1000 if quantity.endswith("m") else int(float(quantity))
-    return max(1, cores)
-
-
 def omp_threads(role: Role) -> int:
     """The engine's OpenMP threads: its CPUs less one for the API server, the engine
-    loop and NIXL's progress thread, at least 1."""
+    loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity)."""
     quantity = CPU_DEFAULT_CPUS if role.resources.cpu is None else role.resources.cpu
-    try:
-        return max(1, cpu_count(quantity) - 1)
-    except (ValueError, OverflowError):
-        raise api.SpecError(
-            f"spec.{role.name}.resources.cpu is {quantity!r}: not a CPU quantity; "
-            'write whole or milli CPUs, e.g. "4" or "3500m"'
-        ) from None
+    return max(1, api.cpu_cores(quantity) - 1)
 
 
 def build_cpu_env(spec: ServerSpec, role: Role) -> list[Obj]:

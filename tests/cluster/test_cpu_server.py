@@ -16,6 +16,7 @@ import pytest
 from kvferry_operator import api
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import wait_ready
+from tests.kube import wait_for_event
 from tests.manifests import DELETE, EXAMPLES, load_example, merge
 
 CPU_EXAMPLE = next(p for p in EXAMPLES if p.name == "cpu.yaml")
@@ -75,6 +76,21 @@ def test_a_cpu_server_without_an_image_runs_the_published_cpu_image(
     # The device picks the image, so the stored spec holds none: a GitOps tool that
     # applied the manifest without one sees no drift.
     assert "image" not in kubectl.get("dserver", name, ns)["spec"]["engine"]
+
+
+def test_a_cpu_count_that_is_no_quantity_is_an_invalid_spec_naming_the_field(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    # The schema takes any string for resources.cpu (int-or-string, as core/v1 does);
+    # a CPU server sizes its OpenMP threads from it, so the operator must say which
+    # field is wrong instead of failing in its handler and rendering nothing.
+    sample = cpu_example(ns, {"decode": {"resources": {"cpu": "4 cores"}}})
+    name = sample["metadata"]["name"]
+    kubectl.apply(sample, "--server-side")
+    (event,) = wait_for_event(kubectl, ns, name, "InvalidSpec", timeout=30)
+    assert "spec.decode.resources.cpu is '4 cores'" in event["message"], event
+    assert 'e.g. "4" or "3500m"' in event["message"], event
+    assert kubectl.get("statefulset", f"{name}-prefill", ns) is None
 
 
 # Each edit of examples/cpu.yaml that vLLM's CPU build cannot run: the field the API

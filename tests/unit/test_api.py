@@ -83,6 +83,23 @@ def test_a_cpu_server_requests_no_gpus():
     assert spec.prefill.resources.gpus == 0 and spec.decode.resources.gpus == 0
 
 
+@pytest.mark.parametrize("cpu", ["4 cores", "inf", ""])
+def test_a_cpu_servers_cpu_quantity_is_checked_when_parsed(cpu):
+    # Not at render time: the handlers turn a SpecError from parsing into an InvalidSpec
+    # event; one from render failed the handler and rendered nothing.
+    with pytest.raises(api.SpecError, match=r"spec\.prefill\.resources\.cpu is "):
+        api.parse_spec(
+            server({"engine": {"device": "cpu"}, "prefill": {"resources": {"cpu": cpu}}})["spec"]
+        )
+    # GPU servers pass it through to the pod as before.
+    api.parse_spec(server({"prefill": {"resources": {"cpu": cpu}}})["spec"])
+
+
+@pytest.mark.parametrize(("quantity", "cores"), [("1", 1), ("500m", 1), ("3500m", 3), ("16", 16)])
+def test_cpu_cores_of_a_quantity(quantity, cores):
+    assert api.cpu_cores(quantity) == cores
+
+
 def test_gpus_default_to_tensor_parallel_size():
     spec = api.parse_spec(server({"decode": {"tensorParallelSize": 4}})["spec"])
     assert spec.decode.resources.gpus == 4
