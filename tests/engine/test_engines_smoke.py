@@ -109,13 +109,16 @@ def test_kv_transfer_config_accepted_by_vllm(engine_python, server) -> None:
 
     Runs first, before the engines start: importing vLLM is slow on busy cores.
     """
-    # What the engines here run with: the operator's config plus kv_buffer_device=cpu.
+    # What the engines here run with: the operator's config for a CPU server, unmodified.
     local = [kv_transfer_config(role, server) for role in ("prefill", "decode")]
     for role, cfg in zip(("prefill", "decode"), local, strict=True):
-        assert cfg == {**build_kv_transfer_config(server, role), "kv_buffer_device": "cpu"}
-    # What a cluster gets, unmodified, for the shipped minimal example.
-    example = parse_server(yaml.safe_load((repo_root() / "examples/minimal.yaml").read_text()))
-    rendered = [build_kv_transfer_config(example, role) for role in ("prefill", "decode")]
+        assert cfg == build_kv_transfer_config(server, role)
+        assert cfg["kv_buffer_device"] == "cpu"
+    # What a cluster gets, unmodified, for the shipped minimal (GPU) and CPU examples.
+    rendered = []
+    for name in ("minimal.yaml", "cpu.yaml"):
+        example = parse_server(yaml.safe_load((repo_root() / "examples" / name).read_text()))
+        rendered += [build_kv_transfer_config(example, role) for role in ("prefill", "decode")]
     good = local + rendered
     # 0.32 rejects top-level keys older vLLM accepted: the operator must not render them.
     bad = [{**local[0], key: val} for key, val in (("kv_ip", "127.0.0.1"), ("kv_buffer_size", 1e9))]
@@ -126,7 +129,7 @@ def test_kv_transfer_config_accepted_by_vllm(engine_python, server) -> None:
         extra = cfg["kv_connector_extra_config"]
         assert f"'decoder_kv_blocks_ttl': {extra['decoder_kv_blocks_ttl']}" in msg, msg
         assert "'bidirectional_kv_xfer': True" in msg, msg
-    assert [c["kv_role"] for c in good] == ["kv_producer", "kv_consumer"] * 2
+    assert [c["kv_role"] for c in good] == ["kv_producer", "kv_consumer"] * 3
     for cfg, (ok, msg) in zip(bad, results[len(good) :], strict=True):
         assert not ok, f"vLLM accepted {cfg}: {msg}"
 

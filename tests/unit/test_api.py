@@ -62,6 +62,44 @@ def test_an_explicit_hub_id_wins_over_the_model_name():
     assert spec.model.hub is not None and spec.model.hub.id == "org/m"
 
 
+def test_the_engine_image_defaults_by_device():
+    # No schema default (it cannot depend on engine.device): the device picks the image.
+    engine_schema = SPEC_SCHEMA["properties"]["engine"]["properties"]
+    assert "default" not in engine_schema["image"]
+    assert engine_schema["device"]["default"] == api.DEVICE_GPU
+    gpu = api.parse_spec(MINIMAL["spec"]).engine
+    cpu = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"]).engine
+    assert (gpu.device, gpu.image) == ("gpu", "vllm/vllm-openai:v0.33.0")
+    assert (cpu.device, cpu.image) == ("cpu", "vllm/vllm-openai-cpu:v0.32.0-x86_64")
+    assert cpu.on_cpu and not gpu.on_cpu
+    assert cpu.cpu_kv_cache_space_gib == 2
+    # The CRD's description names both, so `kubectl explain` tells the user.
+    for image in api.DEFAULT_ENGINE_IMAGES.values():
+        assert image in " ".join(engine_schema["image"]["description"].split())
+
+
+def test_a_cpu_server_requests_no_gpus():
+    spec = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"])
+    assert spec.prefill.resources.gpus == 0 and spec.decode.resources.gpus == 0
+
+
+@pytest.mark.parametrize("cpu", ["4 cores", "inf", ""])
+def test_a_cpu_servers_cpu_quantity_is_checked_when_parsed(cpu):
+    # Not at render time: the handlers turn a SpecError from parsing into an InvalidSpec
+    # event; one from render failed the handler and rendered nothing.
+    with pytest.raises(api.SpecError, match=r"spec\.prefill\.resources\.cpu is "):
+        api.parse_spec(
+            server({"engine": {"device": "cpu"}, "prefill": {"resources": {"cpu": cpu}}})["spec"]
+        )
+    # GPU servers pass it through to the pod as before.
+    api.parse_spec(server({"prefill": {"resources": {"cpu": cpu}}})["spec"])
+
+
+@pytest.mark.parametrize(("quantity", "cores"), [("1", 1), ("500m", 1), ("3500m", 3), ("16", 16)])
+def test_cpu_cores_of_a_quantity(quantity, cores):
+    assert api.cpu_cores(quantity) == cores
+
+
 def test_gpus_default_to_tensor_parallel_size():
     spec = api.parse_spec(server({"decode": {"tensorParallelSize": 4}})["spec"])
     assert spec.decode.resources.gpus == 4
@@ -113,6 +151,7 @@ FOLDED = {
     "model.source.hub.cache.pvc.claimName": "model.hub.cache.pvc_claim_name",
     "model.source.hub.cache.hostPath.path": "model.hub.cache.host_path",
     "model.source.hub.cache.ephemeralStorage": "model.hub.cache.ephemeral_storage",
+    "engine.cpu.kvCacheSpaceGiB": "engine.cpu_kv_cache_space_gib",
 }
 
 

@@ -69,6 +69,11 @@ class TestNodes:
         srv = parsed({"prefill": {"replicas": 0}, "decode": {"resources": {"gpus": 0}}})
         assert prerequisites.check_nodes(srv, [CPU_NODE]) == []
 
+    def test_a_cpu_server_needs_no_gpu_node(self):
+        # Without it, a cluster with no GPUs (kind, minikube) reported NoGPUNodes.
+        cpu = parsed({"engine": {"device": "cpu"}})
+        assert reasons(cpu, ClusterFacts(nodes=[CPU_NODE])) == []
+
     def test_no_node_offers_the_rdma_resource(self):
         gpu_only = NodeFacts("gpu-0", {"nvidia.com/gpu": 8})
         found = prerequisites.check_nodes(parsed(RDMA), [gpu_only])

