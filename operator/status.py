@@ -337,9 +337,14 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     else:
         ready = ("False", REASON_WAITING, "waiting for " + (", ".join(not_ready) or "rollout"))
 
+    # A generation held back (refused, a hostPath not allowed, a child's name taken):
+    # the pods may be ready, but on the previous generation, so never "Complete".
     if refused:
-        # The pods may be ready, but on the previous generation: never "Complete".
         progressing = ("False", REASON_APPLY_FAILED, refused)
+    elif observed.host_path_refused:
+        progressing = ("False", hostpaths.REASON, observed.host_path_refused)
+    elif conflict:
+        progressing = ("False", REASON_CHILD_CONFLICT, conflict)
     elif settled:
         progressing = ("False", REASON_COMPLETE, "prefill and decode match the spec")
     elif not all(roles.get(r, RoleObserved()).exists for r in api.ROLES):
@@ -418,7 +423,9 @@ def event_type(change: ConditionChange) -> str:
     if change.status == "Unknown":
         return "Normal"
     if change.type == api.COND_PROGRESSING:
-        return "Warning" if change.reason == REASON_APPLY_FAILED else "Normal"
+        # False is "finished" (Complete) or "stopped" (held back: a fault).
+        stopped = change.status == "False" and change.reason != REASON_COMPLETE
+        return "Warning" if stopped else "Normal"
     bad = "True" if change.type == api.COND_DEGRADED else "False"
     return "Warning" if change.status == bad else "Normal"
 

@@ -498,3 +498,16 @@ def test_an_older_generations_refusal_does_not_mark_the_current_one():
 )
 def test_event_type_is_warning_only_for_a_fault(ctype, value, reason, kind):
     assert status.event_type(status.ConditionChange(ctype, value, reason, "m")) == kind
+
+
+@pytest.mark.parametrize("held", ["host path", "conflict"])
+def test_a_generation_held_back_is_never_complete(held):
+    # Settled StatefulSets of the previous generation, the new one held back.
+    if held == "host path":
+        obs = observed(host_path_refused="spec.model.source.hub.cache.hostPath.path ...")
+    else:
+        obs = observed(conflicts=(ownership.Conflict("Service", "tiny"),))
+    st, changes = status.compute_status(SERVER, obs, {"observedGeneration": 2}, NOW)
+    progressing = cond(st["conditions"], api.COND_PROGRESSING)
+    assert progressing["status"] == "False" and progressing["reason"] != status.REASON_COMPLETE
+    assert {c.type: status.event_type(c) for c in changes}[api.COND_PROGRESSING] == "Warning"
