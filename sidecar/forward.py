@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID
 
@@ -57,8 +58,10 @@ def target(sc: Sidecar, turn: TurnInput, *, forwarded: bool) -> Ordinal | None:
     return None if owner == own else owner
 
 
-def _relay_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+def _relay_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """Every end-to-end header, repeats kept: the owner pod must read a header sent
+    twice as this pod did (owners.read_owner: twice is no owner), not as its last copy."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_HEADERS)
 
 
 async def forward(

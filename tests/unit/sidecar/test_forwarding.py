@@ -156,3 +156,18 @@ async def test_forwarding_carries_the_owner_so_the_owner_pod_binds_the_handle(
     resp = await s0.post(CHAT, json=later, headers={"X-User": "alice"})
     assert resp.headers["X-Kvferry-Outcome"] == "reused"
     assert engines.decode.completions() == []
+
+
+def test_a_header_sent_twice_is_relayed_twice_so_the_owner_pod_reads_it_as_this_pod_did():
+    # A plain dict kept the last copy: this pod read "no owner" (twice), the owner pod
+    # then served the client's chosen identity with reuse.
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from kvferry_sidecar import forward
+
+    sent = CIMultiDictProxy(
+        CIMultiDict([("X-User", "victim"), ("X-User", "gw"), ("Connection", "keep-alive")])
+    )
+    relayed = forward._relay_headers(sent)
+    assert relayed.getall("X-User") == ["victim", "gw"]
+    assert "Connection" not in relayed
