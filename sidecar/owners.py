@@ -96,11 +96,14 @@ def caps(
     max_handles: int | None,
     max_pinned_tokens: int | None,
     kv_capacity_tokens: int | None,
+    max_model_len: int | None = None,
 ) -> Caps:
     """The settings' caps, unset ones derived: an eighth of the store's cap, and an
-    eighth of D's KV when the engine reports it (else no token cap: only handles)."""
+    eighth of D's KV when the engine reports it (else no token cap: only handles), but
+    never less than one conversation at the model's full length: with a small KV an
+    eighth of it is shorter than an agent loop, and every long turn would keep nothing."""
     handles = max_handles if max_handles is not None else max(1, store_cap // DEFAULT_SHARE)
     tokens = max_pinned_tokens
     if tokens is None and kv_capacity_tokens:
-        tokens = max(1, kv_capacity_tokens // DEFAULT_SHARE)
+        tokens = max(1, kv_capacity_tokens // DEFAULT_SHARE, max_model_len or 0)
     return Caps(handles, tokens)

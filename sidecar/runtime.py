@@ -127,6 +127,7 @@ class Sidecar:
             s.owner_max_handles,
             s.owner_max_pinned_tokens,
             local.kv_capacity_tokens if local is not None else None,
+            local.info.max_model_len if local is not None else None,
         )
 
     def _pinned(self) -> PinnedFigures:

@@ -295,6 +295,10 @@ def test_unset_caps_are_an_eighth_of_the_store_and_of_ds_kv() -> None:
     assert owners.caps(1024, None, None, None) == owners.Caps(128, None)
     assert owners.caps(4, None, None, 3) == owners.Caps(1, 1)
     assert owners.caps(1024, 5, 6, 80_000) == owners.Caps(5, 6)
+    # Never below one full-length conversation (a small KV: 4,500 tokens, 4,096 long).
+    assert owners.caps(1024, None, None, 4_500, 4_096) == owners.Caps(128, 4_096)
+    assert owners.caps(1024, None, None, 80_000, 4_096) == owners.Caps(128, 10_000)
+    assert owners.caps(1024, None, 6, 4_500, 4_096) == owners.Caps(128, 6)  # as set
 
 
 async def test_the_token_cap_follows_ds_kv_size_from_its_metrics(
@@ -302,7 +306,9 @@ async def test_the_token_cap_follows_ds_kv_size_from_its_metrics(
 ) -> None:
     client = await owners_sidecar(make_sidecar)
     blocks, size = engines.decode.num_gpu_blocks, engines.decode.block_size
-    assert sidecar_of(client).owner_caps() == owners.Caps(128, blocks * size // 8)
+    context = sidecar_of(client).local.info.max_model_len or 0
+    expected = max(blocks * size // 8, context)
+    assert sidecar_of(client).owner_caps() == owners.Caps(128, expected)
 
 
 @pytest.mark.parametrize(
