@@ -135,6 +135,7 @@ async def configure(
         apply_children=lambda body: apply_or_retry(body, memo, logger),
         prune_after=ours.report_prune_seconds,
     )
+    memo.publisher = residency
     memo.tasks.append(
         loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))
     )
@@ -408,10 +409,11 @@ def refresh_status(
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
     nodes: kopf.Index | None = None,
     claims: ownership.Claims | None = None,
+    transports: Callable[[tuple[str, str]], tuple[str, str] | None] | None = None,
 ) -> None:
     """Steps 4-5. ``post(body, type, reason, message)`` emits an Event where no kopf
     handler runs (kopf.info/warn need one); ``claims`` has the conflicts the last
-    apply found."""
+    apply found; ``transports`` the publisher's latest transport per server."""
     try:
         server = api.parse_server(body)
     except api.SpecError:
@@ -422,12 +424,19 @@ def refresh_status(
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
     old = body.get("status") or {}
-    # The transport is what the sidecars reported (written by publisher.py).
+    # The transport is what the sidecars reported: the publisher's own figure when it
+    # has one, since ``body`` may predate its last write (a child event carries the
+    # server from the index), and a status built on that wrote the transport back.
+    reported = transports(key) if transports is not None else None
+    transport, transport_reason = reported or (
+        old.get("transport", TRANSPORT_UNKNOWN),
+        old.get("transportReason", ""),
+    )
     observed = status.Observed(
         roles=roles,
         pods=list(pods.get(key, [])),
-        transport=old.get("transport", TRANSPORT_UNKNOWN),
-        transport_reason=old.get("transportReason", ""),
+        transport=transport,
+        transport_reason=transport_reason,
         prerequisites=check_prerequisites(server, roles, probe, settings),
         nodes=_nodes_seen(nodes) if nodes is not None else None,
         conflicts=claims.conflicts(key) if claims is not None else (),
@@ -500,7 +509,15 @@ def server_changed(
     if (type in (None, "ADDED") or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
     refresh_status(
-        plain, memo.kube, statefulsets, pods, memo.probe, memo.settings, nodes=nodes, claims=claims
+        plain,
+        memo.kube,
+        statefulsets,
+        pods,
+        memo.probe,
+        memo.settings,
+        nodes=nodes,
+        claims=claims,
+        transports=_transports(memo),
     )
 
 
@@ -554,6 +571,7 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
                         kube.create_event,
                         nodes,
                         claims,
+                        _transports(memo),
                     )
                 except Exception as exc:  # the next pass tries again
                     logger.warning(
@@ -599,7 +617,13 @@ def _refresh(
         memo.settings,
         nodes=nodes,
         claims=getattr(memo, "claims", None),
+        transports=_transports(memo),
     )
+
+
+def _transports(memo: kopf.Memo) -> Callable[[tuple[str, str]], tuple[str, str] | None] | None:
+    residency: publisher.Publisher | None = getattr(memo, "publisher", None)
+    return residency.transport if residency is not None else None
 
 
 def _on_child_event(kind: str):

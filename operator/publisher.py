@@ -85,6 +85,8 @@ class Publisher:
         self._usage: dict[tuple[str, str], pressure.UsagePeak] = {}
         # The last pass per server, for the operator's /metrics.
         self.decisions: dict[tuple[str, str], Decision] = {}
+        # (transport, evidence) as last aggregated, for the status handlers.
+        self._transports: dict[tuple[str, str], tuple[str, str]] = {}
 
     def publish_all(self, logger: logging.Logger) -> None:
         for namespace, name in self.store.servers():
@@ -93,6 +95,12 @@ class Publisher:
             except Exception as exc:  # one server's trouble must not stop the others
                 logger.warning("publishing residency of %s/%s failed: %s", namespace, name, exc)
 
+    def transport(self, key: tuple[str, str]) -> tuple[str, str] | None:
+        """The server's (transport, evidence) as last aggregated; None before its
+        first pass (then status keeps what it has). A dict read: atomic enough for
+        the handler threads."""
+        return self._transports.get(key)
+
     def publish(self, namespace: str, name: str) -> None:
         obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
         if obj is None:
@@ -100,6 +108,7 @@ class Publisher:
             self._preemptions.pop((namespace, name), None)
             self._usage.pop((namespace, name), None)
             self.decisions.pop((namespace, name), None)
+            self._transports.pop((namespace, name), None)
             return
         server = api.parse_server(obj)
         now = self.clock()
@@ -121,6 +130,7 @@ class Publisher:
             preemptions_delta=preemptions.observe(fresh, now),
             decode_kv_usage_peak=usage.observe(fresh, now),
         )
+        self._transports[key] = (agg.transport, agg.transport_reason)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))

@@ -309,3 +309,35 @@ def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypa
     assert got[api.COND_READY] == status.REASON_NODE_LOST
     assert got[api.COND_DEGRADED] == status.REASON_NODE_LOST
     assert ("Warning", prerequisites.REASON_NO_GPU_NODES) in events
+
+
+def test_a_status_refresh_from_a_stale_body_keeps_the_publishers_transport():
+    # A child event carries the server as the index last saw it, from before the
+    # publisher wrote TCPFallback: status built on it wrote Unknown back (and the
+    # KVTransport condition flipped twice, posting its Event twice).
+    from kvferry_operator import handlers
+
+    patches: list[dict] = []
+
+    class Kube:
+        def patch_status(self, api_version, kind, namespace, name, body):
+            patches.append(body)
+
+    stale = {**SERVER_OBJ, "status": {"transport": "Unknown"}}
+    handlers.refresh_status(
+        stale,
+        Kube(),  # type: ignore[arg-type]
+        {},
+        {},
+        post=lambda *a: None,
+        transports=lambda key: (
+            ("TCPFallback", "tiny-decode-0: TCP") if key == ("ns", "tiny") else None
+        ),
+    )
+    (written,) = patches
+    assert (written["transport"], written["transportReason"]) == (
+        "TCPFallback",
+        "tiny-decode-0: TCP",
+    )
+    kv = next(c for c in written["conditions"] if c["type"] == api.COND_KV_TRANSPORT)
+    assert kv["reason"] == "TCPFallback"
