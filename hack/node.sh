@@ -24,7 +24,9 @@
 #   KVFERRY_NODE_DIR   state folder (default /tmp/kvferry-node)
 #   KVFERRY_NODE_PORT  kube-apiserver port (default 27443; the plane uses PORT..PORT+5)
 #   KVFERRY_NODE_CRDS  1: apply crds/ at start; 0 (default): a bare cluster, as a user's
-set -euo pipefail
+# errtrace: the ERR trap `up` sets (tear down what it started) must fire inside the
+# functions it calls too, not only in its own body.
+set -Eeuo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${KVFERRY_CACHE:-$HOME/.cache/kvferry}

@@ -49,7 +49,12 @@ def nodes() -> Iterator[NodeCluster]:
         image = check(base, "hack/images.sh base").split()[-1]
     before = snapshot()
     with step(f"node tier: hack/node.sh up 1 (port {PORT})"):
-        up = node_sh("up", "1", timeout=600)
+        try:
+            up = node_sh("up", "1", timeout=600)
+        except subprocess.TimeoutExpired:
+            # What up started runs on in the background: tear it down, then fail.
+            node_sh("down", timeout=300)
+            raise
         if up.returncode != 0:
             node_sh("down", timeout=300)
             check(up, "hack/node.sh up 1")
