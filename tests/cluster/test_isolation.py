@@ -226,6 +226,45 @@ def test_the_documented_admission_policy_keeps_the_peer_label_to_kvferry(
         sts.pop("status", None)
         proc = kubectl.apply(sts, *MALLORY, "--dry-run=server", check=False)
         assert proc.returncode != 0 and "not by mallory" in proc.stderr
+        # Other workload kinds, even from the controllers' shared identity (here the
+        # test's own user): their pods would be created by that identity and pass.
+        template = {"metadata": {"labels": {api.LABEL_SERVER: "iso"}}, "spec": pod["spec"]}
+        selector = {"matchLabels": {api.LABEL_SERVER: "iso"}}
+        for kind, api_version, spec in (
+            ("Deployment", "apps/v1", {"selector": selector, "template": template}),
+            ("DaemonSet", "apps/v1", {"selector": selector, "template": template}),
+            (
+                "Job",
+                "batch/v1",
+                {"template": {**template, "spec": {**pod["spec"], "restartPolicy": "Never"}}},
+            ),
+            (
+                "CronJob",
+                "batch/v1",
+                {
+                    "schedule": "@daily",
+                    "jobTemplate": {
+                        "spec": {
+                            "template": {
+                                **template,
+                                "spec": {**pod["spec"], "restartPolicy": "Never"},
+                            }
+                        }
+                    },
+                },
+            ),
+        ):
+            obj = {
+                "apiVersion": api_version,
+                "kind": kind,
+                "metadata": {"name": "impostor", "namespace": ns},
+                "spec": spec,
+            }
+            proc = kubectl.apply(obj, "--dry-run=server", check=False)
+            assert proc.returncode != 0 and "kvferry.io/server is set by" in proc.stderr, (
+                kind,
+                proc.stderr,
+            )
     finally:
         kubectl.run("delete", "validatingadmissionpolicybinding", name, check=False)
         kubectl.run("delete", "validatingadmissionpolicy", name, check=False)
