@@ -462,6 +462,10 @@ def refresh_status(
         )
         return
     for change in changes:
+        if claims is not None and not claims.first_post(
+            key, change.type, change.status, change.reason
+        ):
+            continue
         kind = status.event_type(change)
         message = f"{change.type}={change.status}: {change.message}"
         if post is not None:

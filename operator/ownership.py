@@ -118,6 +118,8 @@ class Claims:
         self._owners: dict[ChildKey, str] = {}
         self._conflicts: dict[ServerKey, dict[ChildKey, Conflict]] = {}
         self._applies: dict[ServerKey, ApplyOutcome] = {}
+        # Condition type -> (status, reason) last posted as an Event, per server.
+        self._posted: dict[ServerKey, dict[str, tuple[str, str]]] = {}
 
     def owner(self, key: ChildKey) -> str | None:
         with self._lock:
@@ -154,7 +156,19 @@ class Claims:
         with self._lock:
             return self._applies.get(server)
 
+    def first_post(self, server: ServerKey, ctype: str, status: str, reason: str) -> bool:
+        """True once per change of a condition: two status refreshes that both start
+        from the status before their writes (a server event and a child event at once)
+        both see the change, and only one may post its Event."""
+        with self._lock:
+            posted = self._posted.setdefault(server, {})
+            if posted.get(ctype) == (status, reason):
+                return False
+            posted[ctype] = (status, reason)
+            return True
+
     def drop_server(self, server: ServerKey) -> None:
         with self._lock:
             self._conflicts.pop(server, None)
             self._applies.pop(server, None)
+            self._posted.pop(server, None)

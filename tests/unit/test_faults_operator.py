@@ -341,3 +341,29 @@ def test_a_status_refresh_from_a_stale_body_keeps_the_publishers_transport():
     )
     kv = next(c for c in written["conditions"] if c["type"] == api.COND_KV_TRANSPORT)
     assert kv["reason"] == "TCPFallback"
+
+
+def test_two_refreshes_from_the_same_old_status_post_a_change_once():
+    # A server event and a child event at once: both start from the status before
+    # either write lands, both see KVTransport change; one Event, not two.
+    from kvferry_operator import handlers, ownership
+
+    class Kube:
+        def patch_status(self, api_version, kind, namespace, name, body):
+            pass
+
+    posted: list[str] = []
+    claims = ownership.Claims()
+    stale = {**SERVER_OBJ, "status": {"transport": "Unknown"}}
+    for _ in range(2):
+        handlers.refresh_status(
+            stale,
+            Kube(),  # type: ignore[arg-type]
+            {},
+            {},
+            post=lambda body, kind, reason, message: posted.append(reason),
+            claims=claims,
+            transports=lambda key: ("TCPFallback", "tiny-decode-0: TCP"),
+        )
+    assert posted.count("TCPFallback") == 1
+    assert len(posted) == len(set(posted))
