@@ -271,6 +271,41 @@ async def test_streaming_033_keeps_handle_from_final_chunk(
     assert kv(prefill_bodies(engines)[-1]) == engines.decode.handles[0]
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_streaming_033_handle_is_read_from_the_finish_chunk_and_forwarded_whole(
+    make_sidecar: MakeSidecar, engines: Engines, path: str
+) -> None:
+    """vLLM 0.33 sets kv_transfer_params on every chunk (null until the chunk with
+    finish_reason): the handle on the finish chunk, remote_registration_generation
+    and all, is what P gets next turn; the client sees neither the handle nor the
+    nulls, and gets the finish chunk and the usage chunk."""
+    engines.decode.registration_generation = 7
+    client = await make_sidecar()
+    chat = path == CHAT
+    first: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": LONG_QUESTION}]}
+        if chat
+        else {"prompt": LONG_QUESTION}
+    )
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    resp = await client.post(path, json={**body, **first, "session_id": "s"})
+    raw = await resp.text()
+    assert resp.status == 200 and "kv_transfer_params" not in raw
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    handle = engines.decode.handles[0]
+    assert handle["remote_registration_generation"] == 7
+    if chat:
+        follow = {"messages": [*first["messages"], {"role": "assistant", "content": "fine thanks"}]}
+        follow["messages"].append({"role": "user", "content": "and then"})
+    else:
+        follow = {"prompt": f"{LONG_QUESTION} fine thanks {EOS} and then"}
+    resp = await client.post(path, json={**body, **follow, "session_id": "s"})
+    assert outcome(resp) == "reused"
+    assert kv(prefill_bodies(engines)[-1]) == handle  # whole: every field D set
+
+
 async def test_streaming_032_states_no_handle_is_kept(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
