@@ -280,7 +280,10 @@ def build_handle(
             K_DO_REMOTE_PREFILL: False,
             K_REMOTE_EXPIRY: None,
         }
-        retention_s = min(retention_s, local_lease_s)
+        # vLLM frees a prefill-side request's blocks at its kv_lease_duration
+        # (NixlPullConnectorScheduler.request_finished), whatever
+        # decoder_kv_blocks_ttl says: that is the handle's life.
+        retention_s = local_lease_s
     elif not params.get(K_DO_REMOTE_DECODE):
         return None, NOT_KEPT_NONE
     why = None

@@ -319,6 +319,23 @@ async def test_streaming_032_states_no_handle_is_kept(
     assert outcome(resp) == "no-handle"
 
 
+async def test_local_handle_lives_for_decodes_lease_not_the_retention(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A handle D prefilled alone is a prefill-side request on D: vLLM frees it at
+    D's kv_lease_duration whatever decoder_kv_blocks_ttl is (request_finished), so
+    the store keeps it that long even when the retention is shorter (a shorter guess
+    expired it in the store while D still pinned it, unreleased)."""
+    client = await make_sidecar(
+        retention_seconds=45, local_handle_seconds=90, skip_prefill_below_tokens=100
+    )
+    resp, _ = await Conversation(client).ask(LONG_QUESTION)
+    assert resp.headers["X-Kvferry-Route"] == "skip"
+    (handle,) = sidecar_of(client).store.values()
+    assert handle.expires_at is not None
+    assert handle.expires_at - handle.created_at == pytest.approx(90)
+
+
 async def test_nonstreaming_032_keeps_handle(make_sidecar: MakeSidecar, engines: Engines) -> None:
     """vLLM 0.32 returns the handle in non-streaming responses: turn 2 reuses it."""
     engines.decode.version = "0.32.0"
