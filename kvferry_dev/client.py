@@ -68,9 +68,9 @@ def chat_body(
     session_id: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A greedy, non-streaming chat request that returns token ids.
+    """A greedy, non-streaming chat request that returns token ids (``stream_chat``
+    streams it).
 
-    Non-streaming because vLLM 0.32 returns the bidirectional handle only then.
     ``ignore_eos`` keeps answers at ``max_tokens`` (random weights emit EOS at random).
     """
     body: dict[str, Any] = {
@@ -166,13 +166,61 @@ class HttpServer:
         request_id: str | None = None,
         timeout: float = REQUEST_TIMEOUT,
         check: bool = True,
+        stream: bool = False,
         **extra: Any,
     ) -> Reply:
+        """``stream``: read as ``stream_chat`` reads it (``seconds`` is then the time
+        to the first token); errors raise whatever ``check`` says."""
         body = chat_body(messages, max_tokens=max_tokens, session_id=session_id, **extra)
         headers = {HDR_REQUEST_ID: request_id} if request_id else None
+        if stream:
+            return stream_chat(
+                self.url + "/v1/chat/completions", body, headers=headers, timeout=timeout
+            )
         return self.request(
             "POST", "/v1/chat/completions", body, headers=headers, timeout=timeout, check=check
         )
+
+
+def stream_chat(
+    url: str,
+    body: Mapping[str, Any],
+    *,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = REQUEST_TIMEOUT,
+) -> Reply:
+    """POST a chat body with ``stream: true`` (and ``stream_options.include_usage``),
+    read the SSE answer as a client does: the deltas joined into the non-streamed
+    shape (``choices[0].message.content``, ``token_ids``, ``usage``); ``seconds`` is
+    the time to the first chunk with content, the streamed time to first token."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    t0 = time.monotonic()
+    first: float | None = None
+    text, ids, usage = "", [], None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, hdrs = r.status, dict(r.headers.items())
+            for line in r:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    delta = (choice.get("delta") or {}).get("content") or ""
+                    if (delta or choice.get("token_ids")) and first is None:
+                        first = time.monotonic() - t0
+                    text += delta
+                    ids += choice.get("token_ids") or []
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"POST {url} -> HTTP {e.code}: {e.read()[:2000]!r}") from e
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        raise EngineError(f"POST {url} (streamed) failed: {e}") from e
+    payload = {"choices": [{"message": {"content": text}, "token_ids": ids}], "usage": usage}
+    return Reply(status, payload, hdrs, first if first is not None else time.monotonic() - t0)
 
 
 def http(

@@ -18,6 +18,10 @@ TTFT here is the time until the client has the first token: each turn is a
 non-streaming chat request with ``max_tokens: 1`` (vLLM 0.32 returns the bidirectional
 handle only without streaming, so the first token *is* the response), timed at the
 client around the HTTP request to the sidecar.
+With ``--stream`` every turn is streamed instead (``stream_options.include_usage``)
+and TTFT is the time to the first chunk that carries a token; on vLLM 0.32 the
+sidecar reads P's KV into D before the stream and re-anchors the turn after it
+(``kvferry_sidecar.anchor``), so the next turn still pulls.
 
 P runs without a prefix cache, so every turn lands on a P that does not hold the
 session (many P replicas, or its cache evicted under load), which is when pulling the
@@ -98,6 +102,7 @@ def run_conversation(
     *,
     session: str,
     reset_prefill: bool,
+    stream: bool = False,
 ) -> list[Turn]:
     """The turns of one run, in order. Each run salts its prompts with its session
     (``cache_salt``): D's prefix cache then holds nothing of another run's (every run
@@ -114,6 +119,7 @@ def run_conversation(
             session_id=session,
             request_id=f"demo-{session}",
             cache_salt=session,
+            stream=stream,
         )
         if r.status != 200:
             raise EngineError(f"turn failed: {r.status} {r.body}")
@@ -169,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not empty P's prefix cache before each turn",
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream every turn (TTFT: the first chunk with a token); on vLLM 0.32 the "
+        "sidecar re-anchors each streamed turn on D so the next one still pulls",
+    )
     args = p.parse_args(argv)
     logs = args.log_dir or Path("/tmp/kvferry-demo") / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
@@ -207,13 +219,19 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
             # Warm up (first requests allocate, and the first transfer each way does the
             # NIXL handshake): two turns through P with a pull, one without.
             warm = [{"role": "user", "content": filler_text("warm-0", 300)}]
-            [t] = run_conversation(on, P, [warm], session="demo-warmup", reset_prefill=True)
-            run_conversation(off, P, [warm], session="demo-warmup-off", reset_prefill=True)
+            [t] = run_conversation(
+                on, P, [warm], session="demo-warmup", reset_prefill=True, stream=args.stream
+            )
+            run_conversation(
+                off, P, [warm], session="demo-warmup-off", reset_prefill=True, stream=args.stream
+            )
             warm += [
                 {"role": "assistant", "content": t.reply.text},
                 {"role": "user", "content": filler_text("warm-1", 300)},
             ]
-            run_conversation(on, P, [warm], session="demo-warmup", reset_prefill=True)
+            run_conversation(
+                on, P, [warm], session="demo-warmup", reset_prefill=True, stream=args.stream
+            )
 
             history: list[dict[str, Any]] = []
             turns: list[list[dict[str, Any]]] = []
@@ -223,7 +241,9 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
 
             def run(sc: SidecarProcess, session: str) -> list[Turn]:
                 P.reset_prefix_cache()  # each run starts from an empty P either way
-                return run_conversation(sc, P, turns, session=session, reset_prefill=every_turn)
+                return run_conversation(
+                    sc, P, turns, session=session, reset_prefill=every_turn, stream=args.stream
+                )
 
             with _step(f"{args.turns} turns with reuse on"):
                 P.reset_prefix_cache()
@@ -232,7 +252,12 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     history.append({"role": "user", "content": text})
                     turns.append([dict(m) for m in history])
                     [t] = run_conversation(
-                        on, P, turns[-1:], session="demo-on-0", reset_prefill=every_turn
+                        on,
+                        P,
+                        turns[-1:],
+                        session="demo-on-0",
+                        reset_prefill=every_turn,
+                        stream=args.stream,
                     )
                     on_runs[0].append(t)
                     history.append({"role": "assistant", "content": t.reply.text})
@@ -272,8 +297,13 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         )
     print(
         "Turn 1 has no history: both runs recompute it (its ratio is run-to-run noise).\n"
-        f"TTFT = median of {args.repeat} runs of the client time of a non-streaming "
-        "max_tokens=1 chat turn through the sidecar"
+        f"TTFT = median of {args.repeat} runs of the client time of a "
+        + (
+            "streamed max_tokens=1 chat turn to its first token"
+            if args.stream
+            else "non-streaming max_tokens=1 chat turn"
+        )
+        + " through the sidecar"
         + (
             "; P has no prefix cache (it holds no session: pulls or recomputes)."
             if not args.keep_prefill_cache

@@ -82,7 +82,12 @@ def prompt_words(body: dict[str, Any]) -> list[str]:
         ):
             raise BadRequest("messages must be a list of objects with a role")
         return chat_words(messages, body.get("add_generation_prompt", True))
-    return str(body.get("prompt", "")).split()
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        # Token ids (the sidecar's re-anchor request): back to the shared vocabulary.
+        words = {v: k for k, v in VOCAB.items()}
+        return [words.get(t, f"<{t}>") for t in prompt]
+    return str(prompt).split()
 
 
 _ARRIVALS = itertools.count()
@@ -123,6 +128,8 @@ class FakeEngine:
     # Decode: status answered when a request carries P's params (a failed pull from P).
     fail_with_prefill_params: int | None = None
     omit_params: bool = False
+    # 0.33's remote_registration_generation: bumped when the engine re-registers its KV.
+    registration_generation: int = 0
     # Completion requests to answer by closing the connection (an engine dying).
     drop_connections: int = 0
     delay: float = 0.0
@@ -241,18 +248,14 @@ class FakeEngine:
         params = None
         if not self.omit_params:
             blocks = -(-len(prompt) // self.block_size)
-            params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
+            where = {
                 "remote_block_ids": [list(range(blocks))],
-                "remote_engine_id": self.name,
                 "remote_request_id": f"{self.name}-{rid}",
                 "remote_host": "10.0.0.1",
                 "remote_port": 5600,
-                "tp_size": 1,
                 "remote_num_tokens": len(prompt),
-                "remote_blocks_expiry_time": None,
             }
+            params = self._params(True, where, None)
         return _chat_body(body, "x", [token_id("x")], prompt, False, params, "length")
 
     def _handle(self, body: dict[str, Any], prompt: list[int], output: list[int], rid: str):
@@ -274,20 +277,35 @@ class FakeEngine:
         if asked.get("do_remote_decode") and not asked.get("remote_block_ids"):
             # Prefilled here alone, sent as a prefill-side request: vLLM returns P-style
             # params for this engine's blocks, held for its KV lease.
-            return {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                **blocks,
-                "remote_blocks_expiry_time": None,
-            }
-        return {
-            "do_remote_prefill": False,
-            "do_remote_decode": True,
-            **blocks,
+            return self._params(True, blocks, None)
+        return self._params(False, blocks, time.perf_counter() + self.ttl)
+
+    def _params(self, p_node: bool, blocks: dict[str, Any], expiry: float | None) -> dict:
+        """``kv_transfer_params`` as ``NixlPullConnectorScheduler.request_finished``
+        builds them, field for field and in its order; 0.33 adds
+        ``remote_registration_generation`` (NIXL connector version 15)."""
+        out = {
+            "do_remote_prefill": p_node,
+            "do_remote_decode": not p_node,
+            "remote_block_ids": blocks["remote_block_ids"],
+            "remote_engine_id": self.name,
+            "remote_request_id": blocks["remote_request_id"],
+            "remote_host": blocks["remote_host"],
+            "remote_port": blocks["remote_port"],
+            "tp_size": 1,
             "dcp_size": 1,
             "pp_size": 1,
-            "remote_blocks_expiry_time": time.perf_counter() + self.ttl,
+            "remote_num_tokens": blocks["remote_num_tokens"],
+            "remote_blocks_expiry_time": expiry,
         }
+        if self.streams_handles:
+            out["remote_registration_generation"] = self.registration_generation
+        out["transfer_mode"] = "pull"
+        return out
+
+    @property
+    def streams_handles(self) -> bool:
+        return Version(self.version).release[:2] >= (0, 33)
 
     async def _decode_answer(
         self, request: web.Request, body: dict[str, Any], prompt: list[int], rid: str
@@ -315,19 +333,33 @@ class FakeEngine:
         }
 
         def choice(text: str, tokens: list[int] | None, finish: str | None) -> dict:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            # As vLLM serializes its stream choices (model_dump_json(exclude_unset=True)):
+            # the fields its serving code sets are there, null or not.
+            c: dict[str, Any] = {"index": 0}
             if chat:
                 c["delta"] = {"content": text}
             else:
                 c["text"] = text
-            if with_ids and tokens is not None:
-                c["token_ids"] = tokens
+            c["logprobs"] = None
+            c["finish_reason"] = finish
+            if finish is not None:
+                c["stop_reason"] = None
+            c["token_ids"] = tokens if with_ids else None
             return c
 
+        def chunk(choices: list[dict[str, Any]], params: dict | None = None) -> dict:
+            out = {**base, "choices": choices}
+            if self.streams_handles:
+                # 0.33 sets kv_transfer_params on every chunk it builds
+                # (ChatCompletionStreamResponse / CompletionStreamResponse): null
+                # until the chunk that carries finish_reason, D's handle on that one.
+                out["kv_transfer_params"] = params
+            return out
+
         chunks: list[dict[str, Any]] = []
-        first = {**base, "choices": [choice("", None, None)]}
+        first = chunk([choice("", None, None)])
         if chat:
-            first["choices"][0]["delta"]["role"] = "assistant"
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         if with_ids:
             if chat:
                 first["prompt_token_ids"] = prompt
@@ -335,14 +367,16 @@ class FakeEngine:
                 first["choices"][0]["prompt_token_ids"] = prompt
         chunks.append(first)
         for word, tok in zip(words, output, strict=False):
-            chunks.append({**base, "choices": [choice(word + " ", [tok], None)]})
-        final = {**base, "choices": [choice("", [output[-1]], "stop")]}
-        # As vLLM releases behave: a 0.33 pre-release streams the handle too.
-        if params is not None and Version(self.version).release[:2] >= (0, 33):
-            final["kv_transfer_params"] = params
-        chunks.append(final)
+            chunks.append(chunk([choice(word + " ", [tok], None)]))
+        # The chunk with finish_reason carries the handle (0.33; 0.32 never streams it).
+        chunks.append(chunk([choice("", [output[-1]], "stop")], params))
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
+            # The usage chunk: no choices, serialized with exclude_none (no null fields).
+            usage = {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(output),
+                "completion_tokens": len(output),
+            }
             chunks.append({**base, "choices": [], "usage": usage})
         for i, obj in enumerate(chunks):
             if self.stall and i == len(chunks) - 1:

@@ -165,7 +165,7 @@ def log_turn(report: TurnReport) -> None:
         "outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
         "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
-        "total_s=%s error=%s",
+        "total_s=%s reanchor_s=%s error=%s",
         report.request_id,
         report.client_request_id,
         report.session,
@@ -189,6 +189,7 @@ def log_turn(report: TurnReport) -> None:
         _fmt(t.p_to_d_s),
         _fmt(t.first_token_s),
         _fmt(t.total_s),
+        _fmt(t.reanchor_s),
         report.error or "-",
     )
 

@@ -158,9 +158,25 @@ def handle_not_kept(turn: TurnInput, rules: Rules) -> str | None:
     off = reuse_off(turn, rules)
     if off is not None:
         return off.value
-    if turn.stream and not rules.streaming_handles:
+    if turn.stream and not rules.streaming_handles and turn.identity.media:
+        # Re-anchoring (below) sends only token ids: a media turn's KV is not theirs.
         return NOT_KEPT_STREAMING
     return None
+
+
+def streams_without_params(turn: TurnInput, rules: Rules) -> bool:
+    """A streamed turn on an engine that streams no handle (vLLM 0.32): D would pin
+    whatever a streamed request with kv_transfer_params leaves and never say where, so
+    D reads P's KV in a one-token request that returns a handle
+    (``rewrite.anchor_body``, released or replaced afterwards) and the answer streams
+    without kv_transfer_params (``anchor.py``)."""
+    return turn.stream and not rules.streaming_handles
+
+
+def reanchors(turn: TurnInput, rules: Rules) -> bool:
+    """Such a streamed turn that may keep a handle all the same: a one-token
+    prefill-side request over its ids re-anchors it (``rewrite.reanchor_body``)."""
+    return streams_without_params(turn, rules) and handle_not_kept(turn, rules) is None
 
 
 # ------------------------------------------------------------------ 4. plan
@@ -290,7 +306,10 @@ def build_handle(
             K_DO_REMOTE_PREFILL: False,
             K_REMOTE_EXPIRY: None,
         }
-        retention_s = min(retention_s, local_lease_s)
+        # vLLM frees a prefill-side request's blocks at its kv_lease_duration
+        # (NixlPullConnectorScheduler.request_finished), whatever
+        # decoder_kv_blocks_ttl says: that is the handle's life.
+        retention_s = local_lease_s
     elif not params.get(K_DO_REMOTE_DECODE):
         return None, NOT_KEPT_NONE
     why = None
@@ -343,8 +362,9 @@ def response_headers(
     if reason == NOT_KEPT_STREAMING:
         headers[HDR_HANDLE] = (
             f"not-kept; reason={reason}; engine={engine_version or 'unknown'}; "
-            "vLLM < 0.33 returns no kv_transfer_params when streaming, the next turn "
-            "recomputes (send stream=false or upgrade to keep KV)"
+            "vLLM < 0.33 returns no kv_transfer_params when streaming and a turn with "
+            "media cannot be re-anchored from its ids, the next turn recomputes (send "
+            "stream=false or upgrade to keep KV)"
         )
     elif reason is not None:
         headers[HDR_HANDLE] = f"not-kept; reason={reason}"

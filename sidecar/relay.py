@@ -39,7 +39,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import fields, forward, limits, owners, plan, rewrite, session
+from . import anchor, fields, forward, limits, owners, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -327,11 +327,22 @@ async def run_decode(
     if timings.queue_s is None:
         timings.queue_s = time.monotonic() - turn.received_at
     p_done = time.monotonic()
+    # A streamed turn on vLLM 0.32 goes through anchor.py: D reads P's KV in a
+    # one-token request first, the answer streams without kv_transfer_params.
+    streamed = plan.streams_without_params(turn, rules)
     # Prefilled by D alone: as a prefill-side request, so D keeps a handle vLLM frees.
-    local = LOCAL_HANDLE_PARAMS if plan.handle_not_kept(turn, rules) is None else None
+    keeps = plan.handle_not_kept(turn, rules) is None and not streamed
+    local = LOCAL_HANDLE_PARAMS if keeps else None
+    params = prefill.decode_params
+    anchored: rewrite.Capture | None = None
     try:
-        upstream = await _open_decode(sc, turn, prefill.decode_params or local)
-        if upstream.status >= 500 and prefill.route is Route.REMOTE:
+        if streamed and params is not None:
+            anchored = await anchor.read_prefill(sc, turn, params)
+            params = None
+            if anchored is None:
+                report.route = Route.FALLBACK  # D could not read P's KV: D prefills
+        upstream = await _open_decode(sc, turn, params or local)
+        if upstream.status >= 500 and prefill.route is Route.REMOTE and params is not None:
             # D could not pull P's blocks (P gone, lease expired): D prefills itself.
             await upstream.read()
             upstream.release()
@@ -343,11 +354,16 @@ async def run_decode(
             report.route = Route.FALLBACK
             upstream = await _open_decode(sc, turn, local)
     except EngineTimeout as exc:
+        _release_capture(sc, turn, anchored)
         report.status, report.error = 504, exc.reason
         return timed_out(sc, turn.request_id, exc.reason)
     except UpstreamError as exc:
+        _release_capture(sc, turn, anchored)
         report.status, report.error = 502, exc.reason
         return not_ready(sc, turn.request_id, exc.reason)
+    except asyncio.CancelledError:
+        _release_capture(sc, turn, anchored)
+        raise
     if prefill.route is Route.REMOTE:
         timings.p_to_d_s = time.monotonic() - p_done
     report.status = upstream.status
@@ -358,6 +374,14 @@ async def run_decode(
         ordinal=sc.settings.ordinal,
         engine_version=sc.local.info.version,
     )
+    settled = False
+
+    async def finish(capture: rewrite.Capture) -> None:
+        # A streamed turn's handle, before the client's stream ends (anchor.py).
+        nonlocal settled
+        settled = True
+        await _keep_streamed_handle(sc, turn, capture, anchored, rules, report)
+
     try:
         if upstream.status != 200:
             raw = await upstream.read()
@@ -374,9 +398,17 @@ async def run_decode(
         # What D sent decides the relay, not what the request asked: a JSON answer to
         # a streamed request is parsed and stripped like any JSON answer.
         if upstream.content_type == _EVENT_STREAM:
-            response, capture = await _relay_stream(request, upstream, turn, headers, report)
+            response, capture = await _relay_stream(
+                request, upstream, turn, headers, report, finish if streamed else None
+            )
         else:
             response, capture = await _relay_body(upstream, turn, headers, report)
+        report.finish_reason = capture.finish_reason
+        if report.error is None and not settled:
+            if streamed:
+                await finish(capture)
+            else:
+                _keep_handle(sc, turn, capture, rules, report)
     except TimeoutError:
         # The answer did not finish within the budget: closing D's connection aborts it.
         upstream.close()
@@ -384,9 +416,8 @@ async def run_decode(
         return timed_out(sc, turn.request_id, f"{sc.settings.decode_timeout_seconds}s in all")
     finally:
         upstream.release()
-    report.finish_reason = capture.finish_reason
-    if report.error is None:
-        _keep_handle(sc, turn, capture, rules, report)
+        if not settled:
+            _release_capture(sc, turn, anchored)  # the stream broke, or the client left
     return response
 
 
@@ -427,12 +458,15 @@ async def _relay_stream(
     turn: TurnInput,
     headers: dict[str, str],
     report: TurnReport,
+    finish: Callable[[rewrite.Capture], Awaitable[None]] | None = None,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
+    """``finish``: awaited once the answer is relayed, before the client's ``[DONE]``
+    (a streamed turn's handle is made then, anchor.py)."""
     response = web.StreamResponse(status=200, headers=headers)
     response.content_type = upstream.content_type or "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
-    sse = rewrite.SSERewriter(wants_token_ids=turn.wants_token_ids)
+    sse = rewrite.SSERewriter(wants_token_ids=turn.wants_token_ids, hold_done=finish is not None)
     try:
         async for chunk in upstream.content.iter_any():
             out = sse.feed(chunk)
@@ -443,6 +477,11 @@ async def _relay_stream(
         tail = sse.flush()
         if tail:
             await response.write(tail)
+        if finish is not None:
+            report.finish_reason = sse.capture.finish_reason
+            await finish(sse.capture)
+            if sse.done:
+                await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
         # D broke off or fell silent past the idle budget, or the client left (closing
@@ -457,6 +496,60 @@ async def _relay_stream(
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await response.write_eof()
     return response, sse.capture
+
+
+def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | None) -> None:
+    """Release the handle in a D answer no turn will read (anchor.read_prefill's)."""
+    if capture is None:
+        return
+    handle, _ = plan.build_handle(
+        turn,
+        capture,
+        now=sc.store.now(),
+        received_wall=time.time(),
+        engine_build=sc.settings.engine_build,
+        retention_s=sc.settings.retention_seconds,
+        local_lease_s=sc.settings.local_handle_seconds,
+    )
+    if handle is not None:
+        sc.releaser.release(handle)
+
+
+async def _keep_streamed_handle(
+    sc: Sidecar,
+    turn: TurnInput,
+    capture: rewrite.Capture,
+    anchored: rewrite.Capture | None,
+    rules: plan.Rules,
+    report: TurnReport,
+) -> None:
+    """A streamed turn on an engine that streams no handle (anchor.py): keep the
+    re-anchored handle and release the anchor's, or keep the anchor's (it covers the
+    prompt) when the re-anchor failed."""
+    if capture.params:
+        # The engine did stream a handle (a JSON answer to a streamed request).
+        _release_capture(sc, turn, anchored)
+        _keep_handle(sc, turn, capture, rules, report)
+        return
+    if not plan.reanchors(turn, rules):
+        _release_capture(sc, turn, anchored)
+        report.handle_not_kept_reason = plan.handle_not_kept(turn, rules)
+        return
+    try:
+        fresh = await anchor.reanchor(sc, turn, capture, report)
+    except asyncio.CancelledError:
+        # The client left: the re-anchor, if D got it, is held for D's lease (vLLM frees
+        # it); the anchor is the sidecar's to release.
+        _release_capture(sc, turn, anchored)
+        raise
+    if fresh is not None:
+        _release_capture(sc, turn, anchored)
+        _keep_handle(sc, turn, fresh, rules, report)
+    elif anchored is not None:
+        anchored.text = capture.text  # the next turn's history holds the streamed answer
+        _keep_handle(sc, turn, anchored, rules, report)
+    else:
+        report.handle_not_kept_reason = plan.NOT_KEPT_NONE
 
 
 def _keep_handle(
@@ -489,11 +582,6 @@ def _keep_handle(
     report.handle_not_kept_reason = reason or why
     if handle is not None:
         sc.releaser.release(handle)
-    elif report.route is Route.REMOTE and reason == plan.NOT_KEPT_STREAMING:
-        # D was asked to keep its KV (it read P's) but streams no handle back: pinned
-        # until its deadline, nobody knows where.
-        tokens = (report.prompt_tokens or 0) + len(capture.output_ids)
-        sc.releaser.pin_unreturned(turn.request_id, tokens, sc.local.block_size)
 
 
 # ------------------------------------------------------------------ 1. the body

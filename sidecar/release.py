@@ -24,9 +24,8 @@ of the release; the release request itself ~0.3 s, off the client's path.
 
 What cannot be released stays in the ``Ledger`` and in the pinned figures until D's
 deadline: no prefill engine ready, a release request that failed, a pull that failed
-half way (P may or may not have read it), a handle already within the expiry margin
-(D frees it soon; a late notification would only make D log an error), and a vLLM
-0.32 streaming turn whose handle D pinned but never returned.
+half way (P may or may not have read it), and a handle already within the expiry margin
+(D frees it soon; a late notification would only make D log an error).
 
 The ``Releaser`` owns all of it: the ledger, the handles waiting for a ride, the
 release requests in flight and what each turn's prefill carries (a ``Ride``). It
@@ -58,7 +57,6 @@ has a test named after it, ``tests/unit/sidecar/test_releaser.py``):
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -83,7 +81,6 @@ PINNED_NO_PREFILL = "no-prefill"  # no prefill engine to release it through
 PINNED_RELEASE_FAILED = "release-failed"
 PINNED_PULL_FAILED = "pull-failed"  # P failed with it: read or not, unknown
 PINNED_EXPIRING = "expiring"  # within the expiry margin: D frees it shortly
-PINNED_NOT_RETURNED = "not-returned"  # vLLM 0.32 streaming: D pinned, never said where
 
 # How a handle nobody read left D (metric label, report key).
 RELEASE_RIDER = "rider"  # rode on the turn's own prefill request
@@ -162,13 +159,6 @@ class Ledger:
         self.add(
             ledger_key(handle), PinnedEntry(handle.blocks, handle.created_at, deadline, reason)
         )
-
-    def add_unreturned(
-        self, request_id: str, tokens: int, block_size: int | None, now: float, retention_s: float
-    ) -> None:
-        """A turn D pinned without telling where (0.32 streaming): blocks estimated."""
-        blocks = math.ceil(tokens / block_size) if block_size else 0
-        self.add(request_id, PinnedEntry(blocks, now, now + retention_s, PINNED_NOT_RETURNED))
 
     def remove(self, handle: KVHandle) -> bool:
         return self._entries.pop(ledger_key(handle), None) is not None
@@ -276,11 +266,6 @@ class Releaser:
         self._pin(handle, reason)
         if reason != PINNED_EXPIRING:
             self._count(RELEASE_UNRELEASABLE)
-
-    def pin_unreturned(self, request_id: str, tokens: int, block_size: int | None) -> None:
-        """D pinned a turn's KV but never said where (vLLM 0.32 streaming)."""
-        self.ledger.add_unreturned(request_id, tokens, block_size, self._clock(), self._retention_s)
-        self._count(RELEASE_UNRELEASABLE)
 
     def _pin(self, handle: KVHandle, reason: str) -> None:
         self.ledger.add_handle(handle, reason, retention_s=self._retention_s)

@@ -5,7 +5,11 @@ min-token bounds (P stops after one token), ``kv_transfer_params`` asking P to k
 its KV for a remote decode, plus D's handle when it is reused.
 
 Decode leg (D): the client's body as sent, plus P's ``kv_transfer_params`` and
-``return_token_ids: true`` (the next turn's alignment needs the ids).
+``return_token_ids: true`` (the next turn's alignment needs the ids). A streamed turn
+on an engine that streams no handle (vLLM 0.32, ``anchor.py``) adds two one-token
+requests to D: ``anchor_body`` (D reads P's KV and returns a handle) before the
+answer, which then streams with no transfer, and ``reanchor_body`` (the turn's ids
+as a prefill-side completions request) after it.
 
 No leg carries a client's KV parameters: ``client_body`` strips the top-level
 ``kv_transfer_params`` and the one inside ``vllm_xargs`` (vLLM reads that one when
@@ -38,6 +42,7 @@ from .types import (
     F_TOKEN_IDS,
     F_VLLM_XARGS,
     JSON,
+    LOCAL_HANDLE_PARAMS,
     PREFILL_REQUEST_PARAMS,
 )
 
@@ -109,6 +114,51 @@ def prefill_body(
     # the remote_* fields the plain prefill request leaves None.
     out[F_KV_PARAMS] = {**PREFILL_REQUEST_PARAMS, **(handle_params or {})}
     if session_id and F_SESSION_ID not in out:
+        out[F_SESSION_ID] = session_id
+    return out
+
+
+# Fields that ask for more than one sequence (the stream asks for them itself).
+_ONE_SEQUENCE_DROPPED = ("n", "best_of", "use_beam_search")
+
+
+def anchor_body(
+    body: Mapping[str, Any], prefill_params: Mapping[str, Any], session_id: str | None
+) -> JSON:
+    """The one-token request that makes D read P's KV and return a handle for it,
+    before a streamed answer on an engine that streams no handle (vLLM 0.32: only a
+    non-streamed answer carries ``kv_transfer_params``). Like the prefill request
+    (non-streaming, one token, no stream options or token bounds), but with P's params
+    and the token ids the handle needs."""
+    out = prefill_body(body, None, session_id)
+    out[F_KV_PARAMS] = dict(prefill_params)
+    out[F_RETURN_TOKEN_IDS] = True
+    # One sequence: one request reads P's KV and leaves one handle (n copies would
+    # each pin the prompt).
+    for key in _ONE_SEQUENCE_DROPPED:
+        out.pop(key, None)
+    return out
+
+
+def reanchor_body(body: Mapping[str, Any], token_ids: list[int], session_id: str | None) -> JSON:
+    """The one-token prefill-side completions request over a streamed turn's ids
+    (prompt + answer): D computes only what its prefix cache lacks (the last partial
+    block) and returns a handle it tracks and frees (``LOCAL_HANDLE_PARAMS``). It
+    carries what the KV depends on besides the ids: the model (or adapter) and
+    ``cache_salt``; turns with media are never re-anchored (their KV is not the
+    ids')."""
+    out: JSON = {
+        "prompt": list(token_ids),
+        F_MAX_TOKENS: 1,
+        "temperature": 0,
+        F_STREAM: False,
+        F_RETURN_TOKEN_IDS: True,
+        F_KV_PARAMS: dict(LOCAL_HANDLE_PARAMS),
+    }
+    for key in ("model", "cache_salt"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if session_id:
         out[F_SESSION_ID] = session_id
     return out
 
@@ -216,10 +266,14 @@ class SSERewriter:
     event without data (a comment) passes unchanged.
     """
 
-    def __init__(self, *, wants_token_ids: bool) -> None:
+    def __init__(self, *, wants_token_ids: bool, hold_done: bool = False) -> None:
         self.capture = Capture()
         self._wants_token_ids = wants_token_ids
         self._buffer = b""
+        # hold_done: the ``[DONE]`` event is kept back (``done`` says it came) so the
+        # relay can finish the turn's handle before the client's stream ends.
+        self._hold_done = hold_done
+        self.done = False
 
     def feed(self, data: bytes) -> bytes:
         self._buffer += data.replace(b"\r\n", b"\n")
@@ -243,7 +297,8 @@ class SSERewriter:
             return event
         payload = "\n".join(d.removeprefix(" ") for d in data).strip()
         if payload == "[DONE]":
-            return event
+            self.done = True
+            return b"" if self._hold_done else event
         try:
             obj = json.loads(payload)
         except (ValueError, RecursionError):

@@ -245,6 +245,8 @@ class TurnTimings:
     p_to_d_s: float | None = None
     first_token_s: float | None = None
     total_s: float | None = None
+    # A streamed turn's re-anchor request on D (anchor.py), after its last token.
+    reanchor_s: float | None = None
 
 
 @dataclass

@@ -303,9 +303,10 @@ class LocalEngine:
             restarted,
         )
         if not self.streaming_handles:
-            log.warning(
-                "engine does not stream kv_transfer_params (vLLM < 0.33): streaming "
-                "turns keep no handle and their next turn recomputes url=%s",
+            log.info(
+                "engine does not stream kv_transfer_params (vLLM < 0.33): a streamed "
+                "turn reads P's KV and is re-anchored on D in one-token requests of "
+                "their own (anchor.py) url=%s",
                 self.client.url,
             )
         return restarted

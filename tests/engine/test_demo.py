@@ -29,11 +29,14 @@ ROW = re.compile(
 )
 
 
+@pytest.mark.parametrize("extra", [[], ["--stream", "--repeat", "1"]], ids=["json", "streamed"])
 def test_make_demo_shows_reuse_with_answers_equal_to_reuse_off(
-    engine_python: Path, tiny_model: Path, tmp_path: Path
+    engine_python: Path, tiny_model: Path, tmp_path: Path, extra: list[str]
 ) -> None:
-    argv = [sys.executable, "-m", "kvferry_dev.demo", "--turns", "3", "--repeat", "2"]
-    with step("the demo, shortened (python -m kvferry_dev.demo --turns 3 --repeat 2)"):
+    """The streamed run (``--stream``, one run per mode) shows the same: every later
+    streamed turn pulls what D holds (vLLM 0.32: the re-anchored turn)."""
+    argv = [sys.executable, "-m", "kvferry_dev.demo", "--turns", "3", "--repeat", "2", *extra]
+    with step(f"the demo, shortened ({' '.join(argv[1:])})"):
         proc = subprocess.run(
             [*argv, "--log-dir", str(tmp_path / "demo")],
             cwd=ROOT,

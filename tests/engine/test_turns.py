@@ -2,8 +2,8 @@
 behind the real decode sidecar (``kvferry-sidecar --role decode`` subprocesses whose
 settings are the operator's ``build_sidecar_settings`` with local addresses).
 
-Clients talk chat completions to the sidecar: greedy, non-streaming (vLLM 0.32 returns
-the bidirectional handle only then), ``ignore_eos`` so answers are ANSWER_TOKENS long.
+Clients talk chat completions to the sidecar: greedy, non-streaming (streamed turns:
+``test_streaming.py``), ``ignore_eos`` so answers are ANSWER_TOKENS long.
 Turn N+1's messages are turn N's plus the assistant's answer text plus a new user
 message of ~365 tokens; the last of five turns is ~1.95k tokens.
 

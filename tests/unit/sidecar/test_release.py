@@ -75,9 +75,3 @@ def test_ledger_entry_is_replaced_not_doubled() -> None:
     ledger.add_handle(handle(), PINNED_NO_PREFILL, retention_s=480)
     assert ledger.by_reason(200.0) == {PINNED_NO_PREFILL: 1}
     assert ledger.remove(handle()) and not ledger.remove(handle())
-
-
-def test_unreturned_handles_are_estimated_from_tokens() -> None:
-    ledger = Ledger()
-    ledger.add_unreturned("req-9", tokens=100, block_size=32, now=10.0, retention_s=480)
-    assert ledger.figures(now=20.0).blocks == 4

@@ -257,10 +257,3 @@ async def test_cancel_leaves_them_pinned() -> None:
     await f.started.wait()
     await f.releaser.cancel()
     assert f.releaser.idle and f.reason(h) == PINNED_RELEASING and f.counted == []
-
-
-def test_unreturned_is_unreleasable() -> None:
-    """A streamed turn D pinned without saying where: blocks estimated, counted."""
-    f = Fixture()
-    f.releaser.pin_unreturned("req-9", tokens=100, block_size=32)
-    assert f.releaser.figures().blocks == 4 and f.counted == [RELEASE_UNRELEASABLE]

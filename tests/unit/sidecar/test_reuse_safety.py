@@ -15,6 +15,7 @@ from kvferry_wire import report
 
 from .conftest import Engines, MakeSidecar, sidecar_of
 from .test_turns import (
+    IMAGE_MESSAGE,
     LONG_QUESTION,
     Conversation,
     kv,
@@ -196,17 +197,39 @@ async def test_failed_release_is_counted_and_stays_pinned(
     assert rep.releases.failed == 1 and rep.pinned.unused_handles == 1
 
 
-async def test_streaming_remote_turn_on_032_counts_the_handle_d_never_returned(
+async def test_streaming_remote_turn_on_032_pins_only_the_handle_it_keeps(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """vLLM 0.32 pins a streamed turn's KV but returns no handle: nobody can release it,
-    so it is in the pinned figures until D's deadline."""
+    """vLLM 0.32 returns no handle on a stream: the turn's KV is read in a request that
+    returns one (released once the turn is re-anchored) and the stream itself carries
+    no kv_transfer_params, so D pins only the kept re-anchored handle."""
     engines.decode.version = "0.32.0"
     client = await make_sidecar()
     resp, _ = await Conversation(client, session_id="s", stream=True).ask(LONG_QUESTION)
     assert outcome(resp) == "no-handle"
+    await releases_done(client)
     rep = await residency(client)
-    assert rep.pinned.unused_handles == 1 and rep.releases.unreleasable == 1
+    assert rep.pinned.handles == 1 and rep.pinned.unused_handles == 0
+    assert rep.releases.request == 1 and rep.releases.unreleasable == 0
+
+
+async def test_streaming_media_turn_on_032_pins_nothing(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A streamed turn with media cannot be re-anchored from its ids and keeps no
+    handle: D read P's KV in a request whose handle is released, and the stream itself
+    carried no kv_transfer_params, so D pins nothing for it."""
+    engines.decode.version = "0.32.0"
+    client = await make_sidecar()
+    conv = Conversation(client, session_id="s", stream=True)
+    conv.messages.append(IMAGE_MESSAGE)
+    resp, _ = await conv.ask(LONG_QUESTION)
+    assert outcome(resp) == "no-handle"
+    assert [kv(s.body) is None for s in engines.decode.completions()] == [False, True]
+    await releases_done(client)
+    rep = await residency(client)
+    assert rep.pinned.handles == 0 and rep.releases.request == 1
+    assert rep.releases.unreleasable == 0
 
 
 async def test_stopping_sidecar_releases_the_handles_it_held(

@@ -14,7 +14,7 @@ from kvferry_dev import dashboard
 from kvferry_sidecar.promtext import Scrape
 
 from .conftest import Engines, MakeSidecar, sidecar_of
-from .test_turns import LONG_QUESTION, Conversation, outcome
+from .test_turns import LONG_QUESTION, Conversation, outcome, releases_done
 
 UPGRADING = Path(__file__).resolve().parents[3] / "docs" / "upgrading.md"
 # A row of the removed-series table: | `old{labels}` | `new{labels}` | what differs |
@@ -82,11 +82,15 @@ async def test_pinned_handles_less_unused_is_the_handle_store(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
     """The rewrite of kvferry_handles_pinned, with one handle held and one unused."""
-    engines.decode.version = "0.32.0"  # a streamed turn's handle is never returned
-    client = await make_sidecar()
-    resp, _ = await Conversation(client, session_id="a", stream=True).ask(LONG_QUESTION)
+    client = await make_sidecar(skip_prefill_below_tokens=10)
+    conv = Conversation(client, session_id="a")
+    resp, _ = await conv.ask(LONG_QUESTION)
     assert outcome(resp) == "no-handle"
-    await Conversation(client, session_id="b").ask(LONG_QUESTION)
+    for p in engines.prefill:
+        p.fail_statuses = [500]  # turn 1's handle, dropped by the short turn 2, stays
+    resp, _ = await conv.ask("and you")
+    assert outcome(resp) == "skipped-prefill"
+    await releases_done(client)
     sc = sidecar_of(client)
     held_age = max(sc.store.ages())  # read first: the store's clock runs
     s = await scrape(client)

@@ -26,6 +26,12 @@ from .conftest import Engines, MakeSidecar, post_raw, sidecar_of
 
 CHAT = "/v1/chat/completions"
 LONG_QUESTION = "one two three four five six seven eight nine ten"
+# A media message: its KV is not its ids', so a streamed turn on vLLM 0.32 carrying it
+# cannot be re-anchored and keeps no handle.
+IMAGE_MESSAGE = {
+    "role": "user",
+    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+}
 
 
 class Conversation:
@@ -271,17 +277,126 @@ async def test_streaming_033_keeps_handle_from_final_chunk(
     assert kv(prefill_bodies(engines)[-1]) == engines.decode.handles[0]
 
 
-async def test_streaming_032_states_no_handle_is_kept(
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_streaming_033_handle_is_read_from_the_finish_chunk_and_forwarded_whole(
+    make_sidecar: MakeSidecar, engines: Engines, path: str
+) -> None:
+    """vLLM 0.33 sets kv_transfer_params on every chunk (null until the chunk with
+    finish_reason): the handle on the finish chunk, remote_registration_generation
+    and all, is what P gets next turn; the client sees neither the handle nor the
+    nulls, and gets the finish chunk and the usage chunk."""
+    engines.decode.registration_generation = 7
+    client = await make_sidecar()
+    chat = path == CHAT
+    first: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": LONG_QUESTION}]}
+        if chat
+        else {"prompt": LONG_QUESTION}
+    )
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    resp = await client.post(path, json={**body, **first, "session_id": "s"})
+    raw = await resp.text()
+    assert resp.status == 200 and "kv_transfer_params" not in raw
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    handle = engines.decode.handles[0]
+    assert handle["remote_registration_generation"] == 7
+    if chat:
+        follow = {"messages": [*first["messages"], {"role": "assistant", "content": "fine thanks"}]}
+        follow["messages"].append({"role": "user", "content": "and then"})
+    else:
+        follow = {"prompt": f"{LONG_QUESTION} fine thanks {EOS} and then"}
+    resp = await client.post(path, json={**body, **follow, "session_id": "s"})
+    assert outcome(resp) == "reused"
+    assert kv(prefill_bodies(engines)[-1]) == handle  # whole: every field D set
+
+
+async def test_streaming_032_reanchors_the_turn_and_turn_2_reuses(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
-    """vLLM 0.32 streams no handle: the response says so and turn 2 recomputes."""
+    """vLLM 0.32 streams no handle: D reads P's KV in a one-token request that returns
+    one, streams without kv_transfer_params (nothing pinned), then a one-token
+    prefill-side request over the turn's ids re-anchors it; turn 2 reuses that."""
     engines.decode.version = "0.32.0"
     conv = Conversation(await make_sidecar(), stream=True)
+    first, raw = await conv.ask(LONG_QUESTION)
+    assert first.status == 200 and "X-Kvferry-Handle" not in first.headers
+    assert "kv_transfer_params" not in raw and "token_ids" not in raw
+    assert raw.rstrip().endswith("data: [DONE]")
+    anchor, stream, reanchor = (s.body for s in engines.decode.completions())
+    p_params = engines.p0.last().body  # P's request; its answer's params went to D
+    assert anchor["stream"] is False and anchor["max_tokens"] == 1
+    assert kv(anchor)["do_remote_prefill"] is True and kv(anchor)["remote_block_ids"]
+    assert "stream_options" not in anchor and anchor["return_token_ids"] is True
+    assert stream["stream"] is True and kv(stream) is None
+    prompt = chat_ids(conv.messages[:1])
+    answer = [*ids(["fine", "thanks"]), ids([EOS])[0]]
+    assert reanchor["prompt"] == [*prompt, *answer] and reanchor["max_tokens"] == 1
+    assert kv(reanchor) == dict(LOCAL_HANDLE_PARAMS) and reanchor["stream"] is False
+    assert reanchor["model"] == "m" and p_params["stream"] is False
+    resp, _ = await conv.ask("and then")
+    assert outcome(resp) == "reused"
+    pulled = kv(prefill_bodies(engines)[-1])
+    assert pulled["remote_request_id"] == engines.decode.handles[2]["remote_request_id"]
+    # Each turn's anchor (D's first request of the turn) was released through P.
+    await releases_done(conv.client)
+    released = [kv(b) for b in prefill_bodies(engines) if kv(b).get("remote_num_tokens") == 0]
+    handles = engines.decode.handles
+    assert [h is None for h in handles] == [False, True, False] * 2
+    assert sorted(r["remote_request_id"] for r in released) == sorted(
+        handles[i]["remote_request_id"] for i in (0, 3)
+    )
+
+
+async def test_streaming_032_broken_stream_releases_the_anchor(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A streamed turn on vLLM 0.32 whose stream breaks off keeps no handle and
+    re-anchors nothing; the anchor's handle (D's read of P's KV) is released through
+    P, never left pinned."""
+    engines.decode.version = "0.32.0"
+    engines.decode.stall = 5.0
+    client = await make_sidecar(stream_idle_timeout_seconds=0.3)
+    conv = Conversation(client, stream=True)
+    _first, raw = await conv.ask(LONG_QUESTION)
+    assert "upstream_error" in raw and "[DONE]" not in raw
+    assert len(engines.decode.completions()) == 2  # the anchor and the stream
+    await releases_done(client)
+    (released,) = [kv(b) for b in prefill_bodies(engines) if kv(b).get("remote_num_tokens") == 0]
+    assert released == rider(engines.decode.handles[0])
+    rep = sidecar_of(client).releaser.figures()
+    assert rep.handles == 0
+
+
+async def test_local_handle_lives_for_decodes_lease_not_the_retention(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A handle D prefilled alone is a prefill-side request on D: vLLM frees it at
+    D's kv_lease_duration whatever decoder_kv_blocks_ttl is (request_finished), so
+    the store keeps it that long even when the retention is shorter (a shorter guess
+    expired it in the store while D still pinned it, unreleased)."""
+    client = await make_sidecar(
+        retention_seconds=45, local_handle_seconds=90, skip_prefill_below_tokens=100
+    )
+    resp, _ = await Conversation(client).ask(LONG_QUESTION)
+    assert resp.headers["X-Kvferry-Route"] == "skip"
+    (handle,) = sidecar_of(client).store.values()
+    assert handle.expires_at is not None
+    assert handle.expires_at - handle.created_at == pytest.approx(90)
+
+
+async def test_streaming_032_with_media_states_no_handle_is_kept(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A streamed turn with media cannot be re-anchored from its ids (the media's KV
+    is not in them): on vLLM 0.32 the response says no handle is kept."""
+    engines.decode.version = "0.32.0"
+    conv = Conversation(await make_sidecar(), stream=True)
+    conv.messages.append(IMAGE_MESSAGE)
     first, _ = await conv.ask(LONG_QUESTION)
     assert first.headers["X-Kvferry-Handle"].startswith("not-kept; reason=engine-streams-no-handle")
     assert "0.32.0" in first.headers["X-Kvferry-Handle"]
-    resp, _ = await conv.ask("and then")
-    assert outcome(resp) == "no-handle"
 
 
 async def test_nonstreaming_032_keeps_handle(make_sidecar: MakeSidecar, engines: Engines) -> None:
@@ -714,7 +829,9 @@ async def test_metrics_count_pull_failures_and_not_kept(
 ) -> None:
     engines.decode.version = "0.32.0"
     client = await make_sidecar()
-    await Conversation(client, stream=True).ask("hello")
+    conv = Conversation(client, stream=True)
+    conv.messages.append(IMAGE_MESSAGE)
+    await conv.ask("hello")
     text = await (await client.get("/metrics")).text()
     assert 'kvferry_handles_not_kept_total{reason="engine-streams-no-handle"} 1.0' in text
 
