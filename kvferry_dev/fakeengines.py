@@ -151,6 +151,8 @@ class FakeEngine:
     seen: list[Seen] = field(default_factory=list)
     # Decode: every handle returned, in order (None when the request got none).
     handles: list[dict[str, Any] | None] = field(default_factory=list)
+    # When each of them was returned (perf_counter, as the handles' expiry times).
+    handles_at: list[float] = field(default_factory=list)
     url: str = ""
     _count: int = 0
     # Set on every abort; waiters clear it before they wait again.
@@ -177,7 +179,8 @@ class FakeEngine:
     # -------------------------------------------------------------- the app
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM reads bodies of any size (aiohttp refuses past 1 MiB by default).
+        app = web.Application(client_max_size=256 * 2**20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
@@ -320,6 +323,7 @@ class FakeEngine:
         output = [*ids(words), token_id(EOS)]
         params = self._handle(body, prompt, output, rid)
         self.handles.append(params)
+        self.handles_at.append(time.perf_counter())
         if not stream:
             text = " ".join(words)
             return web.json_response(_chat_body(body, text, output, prompt, with_ids, params))

@@ -678,16 +678,23 @@ def problems(answer: Answer, markers: Sequence[bytes]) -> list[str]:
     return out
 
 
-def held_by_decode(decode: FakeEngine, prefills: Sequence[FakeEngine]) -> set[str]:
+def held_by_decode(
+    decode: FakeEngine, prefills: Sequence[FakeEngine], *, local_lease_s: float
+) -> set[str]:
     """D's handles still pinned (by D's request id): returned by D, not aborted by
-    their caller (vLLM frees an aborted request's blocks), and never carried to a P
-    (a pull or a release frees them)."""
+    their caller (vLLM frees an aborted request's blocks), never carried to a P (a
+    pull or a release frees them), and within D's deadline (a decode-side handle's
+    ``remote_blocks_expiry_time``; ``local_lease_s`` for one D prefilled alone, its
+    KV lease)."""
+    now = time.perf_counter()
     aborted = {f"{decode.name}-{rid}" for rid in decode.aborted_ids}
-    returned = {
-        str(h["remote_request_id"])
-        for h in decode.handles
-        if h is not None and h.get("remote_request_id")
-    }
+    returned = set()
+    for h, at in zip(decode.handles, decode.handles_at, strict=True):
+        if h is None or not h.get("remote_request_id"):
+            continue
+        deadline = h.get("remote_blocks_expiry_time") or at + local_lease_s
+        if now < deadline:
+            returned.add(str(h["remote_request_id"]))
     carried = set()
     for p in prefills:
         for seen in p.completions():

@@ -87,10 +87,10 @@ async def test_a_thousand_hostile_requests_beside_steady_streams(
         # What the sidecar tracks (its store and ledger) covers all D still holds: read
         # it first, since with no turn left D's share only shrinks.
         tracked = residency(sc)["pinned"]["handles"]
-        held = hostile.held_by_decode(d, [p])
+        held = hostile.held_by_decode(d, [p], local_lease_s=sc.settings["localHandleSeconds"])
     finally:
         await asyncio.to_thread(sc.stop)
-    after_stop = hostile.held_by_decode(d, [p])
+    after_stop = hostile.held_by_decode(d, [p], local_lease_s=sc.settings["localHandleSeconds"])
     slowest, kind = hostile.slowest_answer(answers)
     print(
         f"\n{len(answers)} requests by status: {hostile.by_status(answers)}"
