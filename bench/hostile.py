@@ -106,24 +106,27 @@ def memory_attacks(seq0: int) -> list[hostile.Attack]:
 
 
 async def load(
-    sc: Any, name: str, attacks: Sequence[hostile.Attack], markers: list[bytes], seconds: float
+    sc: Any,
+    name: str,
+    attacks: Sequence[hostile.Attack],
+    markers: list[bytes],
+    seconds: float,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     assert sc.proc is not None
     reset_peak(sc.proc.pid)
-    stop = asyncio.Event()
-    steady = asyncio.create_task(hostile.steady_streams(sc.url, STREAMS, stop))
-    probes = asyncio.create_task(hostile.healthz_worst(sc.url, stop))
+    # In a process of its own: this one's loop also runs the fakes and the attackers.
+    watcher = await asyncio.to_thread(hostile.Watcher, sc.url, STREAMS)
     started = time.monotonic()
     if attacks:
         answers = await hostile.run_attacks(
-            "127.0.0.1", sc.port, attacks, concurrency=32, deadline=180
+            "127.0.0.1", sc.port, attacks, concurrency=32, deadline=args.deadline
         )
     else:
         answers = []
         await asyncio.sleep(seconds)
     took = time.monotonic() - started
-    stop.set()
-    flowing, (healthz_s, probes_n) = await steady, await probes
+    flowing, healthz_s, probes_n = await asyncio.to_thread(watcher.stop)
     bad = [(a.attack.kind, why) for a in answers for why in hostile.problems(a, markers)]
     slowest, kind = hostile.slowest_answer(answers)
     row = {
@@ -173,11 +176,11 @@ async def run(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, Any]
         # Slow senders take 2 s: the default timeouts (60 s body) answer them at the end.
         gen = hostile.Generator(CAPS, seed=args.seed, slow_s=1.0)
         if "quiet" in args.loads:
-            rows.append(await load(sc, "quiet", [], markers, args.quiet_seconds))
+            rows.append(await load(sc, "quiet", [], markers, args.quiet_seconds, args))
         if "mixed" in args.loads:
-            rows.append(await load(sc, "mixed", gen.attacks(args.attacks), markers, 0))
+            rows.append(await load(sc, "mixed", gen.attacks(args.attacks), markers, 0, args))
         if "memory" in args.loads:
-            rows.append(await load(sc, "memory", memory_attacks(10**6), markers, 0))
+            rows.append(await load(sc, "memory", memory_attacks(10**6), markers, 0, args))
         tracked = residency(sc)["pinned"]["handles"]
         held = len(hostile.held_by_decode(d, [p], local_lease_s=sc.settings["localHandleSeconds"]))
     finally:
@@ -198,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--attacks", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--quiet-seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=30.0,
+        help="seconds a hostile request may wait for an answer or a close (past it: hung)",
+    )
     ap.add_argument("--loads", default="quiet,mixed,memory", help="which loads, in order")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)

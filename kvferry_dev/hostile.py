@@ -774,6 +774,46 @@ async def healthz_worst(url: str, stop: asyncio.Event) -> tuple[float, int]:
     return worst, count
 
 
+def _watch(url: str, streams: int, stop: Any, out: Any) -> None:
+    async def main() -> None:
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # The parent's multiprocessing.Event, waited for in a thread: this loop stays free.
+        waiter = loop.run_in_executor(None, stop.wait)
+        waiter.add_done_callback(lambda _: done.set())
+        steady = asyncio.create_task(steady_streams(url, streams, done))
+        probes = asyncio.create_task(healthz_worst(url, done))
+        flowing, (worst, count) = await steady, await probes
+        out.put((flowing, worst, count))
+
+    asyncio.run(main())
+
+
+class Watcher:
+    """``steady_streams`` and ``healthz_worst`` in a process of their own, so that what
+    they measure is the sidecar's latency, not this process's (whose event loop also
+    runs the fake engines and the hostile clients). ``stop()`` returns
+    (Steady, /healthz worst seconds, probes sent)."""
+
+    def __init__(self, url: str, streams: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out = ctx.Queue()
+        self._proc = ctx.Process(target=_watch, args=(url, streams, self._stop, self._out))
+        self._proc.start()
+
+    def stop(self, timeout: float = 120.0) -> tuple[Steady, float, int]:
+        self._stop.set()
+        try:
+            return self._out.get(timeout=timeout)
+        finally:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
 def rss_peak_bytes(pid: int) -> int:
     """The process's peak resident memory (VmHWM): read once, it misses no spike."""
     with open(f"/proc/{pid}/status") as f:
