@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -48,7 +49,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import fields, forward, limits, plan, rewrite, session
+from . import fields, forward, limits, offload, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -88,7 +89,7 @@ async def prompt_tokens(sc: Sidecar, turn: TurnInput) -> list[int] | None:
     if body is None:
         return None
     try:
-        return await sc.local.client.tokenize(body, request_id=turn.request_id)
+        return await sc.local.client.tokenize(body, request_id=turn.request_id, heavy=turn.heavy)
     except UpstreamError as exc:
         log.info("tokenize failed; no reuse this turn request_id=%s err=%s", turn.request_id, exc)
         return None
@@ -137,6 +138,7 @@ async def _attempt(sc: Sidecar, engine: PrefillEngine, turn: TurnInput, ride: Ri
                 body,
                 request_id=turn.request_id,
                 timeout=sc.settings.prefill_timeout_seconds,
+                heavy=turn.heavy,
             )
     except asyncio.CancelledError:
         sc.metrics.prefill_attempts.labels(ATTEMPT_ABANDONED).inc()
@@ -303,6 +305,7 @@ async def _open_decode(
         total=s.decode_timeout_seconds,
         # A non-streamed answer comes in one piece at the end: only the total applies.
         idle=s.stream_idle_timeout_seconds if turn.stream else None,
+        heavy=turn.heavy,
     )
 
 
@@ -393,6 +396,20 @@ async def run_decode(
 _EVENT_STREAM = "text/event-stream"
 
 
+def _read_answer(raw: bytes, wants_token_ids: bool) -> tuple[str, rewrite.Capture] | None:
+    """D's JSON answer as the client gets it, and what it says about the handle; None
+    when it is no JSON object."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    capture = rewrite.capture_body(obj)
+    rewrite.restore_body(obj, wants_token_ids=wants_token_ids)
+    return json.dumps(obj), capture
+
+
 async def _relay_body(
     upstream: aiohttp.ClientResponse,
     turn: TurnInput,
@@ -400,11 +417,10 @@ async def _relay_body(
     report: TurnReport,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
     raw = await upstream.read()
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):
-        obj = None
-    if not isinstance(obj, dict):
+    # A long prompt's answer carries its token ids: read and rewritten off the loop.
+    heavy = len(raw) > offload.HEAVY_BYTES
+    answer = await offload.maybe(heavy, _read_answer, raw, turn.wants_token_ids)
+    if answer is None:
         # Never relay what was not parsed: it may carry what restore_body strips.
         report.status, report.error = 502, "decode answered a body that is not a JSON object"
         log.warning(
@@ -416,9 +432,8 @@ async def _relay_body(
         return web.json_response(
             error_body(message, "upstream_error", 502), status=502, headers=headers
         ), rewrite.Capture()
-    capture = rewrite.capture_body(obj)
-    rewrite.restore_body(obj, wants_token_ids=turn.wants_token_ids)
-    return web.json_response(obj, headers=headers), capture
+    text, capture = answer
+    return web.Response(text=text, content_type="application/json", headers=headers), capture
 
 
 async def _relay_stream(
@@ -435,7 +450,9 @@ async def _relay_stream(
     sse = rewrite.SSERewriter(wants_token_ids=turn.wants_token_ids)
     try:
         async for chunk in upstream.content.iter_any():
-            out = sse.feed(chunk)
+            # An event with a long prompt's token ids is parsed off the loop.
+            heavy = sse.pending + len(chunk) > offload.HEAVY_BYTES
+            out = await offload.maybe(heavy, sse.feed, chunk)
             if out:
                 if report.timings.first_token_s is None:
                     report.timings.first_token_s = time.monotonic() - turn.received_at
@@ -543,14 +560,16 @@ async def read_body(
         return limits.Refusal(408, message)
     raw = b"".join(chunks)
     del chunks
-    if size > BIG:
-        parsed = await asyncio.to_thread(limits.parse_body, raw, caps)
-    else:
-        parsed = limits.parse_body(raw, caps)
+    parsed = await offload.maybe(size > BIG, limits.parse_body, raw, caps)
     return parsed if isinstance(parsed, limits.Refusal) else (raw, parsed)
 
 
 # ------------------------------------------------------------------ the turn
+
+
+def _parse_turn(heavy: bool, *args: Any) -> TurnInput:
+    turn = plan.parse_turn(*args)
+    return dataclasses.replace(turn, heavy=True) if heavy else turn
 
 
 def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
@@ -589,7 +608,8 @@ async def serve_turn(
             )
             return refuse(limits.Refusal(400, message, field))
         parse = functools.partial(
-            plan.parse_turn,
+            _parse_turn,
+            len(raw) > BIG,
             api,
             body,
             request.headers,
@@ -599,7 +619,7 @@ async def serve_turn(
         )
         try:
             # The media digests walk the whole body: off the loop when it is big.
-            turn = await asyncio.to_thread(parse) if len(raw) > BIG else parse()
+            turn = await offload.maybe(len(raw) > BIG, parse)
         except fields.InvalidField as exc:
             return refuse(limits.Refusal(400, str(exc), exc.field))
         return await _serve(sc, request, turn, raw, client_request_id, from_peer)

@@ -221,6 +221,11 @@ class SSERewriter:
         self._wants_token_ids = wants_token_ids
         self._buffer = b""
 
+    @property
+    def pending(self) -> int:
+        """Bytes of an event not yet complete."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> bytes:
         self._buffer += data.replace(b"\r\n", b"\n")
         out: list[bytes] = []

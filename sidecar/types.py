@@ -195,6 +195,9 @@ class TurnInput:
     received_at: float
     # The first field off the allowlist (allowlist.unsafe_field): no reuse this turn.
     unsafe_field: str | None = None
+    # A big body (past limits.PARSE_IN_THREAD_BYTES): its engine legs' JSON is written
+    # and read off the event loop (offload.py).
+    heavy: bool = False
 
 
 @dataclass(frozen=True)
