@@ -379,7 +379,7 @@ async def run_decode(
         if upstream.content_type == _EVENT_STREAM:
             response, capture = await _relay_stream(request, upstream, turn, headers, report)
         else:
-            response, capture = await _relay_body(upstream, turn, headers, report)
+            response, capture = await _answered(sc, upstream, turn, headers, report)
     except TimeoutError:
         # The answer did not finish within the budget: closing D's connection aborts it.
         upstream.close()
@@ -394,6 +394,43 @@ async def run_decode(
 
 
 _EVENT_STREAM = "text/event-stream"
+
+
+async def _answered(
+    sc: Sidecar,
+    upstream: aiohttp.ClientResponse,
+    turn: TurnInput,
+    headers: dict[str, str],
+    report: TurnReport,
+) -> tuple[web.StreamResponse, rewrite.Capture]:
+    """D's JSON answer relayed (``_relay_body``). D has finished the request when it
+    answers, so it holds the turn's KV whatever the client does now: a client that
+    leaves while the answer is read (off the loop for a big one) must not make the
+    sidecar drop the handle, or D pins it, untracked, until its TTL. The reading is
+    shielded from the cancellation and its handle released."""
+    reading = asyncio.ensure_future(_relay_body(upstream, turn, headers, report))
+    try:
+        return await asyncio.shield(reading)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            _, capture = await reading
+            _release_answered(sc, turn, capture)
+        raise
+
+
+def _release_answered(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture) -> None:
+    """The client left after D's answer carried a handle: D pins it; let it go."""
+    handle, _ = plan.build_handle(
+        turn,
+        capture,
+        now=sc.store.now(),
+        received_wall=time.time(),
+        engine_build=sc.settings.engine_build,
+        retention_s=sc.settings.retention_seconds,
+        local_lease_s=sc.settings.local_handle_seconds,
+    )
+    if handle is not None:
+        sc.releaser.release(handle)
 
 
 def _read_answer(raw: bytes, wants_token_ids: bool) -> tuple[str, rewrite.Capture] | None:

@@ -11,6 +11,7 @@ ran on the loop, and six parse threads held the GIL against it in turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import types
@@ -22,6 +23,8 @@ from aiohttp import web
 from kvferry_sidecar import limits, relay, rewrite, upstream
 
 from .conftest import Engines, MakeSidecar, sidecar_of
+from .test_budgets import turns_recorded
+from .test_turns import releases_done
 
 CHAT = "/v1/chat/completions"
 BIG = limits.PARSE_IN_THREAD_BYTES
@@ -136,3 +139,50 @@ async def test_heavy_work_runs_one_piece_at_a_time(
     )
     assert [a.status for a in answers] == [200, 200]
     assert state["most"] == 1
+
+
+async def test_a_client_gone_while_ds_answer_is_read_leaves_no_handle_untracked(
+    make_sidecar: MakeSidecar, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D has answered, so it holds the turn's KV whatever the client does; a client
+    that leaves while the sidecar reads that answer must not make the sidecar drop
+    the handle (D would pin it, untracked, until its TTL). Found by bench/hostile.py:
+    D held 151 handles, the sidecar tracked 40."""
+    client = await make_sidecar()
+    sc = sidecar_of(client)
+    recorded = turns_recorded(sc)
+    reading, go = threading.Event(), threading.Event()
+    handler: list[asyncio.Task[Any]] = []
+    real_read, real_decode = relay._read_answer, relay.run_decode
+
+    def read_answer(raw: bytes, wants_token_ids: bool) -> Any:
+        reading.set()
+        go.wait(5)
+        return real_read(raw, wants_token_ids)
+
+    async def run_decode(*args: Any) -> Any:
+        handler.append(asyncio.current_task())  # type: ignore[arg-type]
+        return await real_decode(*args)
+
+    monkeypatch.setattr(relay, "_read_answer", read_answer)
+    monkeypatch.setattr(relay, "run_decode", run_decode)
+    post = asyncio.create_task(
+        client.post(CHAT, data=big_body(), headers={"Content-Type": "application/json"})
+    )
+    async with asyncio.timeout(10):
+        await asyncio.to_thread(reading.wait, 5)
+        # The client leaves: aiohttp cancels the turn's handler, as it does here.
+        handler[0].cancel()
+        go.set()
+        await recorded.wait()
+    post.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await post
+    (returned,) = [h for h in engines.decode.handles if h is not None]
+    await releases_done(client)
+    # Released through P (or, failing that, in the ledger): never forgotten.
+    carried = [
+        s.body.get("kv_transfer_params") or {} for p in engines.prefill for s in p.completions()
+    ]
+    released = any(c.get("remote_request_id") == returned["remote_request_id"] for c in carried)
+    assert released or sc.releaser.figures().handles + len(sc.store) == 1
