@@ -5,7 +5,8 @@ client and asks ``plan`` what to do at each step.
 
     serve_turn
       1. read_body        the body within its caps and the bytes-in-flight budget
-                          (limits.py: 413, 400, 408, 503), parsed in a thread when big
+                          (limits.py: 413, 400, 408, 503); a big turn's JSON work
+                          runs in the heavy-work thread (offload.py)
          plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
                           each field read as vLLM reads it (fields.py) or a 400
       2. forward.target   not the session's owner? one hop there (forward.forward)
