@@ -229,12 +229,15 @@ class FakeEngine:
             return _error(400, str(exc))
         except _WRONG_TYPE as exc:
             return _error(400, f"invalid request: {type(exc).__name__}")
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):
             # The caller closed the connection: vLLM aborts the request here.
-            self.aborted += 1
-            self.aborted_ids.append(request.headers.get("X-Request-Id", ""))
-            self._aborts.set()
+            self._note_abort(request)
             raise
+
+    def _note_abort(self, request: web.Request) -> None:
+        self.aborted += 1
+        self.aborted_ids.append(request.headers.get("X-Request-Id", ""))
+        self._aborts.set()
 
     async def _complete_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -326,6 +329,10 @@ class FakeEngine:
         self.handles_at.append(time.perf_counter())
         if not stream:
             text = " ".join(words)
+            if request.transport is None or request.transport.is_closing():
+                # The caller left while this (busy) fake computed: vLLM aborts a request
+                # whose connection closed before it finished, and keeps no KV for it.
+                self._note_abort(request)
             return web.json_response(_chat_body(body, text, output, prompt, with_ids, params))
         return await self._stream(request, body, prompt, words, output, params, with_ids)
 
