@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
 	node-up node-down deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
-	bench-pull
+	bench-pull bench-hostile
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -97,6 +97,11 @@ bench-sidecar: bench-venv
 # Where a pull's time goes, under engine settings the operator can render (restarts P/D per setting).
 bench-pull: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.pull
+
+# Hostile clients at the sidecar's default caps: 10,000 generated requests, then the memory
+# attack (24 x 2.9 MiB text, 24 x 12 MiB media), beside steady streams: RSS peak, stream gaps, /healthz.
+bench-hostile: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.hostile
 
 # 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests.
 bench-operator: bench-venv

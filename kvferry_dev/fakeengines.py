@@ -74,6 +74,16 @@ def vllm_flag(body: dict[str, Any], name: str) -> bool:
         raise BadRequest(f"{name}: {exc.errors()[0]['msg']}") from None
 
 
+def check_shapes(body: dict[str, Any]) -> None:
+    """The fields the fake echoes or reads while streaming, typed as vLLM's request
+    model types them (``model: str | None``, ``stream_options: StreamOptions |
+    None``): refused before an answer starts, as vLLM refuses them."""
+    if not isinstance(body.get("model"), str | None):
+        raise BadRequest("model: Input should be a valid string")
+    if not isinstance(body.get("stream_options"), dict | None):
+        raise BadRequest("stream_options: Input should be a valid dictionary")
+
+
 def prompt_words(body: dict[str, Any]) -> list[str]:
     if "messages" in body:
         messages = body["messages"]
@@ -89,6 +99,11 @@ def prompt_words(body: dict[str, Any]) -> list[str]:
         return [words.get(t, f"<{t}>") for t in prompt]
     return str(prompt).split()
 
+
+# A field of the wrong type where the fake reads it (a string for stream_options, a
+# number for a message's content): vLLM's request model refuses such a body with a
+# 400 before any work, and so does the fake, without modelling every field's type.
+_WRONG_TYPE = (AttributeError, TypeError, KeyError)
 
 _ARRIVALS = itertools.count()
 
@@ -135,13 +150,17 @@ class FakeEngine:
     delay: float = 0.0
     # Streams: silence before the last chunk (a wedged engine).
     stall: float = 0.0
-    # Requests whose caller went away before the answer was done.
+    # Requests whose caller went away before the answer was done, and their
+    # X-Request-Id (vLLM frees an aborted request's KV: it leaves no handle).
     aborted: int = 0
+    aborted_ids: list[str] = field(default_factory=list)
     # More /metrics text (vLLM series), appended after cache_config_info.
     metrics_text: str = ""
     seen: list[Seen] = field(default_factory=list)
     # Decode: every handle returned, in order (None when the request got none).
     handles: list[dict[str, Any] | None] = field(default_factory=list)
+    # When each of them was returned (perf_counter, as the handles' expiry times).
+    handles_at: list[float] = field(default_factory=list)
     url: str = ""
     _count: int = 0
     # Set on every abort; waiters clear it before they wait again.
@@ -168,7 +187,8 @@ class FakeEngine:
     # -------------------------------------------------------------- the app
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM reads bodies of any size (aiohttp refuses past 1 MiB by default).
+        app = web.Application(client_max_size=256 * 2**20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
@@ -207,6 +227,8 @@ class FakeEngine:
             tokens = ids(prompt_words(body))
         except BadRequest as exc:
             return _error(400, str(exc))
+        except _WRONG_TYPE as exc:
+            return _error(400, f"invalid request: {type(exc).__name__}")
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -214,11 +236,17 @@ class FakeEngine:
             return await self._complete_request(request)
         except BadRequest as exc:
             return _error(400, str(exc))
-        except asyncio.CancelledError:
+        except _WRONG_TYPE as exc:
+            return _error(400, f"invalid request: {type(exc).__name__}")
+        except (asyncio.CancelledError, ConnectionResetError):
             # The caller closed the connection: vLLM aborts the request here.
-            self.aborted += 1
-            self._aborts.set()
+            self._note_abort(request)
             raise
+
+    def _note_abort(self, request: web.Request) -> None:
+        self.aborted += 1
+        self.aborted_ids.append(request.headers.get("X-Request-Id", ""))
+        self._aborts.set()
 
     async def _complete_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -313,12 +341,18 @@ class FakeEngine:
         # Validated before anything is pinned, as vLLM refuses a request it cannot read.
         with_ids = vllm_flag(body, "return_token_ids")
         stream = vllm_flag(body, "stream")
+        check_shapes(body)
         words = self.reply.split()
         output = [*ids(words), token_id(EOS)]
         params = self._handle(body, prompt, output, rid)
         self.handles.append(params)
+        self.handles_at.append(time.perf_counter())
         if not stream:
             text = " ".join(words)
+            if request.transport is None or request.transport.is_closing():
+                # The caller left while this (busy) fake computed: vLLM aborts a request
+                # whose connection closed before it finished, and keeps no KV for it.
+                self._note_abort(request)
             return web.json_response(_chat_body(body, text, output, prompt, with_ids, params))
         return await self._stream(request, body, prompt, words, output, params, with_ids)
 

@@ -27,8 +27,9 @@ So, before any engine sees a request:
 
 Each refusal is a ``Refusal``: status, a message that names the limit and the
 setting (by its file key), and the request field at fault where there is one.
-Parsing and checking a body is ``parse_body``, pure, which the relay runs in a thread
-for bodies above ``PARSE_IN_THREAD_BYTES`` so the event loop keeps serving.
+Parsing and checking a body is ``parse_body``, pure, which the relay runs in the
+heavy-work thread (``offload.py``) for bodies above ``PARSE_IN_THREAD_BYTES`` so the
+event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from .identity import TEXT_PARTS
 # The context assumed when neither the setting nor the engine says (vLLM's default
 # for most current models; the operator's tuner assumes the same).
 UNKNOWN_MAX_MODEL_LEN: Final = 131072
-# Bodies larger than this are parsed in a thread: json.loads of 256 KiB takes a few
+# Bodies larger than this are parsed off the event loop (offload.py), and their turn's
+# engine legs' JSON with them: json.loads of 256 KiB takes a few
 # milliseconds, of 16 MiB of messages about a second on a busy core.
 PARSE_IN_THREAD_BYTES: Final = 256 * 1024
 # The Retry-After of a 503 for bytes in flight: turns end in seconds.

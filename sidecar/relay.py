@@ -5,7 +5,8 @@ client and asks ``plan`` what to do at each step.
 
     serve_turn
       1. read_body        the body within its caps and the bytes-in-flight budget
-                          (limits.py: 413, 400, 408, 503), parsed in a thread when big
+                          (limits.py: 413, 400, 408, 503); a big turn's JSON work
+                          runs in the heavy-work thread (offload.py)
          plan.parse_turn  body + headers -> TurnInput (session key, stream, ...),
                           each field read as vLLM reads it (fields.py) or a 400
       2. forward.target   not the session's owner? one hop there (forward.forward)
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -48,7 +50,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import anchor, fields, forward, limits, owners, plan, rewrite, session
+from . import anchor, fields, forward, limits, offload, owners, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -88,7 +90,7 @@ async def prompt_tokens(sc: Sidecar, turn: TurnInput) -> list[int] | None:
     if body is None:
         return None
     try:
-        return await sc.local.client.tokenize(body, request_id=turn.request_id)
+        return await sc.local.client.tokenize(body, request_id=turn.request_id, heavy=turn.heavy)
     except UpstreamError as exc:
         log.info("tokenize failed; no reuse this turn request_id=%s err=%s", turn.request_id, exc)
         return None
@@ -137,6 +139,7 @@ async def _attempt(sc: Sidecar, engine: PrefillEngine, turn: TurnInput, ride: Ri
                 body,
                 request_id=turn.request_id,
                 timeout=sc.settings.prefill_timeout_seconds,
+                heavy=turn.heavy,
             )
     except asyncio.CancelledError:
         sc.metrics.prefill_attempts.labels(ATTEMPT_ABANDONED).inc()
@@ -303,6 +306,7 @@ async def _open_decode(
         total=s.decode_timeout_seconds,
         # A non-streamed answer comes in one piece at the end: only the total applies.
         idle=s.stream_idle_timeout_seconds if turn.stream else None,
+        heavy=turn.heavy,
     )
 
 
@@ -402,7 +406,7 @@ async def run_decode(
                 request, upstream, turn, headers, report, finish if streamed else None
             )
         else:
-            response, capture = await _relay_body(upstream, turn, headers, report)
+            response, capture = await _answered(sc, upstream, turn, headers, report)
         report.finish_reason = capture.finish_reason
         if report.error is None and not settled:
             if streamed:
@@ -424,6 +428,57 @@ async def run_decode(
 _EVENT_STREAM = "text/event-stream"
 
 
+async def _answered(
+    sc: Sidecar,
+    upstream: aiohttp.ClientResponse,
+    turn: TurnInput,
+    headers: dict[str, str],
+    report: TurnReport,
+) -> tuple[web.StreamResponse, rewrite.Capture]:
+    """D's JSON answer relayed (``_relay_body``). D has finished the request when it
+    answers, so it holds the turn's KV whatever the client does now: a client that
+    leaves while the answer is read (off the loop for a big one) must not make the
+    sidecar drop the handle, or D pins it, untracked, until its TTL. The reading is
+    shielded from the cancellation and its handle released."""
+    reading = asyncio.ensure_future(_relay_body(upstream, turn, headers, report))
+    try:
+        return await asyncio.shield(reading)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            _, capture = await reading
+            _release_answered(sc, turn, capture)
+        raise
+
+
+def _release_answered(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture) -> None:
+    """The client left after D's answer carried a handle: D pins it; let it go."""
+    handle, _ = plan.build_handle(
+        turn,
+        capture,
+        now=sc.store.now(),
+        received_wall=time.time(),
+        engine_build=sc.settings.engine_build,
+        retention_s=sc.settings.retention_seconds,
+        local_lease_s=sc.settings.local_handle_seconds,
+    )
+    if handle is not None:
+        sc.releaser.release(handle)
+
+
+def _read_answer(raw: bytes, wants_token_ids: bool) -> tuple[str, rewrite.Capture] | None:
+    """D's JSON answer as the client gets it, and what it says about the handle; None
+    when it is no JSON object."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    capture = rewrite.capture_body(obj)
+    rewrite.restore_body(obj, wants_token_ids=wants_token_ids)
+    return json.dumps(obj), capture
+
+
 async def _relay_body(
     upstream: aiohttp.ClientResponse,
     turn: TurnInput,
@@ -431,11 +486,10 @@ async def _relay_body(
     report: TurnReport,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
     raw = await upstream.read()
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):
-        obj = None
-    if not isinstance(obj, dict):
+    # A long prompt's answer carries its token ids: read and rewritten off the loop.
+    heavy = len(raw) > offload.HEAVY_BYTES
+    answer = await offload.maybe(heavy, _read_answer, raw, turn.wants_token_ids)
+    if answer is None:
         # Never relay what was not parsed: it may carry what restore_body strips.
         report.status, report.error = 502, "decode answered a body that is not a JSON object"
         log.warning(
@@ -447,9 +501,8 @@ async def _relay_body(
         return web.json_response(
             error_body(message, "upstream_error", 502), status=502, headers=headers
         ), rewrite.Capture()
-    capture = rewrite.capture_body(obj)
-    rewrite.restore_body(obj, wants_token_ids=turn.wants_token_ids)
-    return web.json_response(obj, headers=headers), capture
+    text, capture = answer
+    return web.Response(text=text, content_type="application/json", headers=headers), capture
 
 
 async def _relay_stream(
@@ -469,7 +522,9 @@ async def _relay_stream(
     sse = rewrite.SSERewriter(wants_token_ids=turn.wants_token_ids, hold_done=finish is not None)
     try:
         async for chunk in upstream.content.iter_any():
-            out = sse.feed(chunk)
+            # An event with a long prompt's token ids is parsed off the loop.
+            heavy = sse.pending + len(chunk) > offload.HEAVY_BYTES
+            out = await offload.maybe(heavy, sse.feed, chunk)
             if out:
                 if report.timings.first_token_s is None:
                     report.timings.first_token_s = time.monotonic() - turn.received_at
@@ -634,14 +689,16 @@ async def read_body(
         return limits.Refusal(408, message)
     raw = b"".join(chunks)
     del chunks
-    if size > BIG:
-        parsed = await asyncio.to_thread(limits.parse_body, raw, caps)
-    else:
-        parsed = limits.parse_body(raw, caps)
+    parsed = await offload.maybe(size > BIG, limits.parse_body, raw, caps)
     return parsed if isinstance(parsed, limits.Refusal) else (raw, parsed)
 
 
 # ------------------------------------------------------------------ the turn
+
+
+def _parse_turn(heavy: bool, *args: Any) -> TurnInput:
+    turn = plan.parse_turn(*args)
+    return dataclasses.replace(turn, heavy=True) if heavy else turn
 
 
 def _client_gone(sc: Sidecar, report: TurnReport, received_at: float) -> None:
@@ -680,7 +737,8 @@ async def serve_turn(
             )
             return refuse(limits.Refusal(400, message, field))
         parse = functools.partial(
-            plan.parse_turn,
+            _parse_turn,
+            len(raw) > BIG,
             api,
             body,
             request.headers,
@@ -691,7 +749,7 @@ async def serve_turn(
         )
         try:
             # The media digests walk the whole body: off the loop when it is big.
-            turn = await asyncio.to_thread(parse) if len(raw) > BIG else parse()
+            turn = await offload.maybe(len(raw) > BIG, parse)
         except fields.InvalidField as exc:
             return refuse(limits.Refusal(400, str(exc), exc.field))
         return await _serve(sc, request, turn, raw, client_request_id, from_peer)

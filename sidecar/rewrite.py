@@ -275,6 +275,11 @@ class SSERewriter:
         self._hold_done = hold_done
         self.done = False
 
+    @property
+    def pending(self) -> int:
+        """Bytes of an event not yet complete."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> bytes:
         self._buffer += data.replace(b"\r\n", b"\n")
         out: list[bytes] = []

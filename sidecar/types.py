@@ -201,6 +201,9 @@ class TurnInput:
     owner: str | None = None
     # Owners are on and the request carried no valid owner: no reuse this turn.
     no_owner: bool = False
+    # A big body (past limits.PARSE_IN_THREAD_BYTES): its engine legs' JSON is written
+    # and read off the event loop (offload.py).
+    heavy: bool = False
 
 
 @dataclass(frozen=True)

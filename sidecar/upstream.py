@@ -28,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvferry_wire.protocol import HDR_REQUEST_ID
 
-from . import enginemetrics
+from . import enginemetrics, offload
 from .types import JSON, PATH_HEALTH, PATH_METRICS, PATH_MODELS, PATH_TOKENIZE, PATH_VERSION
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,23 @@ class EngineInfo:
     max_model_len: int | None = None
 
 
+def encode_json(body: JSON) -> bytes:
+    """An engine request's body, as aiohttp's ``json=`` writes it."""
+    return json.dumps(body).encode()
+
+
+def decode_json(raw: bytes) -> Any:
+    """An engine's answer: its JSON, or its text when it is none."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def _ints(values: list[Any]) -> list[int]:
+    return [int(v) for v in values]
+
+
 class EngineClient:
     """One vLLM server."""
 
@@ -122,6 +139,15 @@ class EngineClient:
     @staticmethod
     def _headers(request_id: str | None) -> dict[str, str]:
         return {HDR_REQUEST_ID: request_id} if request_id else {}
+
+    @classmethod
+    async def _json_body(
+        cls, body: JSON, request_id: str | None, heavy: bool
+    ) -> tuple[bytes, dict[str, str]]:
+        """The body as JSON bytes (written in the heavy-work thread for a big turn),
+        and the headers that go with it."""
+        data = await offload.maybe(heavy, encode_json, body)
+        return data, {**cls._headers(request_id), "Content-Type": "application/json"}
 
     async def get(self, path: str, *, timeout: float | None = None) -> tuple[int, bytes, str]:
         try:
@@ -164,21 +190,26 @@ class EngineClient:
         return info
 
     async def post_json(
-        self, path: str, body: JSON, *, request_id: str | None, timeout: float | None
+        self,
+        path: str,
+        body: JSON,
+        *,
+        request_id: str | None,
+        timeout: float | None,
+        heavy: bool = False,
     ) -> tuple[int, Any]:
-        """(status, parsed JSON or text). Raises EngineUnavailable / EngineTimeout."""
+        """(status, parsed JSON or text). Raises EngineUnavailable / EngineTimeout.
+        ``heavy``: a big turn's body, written off the loop (``offload``); an answer
+        past ``offload.HEAVY_BYTES`` is read off the loop whatever the body was."""
+        data, headers = await self._json_body(body, request_id, heavy)
         try:
             async with self._session.post(
-                self.url + path,
-                json=body,
-                headers=self._headers(request_id),
-                timeout=self._timeout(timeout),
+                self.url + path, data=data, headers=headers, timeout=self._timeout(timeout)
             ) as resp:
                 raw = await resp.read()
-                try:
-                    return resp.status, json.loads(raw)
-                except ValueError:
-                    return resp.status, raw.decode("utf-8", "replace")
+                return resp.status, await offload.maybe(
+                    len(raw) > offload.HEAVY_BYTES, decode_json, raw
+                )
         except TimeoutError as exc:
             raise EngineTimeout(self.url, f"POST {path} timed out after {timeout}s") from exc
         except aiohttp.ClientConnectorError as exc:
@@ -186,13 +217,16 @@ class EngineClient:
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(self.url, f"POST {path}: {exc}") from exc
 
-    async def tokenize(self, body: JSON, *, request_id: str | None) -> list[int]:
+    async def tokenize(
+        self, body: JSON, *, request_id: str | None, heavy: bool = False
+    ) -> list[int]:
         status, data = await self.post_json(
-            PATH_TOKENIZE, body, request_id=request_id, timeout=self._connect * 10
+            PATH_TOKENIZE, body, request_id=request_id, timeout=self._connect * 10, heavy=heavy
         )
         if status != 200 or not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
             raise UpstreamError(self.url, f"tokenize answered {status}", status)
-        return [int(t) for t in data["tokens"]]
+        tokens = data["tokens"]
+        return await offload.maybe(len(tokens) > offload.HEAVY_IDS, _ints, tokens)
 
     async def open(
         self,
@@ -202,16 +236,18 @@ class EngineClient:
         request_id: str | None,
         total: float | None = None,
         idle: float | None = None,
+        heavy: bool = False,
     ) -> aiohttp.ClientResponse:
         """Start a request whose body the caller reads (streams); caller releases it.
         ``total`` bounds it all, ``idle`` each wait for more bytes (a read past either
-        raises ``TimeoutError``)."""
+        raises ``TimeoutError``); ``heavy`` as for ``post_json``."""
         timeout = aiohttp.ClientTimeout(
             total=total, connect=self._connect, sock_connect=self._connect, sock_read=idle
         )
+        data, headers = await self._json_body(body, request_id, heavy)
         try:
             return await self._session.post(
-                self.url + path, json=body, headers=self._headers(request_id), timeout=timeout
+                self.url + path, data=data, headers=headers, timeout=timeout
             )
         except TimeoutError as exc:
             raise EngineTimeout(self.url, f"POST {path}: no answer within {total}s") from exc

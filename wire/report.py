@@ -330,14 +330,14 @@ def decode(raw: bytes) -> Report:
         raise ReportError(f"malformed report: JSON nested too deeply (over {MAX_DEPTH} levels)")
     try:
         version = msgspec.json.decode(raw, type=dict[str, Any]).get("version")
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bytes that are no UTF-8
         raise ReportError(f"not JSON: {exc}") from exc
     if version not in READABLE_VERSIONS:
         readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise ReportError(f"report version {_brief(version)}; this operator reads {readable}")
     try:
         report = msgspec.json.decode(raw, type=Report)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise ReportError(f"malformed report: {exc}") from exc
     if report.role not in ROLES:
         raise ReportError(f"role {report.role!r} is neither prefill nor decode")

@@ -30,7 +30,7 @@ from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
-from tests.hostile_reports import report_bodies
+from tests.hostile_reports import report_corpus
 from tests.manifests import MINIMAL, ROOT
 
 EXAMPLES = 1000
@@ -268,25 +268,22 @@ def test_generated_reports_never_get_a_5xx_hang_or_leak(
     statuses: dict[int, int] = {}
     slowest = 0.0
 
-    @SETTINGS
-    @given(report_bodies(base))
-    def check(body: bytes) -> None:
-        nonlocal slowest
-        started = time.monotonic()
-        status, _ = endpoint.post(body, token)
-        slowest = max(slowest, time.monotonic() - started)
-        statuses[status] = statuses.get(status, 0) + 1
-        assert status in (202, 400, 413, 429), (status, body[:300])
-
     started = time.monotonic()
-    check()
+    # A fixed corpus of exactly EXAMPLES bodies (hypothesis could end a run early).
+    for body in report_corpus(base, EXAMPLES):
+        sent = time.monotonic()
+        status, _ = endpoint.post(body, token)
+        slowest = max(slowest, time.monotonic() - sent)
+        statuses[status] = statuses.get(status, 0) + 1
+        # 403: a mutated pod or namespace that is not the token's.
+        assert status in (202, 400, 403, 413, 429), (status, body[:300])
     took = time.monotonic() - started
     rss_after = rss_kib(operator.proc.pid)
     print(
         f"\n{EXAMPLES} reports: {statuses} in {took:.1f}s, slowest {slowest:.2f}s, "
         f"operator RSS {rss_before // 1024} -> {rss_after // 1024} MiB"
     )
-    assert sum(statuses.values()) >= EXAMPLES and statuses.get(400, 0) >= 100
+    assert sum(statuses.values()) == EXAMPLES and statuses.get(400, 0) >= 100
     assert slowest < 5
     assert rss_after - rss_before < 64 * 1024, "operator memory grew"
     # Nothing left behind: one pod row, and a good report still lands and publishes.
