@@ -148,6 +148,9 @@ class FakeEngine:
     # Completion requests to answer by closing the connection (an engine dying).
     drop_connections: int = 0
     delay: float = 0.0
+    # Decode: a one-token request over token ids (a streamed turn's re-anchor) waits
+    # for this to be set before it is answered.
+    hold_reanchor: asyncio.Event | None = None
     # Streams: silence before the last chunk (a wedged engine).
     stall: float = 0.0
     # Requests whose caller went away before the answer was done, and their
@@ -254,6 +257,9 @@ class FakeEngine:
         self._count += 1
         if self.delay:
             await asyncio.sleep(self.delay)
+        reanchor = isinstance(body.get("prompt"), list) and body.get("max_tokens") == 1
+        if self.hold_reanchor is not None and reanchor:
+            await self.hold_reanchor.wait()
         if self.drop_connections:
             self.drop_connections -= 1
             assert request.transport is not None

@@ -47,10 +47,27 @@ def _session_id(sc: Sidecar, turn: TurnInput) -> str | None:
     return turn.session if sc.settings.tag_session_id else None
 
 
-async def _post(sc: Sidecar, turn: TurnInput, path: str, body: dict[str, Any], what: str):
+# The re-anchor holds back the client's [DONE]: on a saturated D it must not wait
+# there for the whole prefill budget (300 s). Past this the request is closed (D
+# aborts it, and an aborted request pins nothing) and the anchor's handle is kept.
+REANCHOR_TIMEOUT_S = 30.0
+
+
+async def _post(
+    sc: Sidecar,
+    turn: TurnInput,
+    path: str,
+    body: dict[str, Any],
+    what: str,
+    timeout: float | None = None,
+):
+    budget = sc.settings.prefill_timeout_seconds
     try:
         status, data = await sc.local.client.post_json(
-            path, body, request_id=turn.request_id, timeout=sc.settings.prefill_timeout_seconds
+            path,
+            body,
+            request_id=turn.request_id,
+            timeout=budget if timeout is None else min(budget, timeout),
         )
     except UpstreamError as exc:
         log.warning("%s failed request_id=%s err=%s", what, turn.request_id, exc)
@@ -83,7 +100,9 @@ async def reanchor(
         turn.body, [*streamed.prompt_ids, *streamed.output_ids], _session_id(sc, turn)
     )
     started = time.monotonic()
-    data = await _post(sc, turn, PATH_COMPLETIONS, body, "re-anchoring a streamed turn")
+    data = await _post(
+        sc, turn, PATH_COMPLETIONS, body, "re-anchoring a streamed turn", REANCHOR_TIMEOUT_S
+    )
     report.timings.reanchor_s = time.monotonic() - started
     if data is None or not isinstance(data.get(F_KV_PARAMS), dict):
         return None

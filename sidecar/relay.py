@@ -380,11 +380,19 @@ async def run_decode(
     )
     settled = False
 
-    async def finish(capture: rewrite.Capture) -> None:
-        # A streamed turn's handle, before the client's stream ends (anchor.py).
+    def finish(capture: rewrite.Capture) -> Awaitable[None]:
+        # A streamed turn's handle, before the client's stream ends (anchor.py). Once
+        # the client has the finish chunk, many close (a break on finish_reason): the
+        # turn is complete, so leaving must not abort the re-anchor and release the
+        # anchor. It runs as a task of its own; the caller waits on it shielded.
         nonlocal settled
         settled = True
-        await _keep_streamed_handle(sc, turn, capture, anchored, rules, report)
+        keeping = asyncio.ensure_future(
+            _keep_streamed_handle(sc, turn, capture, anchored, rules, report)
+        )
+        _KEEPING.add(keeping)
+        keeping.add_done_callback(_KEEPING.discard)
+        return asyncio.shield(keeping)
 
     try:
         if upstream.status != 200:
@@ -426,6 +434,8 @@ async def run_decode(
 
 
 _EVENT_STREAM = "text/event-stream"
+# Streamed turns' handles being kept after their client left (held until done).
+_KEEPING: set[asyncio.Future[None]] = set()
 
 
 async def _answered(
@@ -520,6 +530,7 @@ async def _relay_stream(
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
     sse = rewrite.SSERewriter(wants_token_ids=turn.wants_token_ids, hold_done=finish is not None)
+    finishing: Awaitable[None] | None = None
     try:
         async for chunk in upstream.content.iter_any():
             # An event with a long prompt's token ids is parsed off the loop.
@@ -534,10 +545,17 @@ async def _relay_stream(
             await response.write(tail)
         if finish is not None:
             report.finish_reason = sse.capture.finish_reason
-            await finish(sse.capture)
+            finishing = finish(sse.capture)
+            await finishing
             if sse.done:
                 await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+    except asyncio.CancelledError:
+        # The client left. After the finish chunk the answer is whole (its ids are all
+        # captured): the handle is still made, without the client.
+        if finish is not None and finishing is None and sse.capture.finish_reason is not None:
+            finish(sse.capture)
+        raise
     except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
         # D broke off or fell silent past the idle budget, or the client left (closing
         # D's stream aborts the request). The client already has the headers: it gets
