@@ -268,7 +268,14 @@ def apply_children(
     isolated = True
     for child in render.render(server, settings.render_context()):
         meta = child["metadata"]
-        if only and (child["kind"], meta["name"]) != only:
+        # A StatefulSet re-applied alone (drift) still goes with the NetworkPolicy
+        # (rendered first): its pods must not come back without it if it went too.
+        with_policy = only is not None and only[0] == "StatefulSet"
+        if (
+            only
+            and (child["kind"], meta["name"]) != only
+            and not (with_policy and child["kind"] == "NetworkPolicy")
+        ):
             continue
         key = (child["kind"], meta["namespace"], meta["name"])
         if child["kind"] == "StatefulSet" and (refused or not isolated):

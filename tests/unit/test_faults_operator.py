@@ -301,7 +301,9 @@ def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypa
         child = handlers._on_child_event("StatefulSet")
         child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels, body=body,
               logger=logging.getLogger("test"), **common)  # fmt: skip
-    want_applied = [("StatefulSet", "tiny-decode")] if path == "statefulset-edited" else []
+    # An edited StatefulSet is re-applied with its NetworkPolicy (its pods need it).
+    edited = [("NetworkPolicy", "tiny"), ("StatefulSet", "tiny-decode")]
+    want_applied = edited if path == "statefulset-edited" else []
     assert kube.applied == want_applied
     (written,) = kube.statuses
     got = reasons(written)

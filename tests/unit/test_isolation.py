@@ -90,6 +90,13 @@ def test_pods_never_start_without_their_network_policy():
     assert {"Service", "ConfigMap", "PodDisruptionBudget"} <= kinds(kube.applied)
 
 
+def test_one_statefulset_reapplied_never_comes_back_without_its_network_policy():
+    # The drift path re-applies one child; the policy may have gone with it.
+    kube = RefusingPolicies()
+    handlers.apply_children(chat(), kube, NONE_ALLOWED, LOG, ("StatefulSet", "chat-decode"))
+    assert "StatefulSet" not in kinds(kube.applied)
+
+
 def test_a_users_policy_holding_the_name_holds_the_statefulsets():
     theirs = {
         "apiVersion": "networking.k8s.io/v1",
