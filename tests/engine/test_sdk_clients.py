@@ -161,9 +161,10 @@ def test_sdk_n_choices_stream_and_keep_no_handle(
 def test_sdk_abandoned_stream_pins_nothing(
     p_path: SidecarProcess, prefill: Engine, decode: Engine
 ) -> None:
-    """A client that closes its stream after the first chunk: D aborts the answer, the
-    turn keeps no handle, and D pins only what the sidecar holds (the anchor that read
-    P's KV was released)."""
+    """A client that closes its stream after the first chunk: D aborts the answer (or,
+    when D had already sent its finish chunk, the turn is whole and its handle is kept:
+    the re-anchor runs on without the client), and D pins only what the sidecar holds
+    (the anchor that read P's KV was released)."""
     wait_until(lambda: p_path.residency()["pinned"]["unusedHandles"] == 0, 10, "releases")
     held = p_path.residency()["pinned"]["blocks"]
     messages = [{"role": "user", "content": filler_text("a0", WORDS)}]
@@ -182,7 +183,11 @@ def test_sdk_abandoned_stream_pins_nothing(
     def only_held() -> bool:
         on_decode = pinned_on_decode(decode)
         rep = p_path.residency()["pinned"]
-        assert on_decode == held and rep["blocks"] == held, (on_decode, held, rep)
+        assert rep["unusedHandles"] == 0 and on_decode == rep["blocks"] >= held, (
+            on_decode,
+            held,
+            rep,
+        )
         return True
 
     wait_until(only_held, 15, "D to pin only what the sidecar holds after the abort")
