@@ -84,6 +84,45 @@ def p_reference(prefill: Engine, prompt: str) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
+# First in the module: no earlier turn's handle can expire while it compares D's
+# pins with the sidecar's (the sidecar drops an expired handle up to its margin
+# before D frees it).
+def test_sdk_abandoned_stream_pins_nothing(
+    p_path: SidecarProcess, prefill: Engine, decode: Engine
+) -> None:
+    """A client that closes its stream after the first chunk: D aborts the answer (or,
+    when D had already sent its finish chunk, the turn is whole and its handle is kept:
+    the re-anchor runs on without the client), and D pins only what the sidecar holds
+    (the anchor that read P's KV was released)."""
+    wait_until(lambda: p_path.residency()["pinned"]["unusedHandles"] == 0, 60, "releases")
+    held = p_path.residency()["pinned"]["blocks"]
+    messages = [{"role": "user", "content": filler_text("a0", WORDS)}]
+    stream = sdk.client(p_path).chat.completions.create(
+        model=SERVED_MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={**sdk.EXTRA, "session_id": "sdk-abandoned"},
+    )
+    first = next(iter(stream))
+    assert first.choices
+    stream.close()
+
+    def only_held() -> bool:
+        on_decode = pinned_on_decode(decode)
+        rep = p_path.residency()["pinned"]
+        assert rep["unusedHandles"] == 0 and on_decode == rep["blocks"] >= held, (
+            on_decode,
+            held,
+            rep,
+        )
+        return True
+
+    wait_until(only_held, 60, "D to pin only what the sidecar holds after the abort")
+    assert isinstance(stream, openai.Stream)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_sdk_completions_turns_reuse_and_equal_recompute(
     p_path: SidecarProcess, prefill: Engine, bytes_per_token: int, stream: bool
@@ -125,7 +164,7 @@ def test_sdk_n_choices_stream_and_keep_no_handle(
 ) -> None:
     """n=2, streamed with usage: two choices of ANSWER_TOKENS each, no handle kept,
     and D pins nothing for it once the releases are done."""
-    wait_until(lambda: p_path.residency()["pinned"]["unusedHandles"] == 0, 10, "releases")
+    wait_until(lambda: p_path.residency()["pinned"]["unusedHandles"] == 0, 60, "releases")
     held = p_path.residency()["pinned"]["blocks"]
     messages = [{"role": "user", "content": filler_text("n0", WORDS)}]
     create = sdk.client(p_path).chat.completions.with_streaming_response.create
@@ -155,40 +194,4 @@ def test_sdk_n_choices_stream_and_keep_no_handle(
         assert on_decode == held, f"D pins {on_decode} blocks, the sidecar holds {held}"
         return True
 
-    wait_until(only_held, 10, "D to pin only the blocks the sidecar holds")
-
-
-def test_sdk_abandoned_stream_pins_nothing(
-    p_path: SidecarProcess, prefill: Engine, decode: Engine
-) -> None:
-    """A client that closes its stream after the first chunk: D aborts the answer (or,
-    when D had already sent its finish chunk, the turn is whole and its handle is kept:
-    the re-anchor runs on without the client), and D pins only what the sidecar holds
-    (the anchor that read P's KV was released)."""
-    wait_until(lambda: p_path.residency()["pinned"]["unusedHandles"] == 0, 10, "releases")
-    held = p_path.residency()["pinned"]["blocks"]
-    messages = [{"role": "user", "content": filler_text("a0", WORDS)}]
-    stream = sdk.client(p_path).chat.completions.create(
-        model=SERVED_MODEL_NAME,
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=1000,
-        temperature=0,
-        stream=True,
-        extra_body={**sdk.EXTRA, "session_id": "sdk-abandoned"},
-    )
-    first = next(iter(stream))
-    assert first.choices
-    stream.close()
-
-    def only_held() -> bool:
-        on_decode = pinned_on_decode(decode)
-        rep = p_path.residency()["pinned"]
-        assert rep["unusedHandles"] == 0 and on_decode == rep["blocks"] >= held, (
-            on_decode,
-            held,
-            rep,
-        )
-        return True
-
-    wait_until(only_held, 15, "D to pin only what the sidecar holds after the abort")
-    assert isinstance(stream, openai.Stream)
+    wait_until(only_held, 60, "D to pin only the blocks the sidecar holds")
