@@ -456,23 +456,8 @@ async def _answered(
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             _, capture = await reading
-            _release_answered(sc, turn, capture)
+            _release_capture(sc, turn, capture)  # the client left: D pins it
         raise
-
-
-def _release_answered(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture) -> None:
-    """The client left after D's answer carried a handle: D pins it; let it go."""
-    handle, _ = plan.build_handle(
-        turn,
-        capture,
-        now=sc.store.now(),
-        received_wall=time.time(),
-        engine_build=sc.settings.engine_build,
-        retention_s=sc.settings.retention_seconds,
-        local_lease_s=sc.settings.local_handle_seconds,
-    )
-    if handle is not None:
-        sc.releaser.release(handle)
 
 
 def _read_answer(raw: bytes, wants_token_ids: bool) -> tuple[str, rewrite.Capture] | None:
@@ -572,7 +557,8 @@ async def _relay_stream(
 
 
 def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | None) -> None:
-    """Release the handle in a D answer no turn will read (anchor.read_prefill's)."""
+    """Release the handle in a D answer no turn will read (anchor.read_prefill's, or
+    a JSON answer whose client left while it was read)."""
     if capture is None:
         return
     handle, _ = plan.build_handle(
