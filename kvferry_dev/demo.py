@@ -53,6 +53,8 @@ from .figures import PrefillFigures
 from .procs import EngineError, stop_all
 from .sidecars import SidecarProcess, start_sidecar
 
+DEMO_DECODE_RETENTION_SECONDS = 120
+
 
 @dataclass
 class Row:
@@ -204,7 +206,11 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         py = engine_env()
     with _step("tiny model (hack/tinymodel/build.py)"):
         model = build_tiny_model(py)
-    server = tiny_server()
+    # D keeps a handle usable for retention - 15 s (the expiry margin). The tier's 45 s
+    # leaves 30 s, and on a loaded 2-core machine one stall between two turns (seen in
+    # CI: 31 s while P's engine held a release's blocks) expired a handle and the row
+    # read "expired". A user's slow laptop is no different: the demo keeps 120 s.
+    server = tiny_server(decode_retention_seconds=DEMO_DECODE_RETENTION_SECONDS)
     with _step("starting P (core 0) and D (core 1), NIXL on loopback (~30-60 s)"):
         pair = start_pair(
             py, model, logs, server=server, prefill_prefix_caching=args.keep_prefill_cache
@@ -212,7 +218,9 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     with pair:
         P = pair.prefill
         on = start_sidecar(pair, server, logs, name="sidecar-reuse-on")
-        off_server = tiny_server(bidirectional=False)
+        off_server = tiny_server(
+            bidirectional=False, decode_retention_seconds=DEMO_DECODE_RETENTION_SECONDS
+        )
         off = start_sidecar(pair, off_server, logs, name="sidecar-reuse-off")
         _say(f"P {P.url}  D {pair.decode.url}  sidecars: on {on.url}, off {off.url}")
         with on, off:
