@@ -153,6 +153,8 @@ class FakeEngine:
     hold_reanchor: asyncio.Event | None = None
     # Streams: silence before the last chunk (a wedged engine).
     stall: float = 0.0
+    # Streams: after the chunk with finish_reason, wait for this before the rest.
+    hold_after_finish: asyncio.Event | None = None
     # Requests whose caller went away before the answer was done, and their
     # X-Request-Id (vLLM frees an aborted request's KV: it leaves no handle).
     aborted: int = 0
@@ -409,6 +411,7 @@ class FakeEngine:
         for word, tok in zip(words, output, strict=False):
             chunks.append(chunk([choice(word + " ", [tok], None)]))
         # The chunk with finish_reason carries the handle (0.33; 0.32 never streams it).
+        finish_at = len(chunks)
         chunks.append(chunk([choice("", [output[-1]], "stop")], params))
         if (body.get("stream_options") or {}).get("include_usage"):
             # The usage chunk: no choices, serialized with exclude_none (no null fields).
@@ -426,6 +429,8 @@ class FakeEngine:
             half = len(event) // 2
             await response.write(event[:half])
             await response.write(event[half:])
+            if self.hold_after_finish is not None and i == finish_at:
+                await self.hold_after_finish.wait()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -387,6 +387,11 @@ async def run_decode(
         # anchor. It runs as a task of its own; the caller waits on it shielded.
         nonlocal settled
         settled = True
+        if not streamed:
+            # vLLM 0.33 put the handle on the finish chunk: D pins it whether or not
+            # the client stays for [DONE], so it is kept (or released) now.
+            _keep_handle(sc, turn, capture, rules, report)
+            return _done()
         keeping = asyncio.ensure_future(
             _keep_streamed_handle(sc, turn, capture, anchored, rules, report)
         )
@@ -411,7 +416,7 @@ async def run_decode(
         # a streamed request is parsed and stripped like any JSON answer.
         if upstream.content_type == _EVENT_STREAM:
             response, capture = await _relay_stream(
-                request, upstream, turn, headers, report, finish if streamed else None
+                request, upstream, turn, headers, report, finish
             )
         else:
             response, capture = await _answered(sc, upstream, turn, headers, report)
@@ -434,6 +439,14 @@ async def run_decode(
 
 
 _EVENT_STREAM = "text/event-stream"
+
+
+def _done() -> asyncio.Future[None]:
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
 # Streamed turns' handles being kept after their client left (held until done).
 _KEEPING: set[asyncio.Future[None]] = set()
 
@@ -545,6 +558,9 @@ async def _relay_stream(
         # D broke off or fell silent past the idle budget, or the client left (closing
         # D's stream aborts the request). The client already has the headers: it gets
         # an error event, as vLLM sends one when a stream fails, and the stream ends.
+        # After the finish chunk the answer is whole and D holds its KV: as above.
+        if finish is not None and finishing is None and sse.capture.finish_reason is not None:
+            finish(sse.capture)
         upstream.close()
         report.error = f"stream broken: {type(exc).__name__}: {exc}"
         log.warning("stream broken request_id=%s err=%r", turn.request_id, exc)

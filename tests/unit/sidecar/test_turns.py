@@ -896,6 +896,47 @@ def test_an_engine_error_is_rebuilt_never_relayed_as_sent(
     assert relay.engine_error(status, raw) == {"error": expected}
 
 
+async def test_streaming_033_a_client_that_closes_at_the_finish_chunk_keeps_the_handle(
+    aiohttp_client: Any, engines: Engines
+) -> None:
+    """vLLM 0.33 puts the handle on the finish chunk and D pins it whatever the client
+    does next. A client that closes there (handler cancellation on, as the sidecar
+    runs) left that handle neither kept nor released: pinned on D, untracked, until
+    its TTL."""
+    from kvferry_sidecar.app import app_factory
+
+    from .conftest import sidecar_settings
+
+    engines.decode.hold_after_finish = asyncio.Event()
+    app = app_factory(sidecar_settings(engines), clock=engines.clock)
+    client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+    sc = sidecar_of(client)
+    gone = asyncio.Event()
+    record = sc.record_turn
+
+    def recorded(report: Any) -> None:
+        record(report)
+        if report.status == 499:
+            gone.set()
+
+    sc.record_turn = recorded  # type: ignore[method-assign]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": LONG_QUESTION}],
+        "stream": True,
+        "session_id": "s",
+    }
+    resp = await client.post(CHAT, json=body)
+    async for line in resp.content:
+        if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("finish_reason"):
+            break
+    resp.close()  # before the usage chunk and [DONE]
+    await asyncio.wait_for(gone.wait(), 10)  # the sidecar saw the client leave
+    engines.decode.hold_after_finish.set()
+    (handle,) = sc.store.values()
+    assert handle.params == engines.decode.handles[0]
+
+
 async def test_streaming_032_a_client_that_closes_at_the_finish_chunk_still_keeps_a_handle(
     aiohttp_client: Any, engines: Engines
 ) -> None:
