@@ -58,6 +58,7 @@ from .types import (
     JSON,
     LOCAL_HANDLE_PARAMS,
     Api,
+    KVHandle,
     PrefillPlan,
     PrefillResult,
     TurnInput,
@@ -572,12 +573,11 @@ async def _relay_stream(
     return response, sse.capture
 
 
-def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | None) -> None:
-    """Release the handle in a D answer no turn will read (anchor.read_prefill's, or
-    a JSON answer whose client left while it was read)."""
-    if capture is None:
-        return
-    handle, _ = plan.build_handle(
+def _build_handle(
+    sc: Sidecar, turn: TurnInput, capture: rewrite.Capture
+) -> tuple[KVHandle | None, str | None]:
+    """``plan.build_handle`` of D's answer, now, with this sidecar's settings."""
+    return plan.build_handle(
         turn,
         capture,
         now=sc.store.now(),
@@ -586,6 +586,14 @@ def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | No
         retention_s=sc.settings.retention_seconds,
         local_lease_s=sc.settings.local_handle_seconds,
     )
+
+
+def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | None) -> None:
+    """Release the handle in a D answer no turn will read (anchor.read_prefill's, or
+    a JSON answer whose client left while it was read)."""
+    if capture is None:
+        return
+    handle, _ = _build_handle(sc, turn, capture)
     if handle is not None:
         sc.releaser.release(handle)
 
@@ -637,15 +645,7 @@ def _keep_handle(
     """Keep the handle D's answer left for the next turn; release one that cannot be
     kept (D pins it all the same)."""
     reason = plan.handle_not_kept(turn, rules)
-    handle, why = plan.build_handle(
-        turn,
-        capture,
-        now=sc.store.now(),
-        received_wall=time.time(),
-        engine_build=sc.settings.engine_build,
-        retention_s=sc.settings.retention_seconds,
-        local_lease_s=sc.settings.local_handle_seconds,
-    )
+    handle, why = _build_handle(sc, turn, capture)
     if handle is not None and reason is None and why is None:
         if sc.store.put(handle):
             report.handle_kept = True
