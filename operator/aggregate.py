@@ -28,10 +28,11 @@ from typing import Any
 
 import msgspec
 
-from kvferry_wire.protocol import ROLE_DECODE
+from kvferry_wire.protocol import ROLE_DECODE, Outcome
 from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
+    TRANSPORT_NONE,
     TRANSPORT_UNKNOWN,
     Evictions,
     Histogram,
@@ -88,6 +89,27 @@ def _secs(value: float | None) -> str:
 def majority_transport(reports: list[Report]) -> str:
     known = Counter(r.transport for r in reports if r.transport != TRANSPORT_UNKNOWN)
     return known.most_common(1)[0][0] if known else TRANSPORT_UNKNOWN
+
+
+# Failed pulls, with not one KV transfer done, before a server is said to have no
+# transport: one failure may be a peer that restarted mid-read.
+FAILED_PULLS_FOR_NO_TRANSPORT = 3
+
+
+def measured_transport(
+    transport: str, reason: str, failed_pulls: int, pulls: int, transfers: int
+) -> tuple[str, str]:
+    """What the sidecars see, unless what was measured says otherwise: when KV reads
+    between pods keep failing and none ever succeeded, no transport works, whatever
+    sysfs and UCX_TLS suggest (e.g. the RDMA shared device plugin's mode, where every
+    pod sees the node's HCAs)."""
+    if failed_pulls < FAILED_PULLS_FOR_NO_TRANSPORT or pulls or transfers:
+        return transport, reason
+    seen = f"{transport} ({reason})" if reason else transport
+    return (
+        TRANSPORT_NONE,
+        f"{failed_pulls} KV reads between pods failed and none succeeded; the sidecars see {seen}",
+    )
 
 
 def transport_reason(reports: list[Report], transport: str) -> str:
@@ -265,8 +287,14 @@ def _aggregate(
     bytes_per_token = max(bpt) if bpt else None
     bandwidth = pull_bytes / pull_seconds if pull_seconds > 0 and pull_bytes > 0 else None
     gbps = gigabytes_per_second(pull_bytes, pull_seconds)
-    transport = majority_transport(fresh)
-    reason = transport_reason(fresh, transport)
+    transport, reason = measured_transport(
+        majority_transport(fresh),
+        transport_reason(fresh, majority_transport(fresh)),
+        failed_pulls=outcomes.get(Outcome.PULL_FAILED, 0)
+        + sum(r.engine.nixl_failed for r in fresh),
+        pulls=pulls,
+        transfers=transfers,
+    )
 
     # 3. retention vs gaps
     gaps = merge_histograms([r.gaps for r in fresh], GAP_BOUNDS)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry_wire.report import TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
+from kvferry_wire.report import TRANSPORT_NONE, TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
 from . import api, hostpaths, ownership, prerequisites
 from .api import Server
@@ -448,6 +448,14 @@ def transport_condition(server: Server, observed: Observed) -> tuple[str, str, s
         if not evidence:
             return ("Unknown", REASON_NO_REPORTS, "no sidecar has reported a transport yet")
         return ("Unknown", TRANSPORT_UNKNOWN, evidence)
+    if value == TRANSPORT_NONE:
+        return (
+            "False",
+            value,
+            f"KV cannot move between the pods: {evidence}. Turns are served by recomputing "
+            "(pull-failed). Check the engine's UCX_TLS (network.transport, env), the RDMA "
+            "resource (network.rdma.resourceName) and that the pods reach each other",
+        )
     asked = rdma_asked(server)
     if value == TRANSPORT_TCP_FALLBACK and asked:
         return (

@@ -24,11 +24,18 @@ Rules (:func:`classify`):
   and ``UCX_NET_DEVICES`` (when set) names one of the devices. UCX ranks RDMA
   lanes above TCP when both are allowed; a UCX build without verbs support
   would still pick TCP, which cannot be seen from here (the reason says so).
+  In the RDMA shared device plugin's mode every pod sees all of the node's HCAs in
+  sysfs, usable or not: the verdict is then what the pod could use, and only
+  measured pulls confirm it (the operator turns a server whose every pull fails
+  into NoTransport, whatever the sidecars see).
 - TCP / TCPFallback: RDMA is impossible by the above and ``UCX_TLS`` allows
-  ``tcp``. ``TCP`` when ``network.transport: tcp`` asked for it; otherwise
-  ``TCPFallback`` (the operator warns when RDMA was asked for).
-- Unknown: sysfs cannot be read while RDMA would be allowed, or ``UCX_TLS``
-  allows neither RDMA nor TCP (then transfers between pods fail outright).
+  ``tcp``. ``TCP`` when RDMA was not asked for (``network.transport`` tcp, or auto
+  on a cluster without usable RDMA: what was asked is what runs); ``TCPFallback``
+  only when it was (``network.transport: rdma`` or ``network.rdma.enabled``): the
+  operator warns.
+- NoTransport: ``UCX_TLS`` allows neither a usable RDMA transport nor ``tcp``: transfers
+  between pods fail outright (the operator warns).
+- Unknown: sysfs cannot be read while RDMA would be allowed.
 
 Shared memory (``sm``, ``cma``) is ignored: prefill and decode run in different
 pods, which share no memory.
@@ -40,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry_wire.report import (
+    TRANSPORT_NONE,
     TRANSPORT_RDMA,
     TRANSPORT_TCP,
     TRANSPORT_TCP_FALLBACK,
@@ -167,13 +175,17 @@ def classify(ev: Evidence) -> Verdict:
         )
     if not tcp_tls:
         return Verdict(
-            TRANSPORT_UNKNOWN,
+            TRANSPORT_NONE,
             f"{configured} allows neither a usable RDMA transport ({why_not_rdma}) nor tcp: "
             "transfers between pods cannot work",
         )
-    transport = TRANSPORT_TCP if ev.requested == "tcp" else TRANSPORT_TCP_FALLBACK
-    asked = "network.transport is tcp" if ev.requested == "tcp" else why_not_rdma
-    return Verdict(transport, f"TCP: {asked}; {configured}")
+    if ev.rdma_asked:
+        return Verdict(TRANSPORT_TCP_FALLBACK, f"TCP: {why_not_rdma}; {configured}")
+    if ev.requested == "tcp":
+        return Verdict(TRANSPORT_TCP, f"TCP: network.transport is tcp; {configured}")
+    return Verdict(
+        TRANSPORT_TCP, f"TCP: network.transport is auto and {why_not_rdma}; {configured}"
+    )
 
 
 def read_rdma_devices(root: str | Path = SYSFS_INFINIBAND) -> tuple[RdmaDevice, ...] | None:

@@ -62,13 +62,22 @@ LATENCY_BOUNDS: tuple[float, ...] = (
 MAX_TURN_BUCKET = 8
 
 # What the P<->D KV path uses, as the sidecar can tell (see kvferry_sidecar.transport):
-# RDMA; TCP because network.transport asked for tcp; TCPFallback: TCP although RDMA was
-# asked for or could have been used; Unknown: not enough evidence yet.
+# RDMA; TCP where RDMA was not asked for (network.transport tcp, or auto on a cluster
+# without usable RDMA); TCPFallback: TCP although RDMA was asked for; NoTransport: nothing can
+# carry KV between pods (the engine's UCX_TLS allows neither a usable RDMA transport nor
+# tcp; the operator also says so when every pull failed); Unknown: not enough evidence.
 TRANSPORT_RDMA = "RDMA"
 TRANSPORT_TCP = "TCP"
 TRANSPORT_TCP_FALLBACK = "TCPFallback"
+TRANSPORT_NONE = "NoTransport"
 TRANSPORT_UNKNOWN = "Unknown"
-TRANSPORTS = (TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN)
+TRANSPORTS = (
+    TRANSPORT_RDMA,
+    TRANSPORT_TCP,
+    TRANSPORT_TCP_FALLBACK,
+    TRANSPORT_NONE,
+    TRANSPORT_UNKNOWN,
+)
 
 # Bounds checked on decode. Counters are cumulative since a sidecar started: 2**53
 # is far above any real count and keeps sums of many pods exact in JSON and int64.

@@ -94,6 +94,38 @@ def test_transport_is_the_majority_of_known_reports():
     assert agg.transport == "RDMA"
 
 
+def test_pulls_that_all_fail_say_no_transport_whatever_the_sidecars_see():
+    """RDMA's shared device plugin mode shows every pod the node's HCAs: the sidecars
+    say RDMA while every KV read fails. What was measured wins."""
+    broken = rep(
+        "tiny-decode-0",
+        transport="RDMA",
+        transport_reason="RDMA device(s) mlx5_0 active",
+        outcomes={"pull-failed": 2},
+        engine=wire.Engine(nixl_failed=1),
+    )
+    agg = aggregate.aggregate(SERVER, [reports.Received(broken, NOW)], NOW, 480)
+    assert agg.transport == "NoTransport"
+    assert "3 KV reads between pods failed and none succeeded" in agg.transport_reason
+    assert "RDMA (tiny-decode-0: RDMA device(s) mlx5_0 active)" in agg.transport_reason
+    assert agg.status["transfer"]["transport"] == "NoTransport"
+
+
+def test_failed_pulls_beside_one_that_worked_leave_the_transport_as_seen():
+    for worked in ({"pulls": 1}, {"transfers": 1}):
+        r = rep(
+            "tiny-decode-0",
+            transport="RDMA",
+            outcomes={"pull-failed": 5},
+            transfer=wire.Transfer(**worked),
+        )
+        agg = aggregate.aggregate(SERVER, [reports.Received(r, NOW)], NOW, 480)
+        assert agg.transport == "RDMA", worked
+    few = rep("tiny-decode-0", transport="TCP", outcomes={"pull-failed": 2})
+    agg = aggregate.aggregate(SERVER, [reports.Received(few, NOW)], NOW, 480)
+    assert agg.transport == "TCP"
+
+
 def test_recommendations_are_hidden_in_observe_mode():
     agg = aggregate.aggregate(SERVER, [reports.Received(rep("a", gaps=[40.0] * 50), NOW)], NOW, 480)
     rec = tune.recommend_retention(agg.tuning)

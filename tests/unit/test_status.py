@@ -297,6 +297,19 @@ def test_the_transport_asked_for_is_true(value: str):
     assert (c["status"], c["reason"]) == ("True", value)
 
 
+@pytest.mark.parametrize("spec", [SERVER, RDMA_SERVER], ids=["auto", "rdma"])
+def test_no_transport_is_a_false_condition_and_a_warning(spec):
+    """Every turn would quietly end pull-failed: the condition says so, whatever was
+    asked for (it was Unknown with a Normal Event)."""
+    evidence = "UCX_TLS=ib allows neither a usable RDMA transport (no RDMA device) nor tcp"
+    obs = observed(transport="NoTransport", transport_reason=evidence)
+    c = cond(status.compute_conditions(spec, obs), api.COND_KV_TRANSPORT)
+    assert (c["status"], c["reason"]) == ("False", "NoTransport")
+    assert evidence in c["message"] and "UCX_TLS" in c["message"]
+    change = status.ConditionChange(api.COND_KV_TRANSPORT, c["status"], c["reason"], "m")
+    assert status.event_type(change) == "Warning"
+
+
 def test_unknown_with_evidence_says_why():
     obs = observed(transport="Unknown", transport_reason="cannot read /sys/class/infiniband")
     c = cond(status.compute_conditions(SERVER, obs), api.COND_KV_TRANSPORT)
