@@ -210,6 +210,40 @@ def test_tcp_when_rdma_was_asked_for_is_a_warning(kubectl: Kubectl, operator: Op
     assert re.search(r"Warning\s+TCPFallback", described), described
 
 
+def test_kv_reads_that_all_fail_are_no_transport_and_a_warning(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """The sidecars see RDMA (the shared device plugin shows every pod the node's
+    HCAs), yet every KV read fails: status says NoTransport, with a Warning."""
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    token = bound_token(kubectl, ns, "tiny-decode-0")
+    rep = wire.Report(
+        version=wire.REPORT_VERSION,
+        server="tiny",
+        namespace=ns,
+        pod="tiny-decode-0",
+        role="decode",
+        started_at=STARTED,
+        generated_at=time.time(),
+        transport="RDMA",
+        transport_reason="RDMA device(s) mlx5_0 active and UCX_TLS=unset allows RDMA",
+        outcomes={"no-handle": 4, "pull-failed": 4},
+    )
+    assert push(operator, wire.encode(rep), token)[0] == 202
+    cond = wait_until(
+        lambda: (c := condition(kubectl, ns, "tiny", "KVTransport")).get("status") == "False" and c,
+        30,
+        "KVTransport=False",
+    )
+    assert cond["reason"] == "NoTransport"
+    assert "4 KV reads between pods failed and none succeeded" in cond["message"]
+    server = kubectl.get("dserver", "tiny", ns)["status"]
+    assert server["transport"] == "NoTransport"
+    (event,) = wait_for_event(kubectl, ns, "tiny", "NoTransport")
+    assert event["type"] == "Warning" and "mlx5_0" in event["message"]
+
+
 def test_forged_and_foreign_reports_are_refused(kubectl: Kubectl, operator: Operator, ns: str):
     kubectl.apply(make(ns), "--server-side")
     kubectl.apply(make(ns, name="other"), "--server-side")
