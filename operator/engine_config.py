@@ -19,6 +19,14 @@ from . import api
 from .api import Role, Server, ServerSpec
 
 MODELS_MOUNT = "/models"
+# The hub cache volume's mount, and HF_HOME (the hub client's cache root) with it.
+# Outside any home folder: an image's non-root user has a $HOME of its own, where the
+# hub client would otherwise download (past the volume), and cannot enter /root (mode
+# 0700 in most images), so a cache under /root/.cache works for root images only.
+# The volume holds HF_HOME's layout (hub/ ...) at its root, as it did mounted at
+# /root/.cache/huggingface (root's default HF_HOME), so a cache PVC filled before
+# keeps serving.
+HF_CACHE_MOUNT = "/var/cache/huggingface"
 
 # UCX transport lists per network.transport. "auto" leaves UCX_TLS unset so UCX
 # picks the best it finds and the sidecar reports what it negotiated. cuda_copy
@@ -217,6 +225,8 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
     if net.rdma.enabled and net.rdma.gid_index is not None:
         env.append({"name": "UCX_IB_GID_INDEX", "value": str(net.rdma.gid_index)})
     hub = spec.model.hub
+    if hub:
+        env.append({"name": "HF_HOME", "value": HF_CACHE_MOUNT})
     if hub and hub.token_secret_name:
         env.append(
             {

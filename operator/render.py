@@ -33,6 +33,7 @@ from .api import Role, Server, ServerSpec
 from .engine_config import (
     CPU_DEFAULT_CPUS,
     CPU_WEIGHTS_AND_RUNTIME_GIB,
+    HF_CACHE_MOUNT,
     MODELS_MOUNT,
     build_engine_args,
     build_engine_env,
@@ -51,9 +52,8 @@ CONFIG_KEY_OPERATOR_CA = "operator-ca.crt"
 CONFIG_MOUNT = "/etc/kvferry"
 TOKEN_MOUNT = "/var/run/secrets/kvferry"
 
-# The engine's Hugging Face cache (hub downloads); vLLM images run as root.
+# The engine's Hugging Face cache volume (hub downloads), mounted at HF_CACHE_MOUNT.
 HF_CACHE_VOLUME = "hf-cache"
-HF_CACHE_MOUNT = "/root/.cache/huggingface"
 
 # The sidecar runs as this non-root user (distroless "nonroot").
 SIDECAR_UID = 65532
@@ -188,9 +188,9 @@ def build_engine_container(server: Server, role: Role) -> Obj:
 
 
 def build_engine_security_context(spec: ServerSpec) -> Obj:
-    """The engine keeps the image's user (vLLM images run as root and write their
-    caches under /root) but none of root's capabilities: serving, CUDA and NIXL over
-    TCP need none, so a compromised engine cannot reach the node through them."""
+    """The engine keeps the image's user (vLLM images run as root) but none of root's
+    capabilities: serving, CUDA and NIXL over TCP need none, so a compromised engine
+    cannot reach the node through them."""
     capabilities: Obj = {"drop": ["ALL"]}
     if spec.network.rdma.enabled:
         # RDMA registers (pins) memory; without IPC_LOCK registration fails.

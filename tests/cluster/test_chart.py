@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import re
 import socket
 import ssl
 import uuid
@@ -130,6 +131,12 @@ def test_helm_install_then_unchanged_upgrade_changes_no_object(
     ).stdout
     assert "has been upgraded" in out
     assert "helm upgrade` does not update CRDs" in out  # NOTES.txt warns on upgrade
+    # ... and prints a command that applies the chart's CRDs, CHART being the chart's
+    # folder (a server-side dry run: the CRDs stay as installed for the other tests).
+    (command,) = re.findall(r"^\s*kubectl (apply .* -f CHART/\S+)$", out, re.M)
+    args = command.replace("CHART", str(CHART)).split()
+    applied = kubectl.run(*args, "--dry-run=server").stdout
+    assert applied.count("serverside-applied") == 2, applied
     history = json.loads(
         helm_on(kubeconfig, "history", RELEASE, "-n", release, "-o", "json").stdout
     )

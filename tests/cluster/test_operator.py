@@ -83,7 +83,11 @@ def test_a_server_with_only_a_model_name_loads_it_from_the_hub_and_becomes_ready
     kubectl: Kubectl, operator: Operator, ns: str
 ):
     sample = load_example(next(p for p in EXAMPLES if p.name == "hub.yaml"))
-    assert set(sample["spec"]) == {"model"} and set(sample["spec"]["model"]) == {"name"}
+    # The example names the model and sizes the download's disk; without the latter
+    # it is a model name alone, which must serve too.
+    assert set(sample["spec"]) == {"model"} and set(sample["spec"]["model"]) == {"name", "source"}
+    assert sample["spec"]["model"]["source"] == {"hub": {"cache": {"ephemeralStorage": "5Gi"}}}
+    del sample["spec"]["model"]["source"]
     sample["metadata"]["namespace"] = ns
     name, model = sample["metadata"]["name"], sample["spec"]["model"]["name"]
     kubectl.apply(sample, "--server-side")

@@ -1,6 +1,7 @@
 """The static tier: the repository read as documents and artifacts rather than run as
 logic. The Helm chart rendered by a helm built from Go modules (``test_chart.py``), the
-docs checked against the code (``test_docs.py``), each role's imports against its
+docs checked against the code (``test_docs.py`` for names, ``test_doc_claims.py``
+for claims about rendered objects), each role's imports against its
 declared install (``test_packaging.py``) and the import contracts (``test_layering.py``).
 The first run on a machine builds helm (~3.5 min); ``pytest tests/unit`` needs none of
 it."""

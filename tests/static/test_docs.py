@@ -4,8 +4,9 @@ CRD field has a description (`kubectl explain` shows it).
 
 What a doc "mentions" is read from its code: inline `code` spans, fenced blocks and
 link targets. Prose is not parsed; a claim that needs more than a name to check has a
-test of its own elsewhere (the cluster tier runs the documented CRD upgrade and the
-README's walk-through).
+test of its own elsewhere (test_doc_claims.py reads the chart docs' ports, the README's
+list of defaults the operator fills in, the examples and where things come from; the
+cluster tier runs the documented CRD upgrade and the README's walk-through).
 """
 
 from __future__ import annotations

@@ -270,8 +270,36 @@ class TestEngineContainer:
             vol = next(v for v in pod_spec(objs, role)["volumes"] if v["name"] == "hf-cache")
             assert vol == {"name": "hf-cache", **volume}
             mount = next(m for m in engine(objs, role)["volumeMounts"] if m["name"] == "hf-cache")
-            assert mount == {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"}
+            assert mount == {"name": "hf-cache", "mountPath": "/var/cache/huggingface"}
             assert "requests" not in engine(objs, role)["resources"]
+
+    @pytest.mark.parametrize(
+        "cache",
+        [None, {"pvc": {"claimName": "hf"}}, {"hostPath": {"path": "/var/cache/hf"}}],
+        ids=["empty-dir", "pvc", "host-path"],
+    )
+    def test_the_hub_cache_is_hf_home_outside_roots_home(self, cache):
+        # Without HF_HOME a non-root engine image downloads into its own $HOME, not the
+        # cache volume; under /root (mode 0700 in most images) it could not reach it.
+        objs = rendered(hub_server(cache))
+        for role in api.ROLES:
+            mount = next(m for m in engine(objs, role)["volumeMounts"] if m["name"] == "hf-cache")
+            assert mount["mountPath"] == render.HF_CACHE_MOUNT == "/var/cache/huggingface"
+            assert env_of(engine(objs, role))["HF_HOME"] == mount["mountPath"]
+
+    def test_a_users_hf_home_wins_over_ours(self):
+        manifest = hub_server()
+        manifest["spec"]["decode"] = {"env": [{"name": "HF_HOME", "value": "/data/hf"}]}
+        objs = rendered(manifest)
+        names = [e["name"] for e in engine(objs, "decode")["env"]]
+        assert names.count("HF_HOME") == 1
+        assert env_of(engine(objs, "decode"))["HF_HOME"] == "/data/hf"
+        assert env_of(engine(objs, "prefill"))["HF_HOME"] == render.HF_CACHE_MOUNT
+
+    def test_no_hf_home_without_a_hub_cache(self):
+        # Weights on a PVC or in the image: no cache volume, so nothing to point at.
+        for role in api.ROLES:
+            assert "HF_HOME" not in env_of(engine(rendered(server()), role))
 
     def test_cache_location_does_not_change_the_engine_build(self):
         # Moving the download cache must not void decode's handles as a new build would.
