@@ -219,6 +219,10 @@ class Resources:
     gpu_resource_name: str
     cpu: str | None
     memory: str | None
+    # Per-key overrides of the engine's requests and limits, and resources beyond
+    # cpu and memory (hugepages, RDMA, devices): quantities as the spec wrote them.
+    requests: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ class Role:
     priority_class_name: str | None
     max_unavailable: int
     sidecar_resources: SidecarResources
+    # The engine's startup budget (spec.<role>.startupSeconds); None = by model source.
+    startup_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -374,6 +380,24 @@ def cpu_cores(quantity: str) -> int:
     return max(1, cores)
 
 
+# Memory quantity suffixes (core/v1 resource.Quantity) and the bytes each stands for.
+_MEMORY_SUFFIXES = {
+    **{s: 1024 ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: 1000 ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+    "": 1,
+}
+
+
+def memory_bytes(quantity: str) -> int:
+    """Bytes of a Kubernetes memory quantity ("16Gi", "512M", "1.5Gi", "1073741824").
+    Raises ValueError on anything else (exponents and milli-bytes are refused too)."""
+    number = quantity.rstrip("KMGTPEik")
+    suffix = quantity[len(number) :]
+    if suffix not in _MEMORY_SUFFIXES or not number or not number.replace(".", "", 1).isdigit():
+        raise ValueError(quantity)
+    return int(float(number) * _MEMORY_SUFFIXES[suffix])
+
+
 def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     res = raw["resources"]
     sidecar = raw["sidecarResources"]
@@ -382,14 +406,21 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         raise SpecError(
             f"spec.{name}.replicas is {raw['replicas']!r}: it must be 0..{MAX_REPLICAS}"
         )
-    if device == DEVICE_CPU and res.get("cpu") is not None:
+    requests = {k: str(v) for k, v in (res.get("requests") or {}).items()}
+    cpu_fields = (
+        ("resources.cpu", res.get("cpu")),
+        ("resources.requests.cpu", requests.get("cpu")),
+    )
+    for path, value in cpu_fields if device == DEVICE_CPU else ():
+        if value is None:
+            continue
         # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
         # schema takes any int-or-string, as core/v1 does.
         try:
-            cpu_cores(str(res["cpu"]))
+            cpu_cores(str(value))
         except (ValueError, OverflowError):
             raise SpecError(
-                f"spec.{name}.resources.cpu is {res['cpu']!r}: not a CPU quantity; "
+                f"spec.{name}.{path} is {value!r}: not a CPU quantity; "
                 'write whole or milli CPUs, e.g. "4" or "3500m"'
             ) from None
     return Role(
@@ -402,6 +433,8 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
             gpu_resource_name=res["gpuResourceName"],
             cpu=_quantity(res.get("cpu")),
             memory=_quantity(res.get("memory")),
+            requests=requests,
+            limits={k: str(v) for k, v in (res.get("limits") or {}).items()},
         ),
         node_selector=dict(raw["nodeSelector"]),
         tolerations=tuple(raw["tolerations"]),
@@ -415,6 +448,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         sidecar_resources=SidecarResources(
             requests=_amounts(sidecar["requests"]), limits=_amounts(sidecar["limits"])
         ),
+        startup_seconds=raw.get("startupSeconds"),
     )
 
 

@@ -50,8 +50,8 @@ ENGINE_COMMAND_CPU = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 # What a CPU engine asks the scheduler for when spec.<role>.resources leaves it unset:
 # 2 CPUs (one OpenMP thread, one for the API server, the engine loop and NIXL's
 # busy-polling progress thread) and its KV cache space plus room for a small model's
-# weights and the runtime. Requests only, no limits: a limit would throttle the
-# threads or OOM-kill a larger model the user did not size for.
+# weights and the runtime (resources.py adds /dev/shm). Requests only, no limits: a
+# limit would throttle the threads or OOM-kill a larger model the user did not size for.
 CPU_DEFAULT_CPUS = "2"
 CPU_WEIGHTS_AND_RUNTIME_GIB = 4
 
@@ -245,8 +245,9 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
 
 def omp_threads(role: Role) -> int:
     """The engine's OpenMP threads: its CPUs less one for the API server, the engine
-    loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity)."""
-    quantity = CPU_DEFAULT_CPUS if role.resources.cpu is None else role.resources.cpu
+    loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity).
+    The CPUs are the engine's CPU request: resources.requests.cpu, else resources.cpu."""
+    quantity = role.resources.requests.get("cpu") or role.resources.cpu or CPU_DEFAULT_CPUS
     return max(1, api.cpu_cores(quantity) - 1)
 
 

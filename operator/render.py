@@ -31,8 +31,6 @@ from kvferry_wire import settings as wire_settings
 from . import api
 from .api import Role, Server, ServerSpec
 from .engine_config import (
-    CPU_DEFAULT_CPUS,
-    CPU_WEIGHTS_AND_RUNTIME_GIB,
     HF_CACHE_MOUNT,
     MODELS_MOUNT,
     build_engine_args,
@@ -42,6 +40,12 @@ from .engine_config import (
     engine_command,
     kv_transport,
     stable_hash,
+)
+from .resources import (
+    build_engine_probes,
+    build_engine_resources,
+    build_sidecar_probes,
+    build_sidecar_resources,
 )
 
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvferry/kvferry-sidecar:0.1.0"
@@ -122,42 +126,6 @@ def _metadata(server: Server, name: str, labels: dict[str, str]) -> Obj:
     return meta
 
 
-def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
-    limits: Obj = {}
-    requests: Obj = {}
-    if role.resources.gpus:
-        limits[role.resources.gpu_resource_name] = role.resources.gpus
-    rdma = spec.network.rdma
-    if rdma.enabled and rdma.resource_name:
-        limits[rdma.resource_name] = rdma.count
-    for key, value in (("cpu", role.resources.cpu), ("memory", role.resources.memory)):
-        if value is not None:
-            limits[key] = requests[key] = value
-    if spec.engine.on_cpu:
-        # A CPU engine computes on the node's CPUs and keeps its KV in the node's
-        # memory: place it where both fit (engine_config says why no limits).
-        requests.setdefault("cpu", CPU_DEFAULT_CPUS)
-        kv_and_runtime = spec.engine.cpu_kv_cache_space_gib + CPU_WEIGHTS_AND_RUNTIME_GIB
-        requests.setdefault("memory", f"{kv_and_runtime}Gi")
-    hub = spec.model.hub
-    if hub and not (hub.cache.pvc_claim_name or hub.cache.host_path):
-        # The download lands on the node's disk: place pods where it fits.
-        requests["ephemeral-storage"] = hub.cache.ephemeral_storage
-    out: Obj = {"limits": limits}
-    if requests:
-        out["requests"] = requests
-    return out
-
-
-def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
-    return {
-        "httpGet": {"path": path, "port": port},
-        "periodSeconds": period,
-        "failureThreshold": failures,
-        "timeoutSeconds": 5,
-    }
-
-
 def build_engine_container(server: Server, role: Role) -> Obj:
     spec = server.spec
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -179,11 +147,9 @@ def build_engine_container(server: Server, role: Role) -> Obj:
         "resources": build_engine_resources(spec, role),
         "securityContext": build_engine_security_context(spec),
         "volumeMounts": mounts,
-        # Loading a large model from a volume can take many minutes; the
-        # startup probe allows 30 before liveness takes over.
-        "startupProbe": _http_probe("/health", "engine", 10, 180),
-        "readinessProbe": _http_probe("/health", "engine", 5, 3),
-        "livenessProbe": _http_probe("/health", "engine", 10, 6),
+        # Downloading and loading a large model can take hours: the startup probe's
+        # budget comes from the source or spec.<role>.startupSeconds (resources.py).
+        **build_engine_probes(spec, role),
     }
 
 
@@ -268,20 +234,8 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             {"name": "sidecar-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "kvferry-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
         ],
-        "readinessProbe": _http_probe("/readyz", "http", 5, 3),
-        "livenessProbe": _http_probe("/healthz", "http", 10, 6),
+        **build_sidecar_probes(),
     }
-
-
-def build_sidecar_resources(role: Role) -> Obj:
-    """spec.<role>.sidecarResources, without the amounts left unset."""
-    out: Obj = {}
-    for kind in ("requests", "limits"):
-        amounts = getattr(role.sidecar_resources, kind)
-        given = {k: v for k, v in (("cpu", amounts.cpu), ("memory", amounts.memory)) if v}
-        if given:
-            out[kind] = given
-    return out
 
 
 def build_hf_cache_volume(spec: ServerSpec) -> Obj:

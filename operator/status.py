@@ -170,9 +170,17 @@ def _resource_field(server: Server, role: str, resource: str) -> str | None:
     rdma = spec.network.rdma
     if rdma.enabled and resource == rdma.resource_name:
         return "spec.network.rdma.count"
-    if resource == spec.role(role).resources.gpu_resource_name:
+    resources = spec.role(role).resources
+    if resource == resources.gpu_resource_name:
         return f"spec.{role}.resources.gpus"
-    if resource in ("cpu", "memory"):
+    # The scheduler counts requests: the requests map's, else resources.cpu / .memory,
+    # else the limits map's (a limit set alone is the request: resources.py).
+    if resource in resources.requests:
+        return f"spec.{role}.resources.requests"
+    scalar = {"cpu": resources.cpu, "memory": resources.memory}
+    if resource in resources.limits and scalar.get(resource) is None:
+        return f"spec.{role}.resources.limits"
+    if resource in scalar:
         return f"spec.{role}.resources.{resource}"
     return None
 

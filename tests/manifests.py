@@ -245,6 +245,50 @@ INVALID: list[Invalid] = [
         "spec.decode.resources.gpus",
         "resources.gpus must be at least tensorParallelSize",
     ),
+    # The engine's extra resources: hugepages and devices are limited (Kubernetes
+    # requests the same), GPUs come from resources.gpus (checked against the TP size).
+    Invalid(
+        "decode-requests-beyond-cpu-memory-storage",
+        _spec({"decode": {"resources": {"requests": {"hugepages-2Mi": "1Gi"}}}}),
+        "spec.decode.resources.requests",
+        "resources.requests may name cpu, memory and ephemeral-storage only",
+    ),
+    Invalid(
+        "prefill-requests-beyond-cpu-memory-storage",
+        _spec({"prefill": {"resources": {"requests": {"rdma/hca": 1}}}}),
+        "spec.prefill.resources.requests",
+        "put hugepages-*, RDMA and device resources in resources.limits",
+    ),
+    Invalid(
+        "decode-limits-name-the-gpu-resource",
+        _spec(
+            {
+                "decode": {
+                    "resources": {"gpuResourceName": "amd.com/gpu", "limits": {"amd.com/gpu": 1}}
+                }
+            }
+        ),
+        "spec.decode.resources.limits",
+        "set the GPUs with resources.gpus",
+    ),
+    Invalid(
+        "prefill-limits-name-the-gpu-resource",
+        _spec({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}),
+        "spec.prefill.resources.limits",
+        "resources.limits must not name the GPU resource",
+    ),
+    Invalid(
+        "startup-seconds-above-six-hours",
+        _spec({"decode": {"startupSeconds": 30000}}),
+        "spec.decode.startupSeconds",
+        "should be less than or equal to 21600",
+    ),
+    Invalid(
+        "startup-seconds-below-a-minute",
+        _spec({"prefill": {"startupSeconds": 10}}),
+        "spec.prefill.startupSeconds",
+        "should be greater than or equal to 60",
+    ),
     # What vLLM's CPU build cannot do (spec.engine.device: cpu).
     Invalid(
         "device-enum",

@@ -50,9 +50,10 @@ def test_the_cpu_example_is_accepted_and_becomes_ready_without_gpus(
         assert engine["image"] == "kvferry-vllm-cpu:v0.32.0"
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["UCX_TLS"] == "tcp,sm,self"
+        # 1Gi of KV, 4Gi for weights and runtime, the example's 1Gi /dev/shm.
         assert engine["resources"]["requests"] == {
             "cpu": "2",
-            "memory": "5Gi",
+            "memory": "6Gi",
             "ephemeral-storage": "5Gi",
         }
     pods = kubectl.json("get", "pods", "-n", ns, "-l", f"app.kubernetes.io/instance={name}")

@@ -200,8 +200,10 @@ def test_gitops_reapply_changes_nothing(kubectl: Kubectl, operator: Operator, ns
 def test_not_enough_gpus_is_reported_naming_the_resource(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    # The fake nodes have 8 GPUs each; 16 per pod fits nowhere.
-    kubectl.apply(make(ns, spec={"decode": {"resources": {"gpus": 16}}}), "--server-side")
+    # The fake nodes have 8 GPUs each; 16 per pod fits nowhere. The CPUs are set: their
+    # default (8 per GPU) would not fit the fake nodes' 64 either.
+    spec = {"decode": {"resources": {"gpus": 16, "cpu": "8"}}}
+    kubectl.apply(make(ns, spec=spec), "--server-side")
     ready = wait_until(
         lambda: (
             (c := condition(kubectl, ns, "tiny", "Ready")).get("reason") == "Unschedulable" and c
@@ -223,7 +225,7 @@ def test_short_gpus_and_rdma_are_each_reported_with_their_field(
 ):
     # The fake nodes have rdma/hca_shared_devices_a only, and 8 GPUs.
     rdma = {"enabled": True, "resourceName": "rdma/hca_shared_devices_b"}
-    spec = {"prefill": {"resources": {"gpus": 16}}, "network": {"rdma": rdma}}
+    spec = {"prefill": {"resources": {"gpus": 16, "cpu": "8"}}, "network": {"rdma": rdma}}
     kubectl.apply(make(ns, spec=spec), "--server-side")
     expected = (
         "2 pod(s) cannot be scheduled (tiny-decode-0, tiny-prefill-0): no node has enough "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from fractions import Fraction
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,6 +21,8 @@ from kvferry_operator import api, cli, render, validation
 from kvferry_wire import protocol
 from kvferry_wire import settings as wire_settings
 from tests.manifests import EXAMPLES, ROOT, load_example, merge, server
+
+EXAMPLES_BY_NAME = {p.name: p for p in EXAMPLES}
 
 GOLDEN = ROOT / "tests" / "golden"
 K8S_VERSION = "1.37.0"
@@ -35,8 +38,49 @@ def _sidecar_defaults() -> dict:
     }
 
 
-# What the CRD defaults the sidecar's resources to (sized by hack/sidecar_load.py).
+# What the CRD defaults the sidecar's resources to (sized by hack/sidecar_load.py): the
+# requests; an unset limit is rendered as its request.
 SIDECAR_DEFAULTS = _sidecar_defaults()
+SIDECAR_RENDERED = {
+    "requests": SIDECAR_DEFAULTS["requests"],
+    "limits": {**SIDECAR_DEFAULTS["requests"], **SIDECAR_DEFAULTS["limits"]},
+}
+
+
+def _amount(quantity: str | int) -> Fraction:
+    """A cpu or memory quantity as a number (cores, bytes), to compare as Kubernetes does."""
+    text = str(quantity)
+    if text.endswith("m"):
+        return Fraction(int(text[:-1]), 1000)
+    return Fraction(api.memory_bytes(text))
+
+
+def qos_class(pod: dict) -> str:
+    """The pod's QoS class as the kubelet computes it (k8s pkg/apis/core/helper/qos,
+    ComputePodQOS), after the API server's defaulting (a limit without a request
+    requests the limit): every container and init container counts; only cpu and
+    memory do; Guaranteed when every container limits both and the pod's summed
+    requests equal its summed limits."""
+    requests: dict[str, Fraction] = {}
+    limits: dict[str, Fraction] = {}
+    guaranteed = True
+    for c in pod["containers"] + pod.get("initContainers", []):
+        res = c.get("resources", {})
+        lim = {k: _amount(v) for k, v in res.get("limits", {}).items() if k in ("cpu", "memory")}
+        req = {k: _amount(v) for k, v in res.get("requests", {}).items() if k in ("cpu", "memory")}
+        req = {**lim, **req}
+        for k, v in req.items():
+            if v > 0:
+                requests[k] = requests.get(k, Fraction(0)) + v
+        found = {k for k, v in lim.items() if v > 0}
+        for k in found:
+            limits[k] = limits.get(k, Fraction(0)) + lim[k]
+        guaranteed = guaranteed and found >= {"cpu", "memory"}
+    if not requests and not limits:
+        return "BestEffort"
+    if guaranteed and requests == limits:
+        return "Guaranteed"
+    return "Burstable"
 
 
 def hub_server(cache: dict | None = None) -> dict:
@@ -210,8 +254,9 @@ class TestEngineContainer:
                 }
             )
         )
-        assert engine(objs, "decode")["resources"]["limits"] == {"amd.com/gpu": 4}
-        assert engine(objs, "prefill")["resources"]["limits"] == {"nvidia.com/gpu": 1}
+        assert engine(objs, "decode")["resources"]["limits"]["amd.com/gpu"] == 4
+        assert "nvidia.com/gpu" not in engine(objs, "decode")["resources"]["limits"]
+        assert engine(objs, "prefill")["resources"]["limits"]["nvidia.com/gpu"] == 1
 
     def test_side_channel_host_is_the_pod_ip(self):
         env = env_of(engine(rendered(server()), "decode"))
@@ -247,7 +292,8 @@ class TestEngineContainer:
         # Weights downloaded into an emptyDir fill the node's disk: schedule for it.
         objs = rendered(hub_server())
         for role in api.ROLES:
-            assert engine(objs, role)["resources"]["requests"] == {"ephemeral-storage": "100Gi"}
+            requests = engine(objs, role)["resources"]["requests"]
+            assert requests["ephemeral-storage"] == "100Gi"
             vol = next(v for v in pod_spec(objs, role)["volumes"] if v["name"] == "hf-cache")
             assert vol == {"name": "hf-cache", "emptyDir": {}}
         sized = rendered(hub_server({"ephemeralStorage": "80Gi"}))
@@ -271,7 +317,7 @@ class TestEngineContainer:
             assert vol == {"name": "hf-cache", **volume}
             mount = next(m for m in engine(objs, role)["volumeMounts"] if m["name"] == "hf-cache")
             assert mount == {"name": "hf-cache", "mountPath": "/var/cache/huggingface"}
-            assert "requests" not in engine(objs, role)["resources"]
+            assert "ephemeral-storage" not in engine(objs, role)["resources"]["requests"]
 
     @pytest.mark.parametrize(
         "cache",
@@ -312,7 +358,9 @@ class TestEngineContainer:
             assert ta["metadata"]["annotations"][build] == tb["metadata"]["annotations"][build]
 
     def test_no_ephemeral_storage_request_for_weights_on_a_volume(self):
-        assert "requests" not in engine(rendered(server()), "decode")["resources"]
+        assert (
+            "ephemeral-storage" not in engine(rendered(server()), "decode")["resources"]["requests"]
+        )
 
     def test_image_pull_secrets_reach_every_pod(self):
         objs = rendered(server({"engine": {"imagePullSecrets": [{"name": "regcred"}]}}))
@@ -589,11 +637,32 @@ class TestCPUServer:
         with pytest.raises(api.SpecError, match=r"spec\.decode\.resources\.cpu is "):
             rendered(cpu_server({"decode": {"resources": {"cpu": cpu}}}))
 
-    def test_unset_resources_request_cpus_and_memory_for_the_kv_space(self):
+    def test_unset_resources_request_cpus_and_memory_for_the_kv_space_and_shm(self):
         objs = rendered(cpu_server({"engine": {"cpu": {"kvCacheSpaceGiB": 3}}}))
         res = engine(objs, "prefill")["resources"]
         # Requests only: a limit would throttle the threads or OOM-kill a bigger model.
-        assert res == {"limits": {}, "requests": {"cpu": "2", "memory": "7Gi"}}
+        # 3Gi of KV, 4Gi for weights and runtime, the default 16Gi /dev/shm.
+        assert res == {"limits": {}, "requests": {"cpu": "2", "memory": "23Gi"}}
+
+    def test_the_cpu_example_counts_its_small_shm(self):
+        objs = rendered(load_example(EXAMPLES_BY_NAME["cpu.yaml"]))
+        assert engine(objs, "decode")["resources"]["requests"]["memory"] == "6Gi"
+
+    def test_omp_threads_follow_a_cpu_request_below_the_limit(self):
+        res = {"cpu": "8", "requests": {"cpu": "4"}}
+        objs = rendered(cpu_server({"decode": {"resources": res}}))
+        assert engine(objs, "decode")["resources"]["requests"]["cpu"] == "4"
+        assert engine(objs, "decode")["resources"]["limits"]["cpu"] == "8"
+        assert env_of(engine(objs, "decode"))["OMP_NUM_THREADS"] == "3"
+
+    def test_a_cpu_request_that_is_no_quantity_is_refused_naming_the_field(self):
+        with pytest.raises(api.SpecError, match=r"spec\.decode\.resources\.requests\.cpu is "):
+            rendered(cpu_server({"decode": {"resources": {"requests": {"cpu": "lots"}}}}))
+
+    def test_a_cpu_server_is_burstable_by_design(self):
+        # No CPU limit (NIXL's polling threads beside OpenMP) and no memory limit (the
+        # model's size): the engine's requests keep it off the kubelet's first evictions.
+        assert qos_class(pod_spec(rendered(cpu_server()), "decode")) == "Burstable"
 
     def test_explicit_resources_are_requests_and_limits(self):
         objs = rendered(cpu_server({"decode": {"resources": {"cpu": "6", "memory": "12Gi"}}}))
@@ -662,9 +731,13 @@ class TestSidecar:
         assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kvferry"
         assert not any(m["name"] == "kvferry-token" for m in engine(objs, "decode")["volumeMounts"])
 
-    def test_resources_default_from_the_crd(self):
+    def test_resources_default_from_the_crd_with_limits_equal_to_requests(self):
+        # No CPU limit left the pod Burstable: no cores of its own under the static CPU
+        # manager, and among the first pods the kubelet evicts.
         for role in api.ROLES:
-            assert sidecar(rendered(server()), role)["resources"] == SIDECAR_DEFAULTS
+            res = sidecar(rendered(server()), role)["resources"]
+            assert res == SIDECAR_RENDERED
+            assert res["requests"] == res["limits"] == {"cpu": "500m", "memory": "1Gi"}
 
     def test_resources_per_role_from_the_spec(self):
         spec = {
@@ -673,14 +746,152 @@ class TestSidecar:
         objs = rendered(server(spec))
         assert sidecar(objs, "decode")["resources"] == {
             "requests": {"cpu": "2", "memory": SIDECAR_DEFAULTS["requests"]["memory"]},
-            "limits": {"memory": "4Gi"},
+            # The unset CPU limit follows the raised request: never a request above it.
+            "limits": {"cpu": "2", "memory": "4Gi"},
         }
-        assert sidecar(objs, "prefill")["resources"] == SIDECAR_DEFAULTS
+        assert sidecar(objs, "prefill")["resources"] == SIDECAR_RENDERED
 
     def test_probes(self):
         sc = sidecar(rendered(server()), "decode")
         assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+    def test_the_sidecar_has_a_startup_probe_that_needs_no_engine(self):
+        # A native sidecar's startup probe holds the engine's start: on /readyz (the
+        # engine answers) it could never pass. /healthz answers once the sidecar serves
+        # (tests/unit/sidecar/test_ports.py serves it against a refused engine).
+        for role in api.ROLES:
+            probe = sidecar(rendered(server()), role)["startupProbe"]
+            assert probe["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
+            assert probe["periodSeconds"] * probe["failureThreshold"] == 60
+
+
+GIB = 1024**3
+
+
+class TestEngineResources:
+    """spec.<role>.resources: defaults that count /dev/shm, a Guaranteed default pod,
+    requests below limits, and resources beyond cpu and memory (render's resources.py)."""
+
+    def test_a_gpu_engine_requests_cpus_and_memory_per_gpu_plus_shm(self):
+        # No cpu or memory at all made the engine the kubelet's first eviction, beside a
+        # 16Gi memory-backed /dev/shm that counts against its memory.
+        res = engine(rendered(server()), "decode")["resources"]
+        assert res == {
+            "requests": {"cpu": "8", "memory": "32Gi"},
+            "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": 1},
+        }
+
+    def test_the_defaults_scale_with_gpus_and_shared_memory(self):
+        spec = {"prefill": {"tensorParallelSize": 4}, "network": {"sharedMemorySize": "512Mi"}}
+        res = engine(rendered(server(spec)), "prefill")["resources"]
+        assert res["requests"] == {"cpu": "32", "memory": f"{64 * 1024 + 512}Mi"}
+        assert res["limits"] == {**res["requests"], "nvidia.com/gpu": 4}
+
+    @pytest.mark.parametrize("name", ["minimal.yaml", "hub.yaml", "tuned.yaml", "rdma.yaml"])
+    def test_the_gpu_examples_pods_are_guaranteed(self, name):
+        objs = rendered(load_example(EXAMPLES_BY_NAME[name]))
+        for role in api.ROLES:
+            assert qos_class(pod_spec(objs, role)) == "Guaranteed", (name, role)
+
+    def test_explicit_cpu_and_memory_are_requests_and_limits(self):
+        spec = {"decode": {"resources": {"cpu": "12", "memory": "100Gi"}}}
+        res = engine(rendered(server(spec)), "decode")["resources"]
+        assert res["requests"] == {"cpu": "12", "memory": "100Gi"}
+        assert res["limits"] == {"cpu": "12", "memory": "100Gi", "nvidia.com/gpu": 1}
+
+    def test_requests_may_be_below_limits(self):
+        resources = {"memory": "200Gi", "requests": {"memory": "150Gi", "cpu": "4"}}
+        objs = rendered(server({"decode": {"resources": resources}}))
+        res = engine(objs, "decode")["resources"]
+        assert res["requests"] == {"cpu": "4", "memory": "150Gi"}
+        assert res["limits"] == {"cpu": "8", "memory": "200Gi", "nvidia.com/gpu": 1}
+        assert qos_class(pod_spec(objs, "decode")) == "Burstable"
+        assert qos_class(pod_spec(objs, "prefill")) == "Guaranteed"
+
+    def test_a_limit_set_alone_is_the_request_too(self):
+        # As Kubernetes defaults it: a default request above the user's limit would be
+        # refused by the API server.
+        objs = rendered(server({"prefill": {"resources": {"limits": {"cpu": "4"}}}}))
+        res = engine(objs, "prefill")["resources"]
+        assert (res["requests"]["cpu"], res["limits"]["cpu"]) == ("4", "4")
+        cpu = rendered(cpu_server({"decode": {"resources": {"limits": {"memory": "12Gi"}}}}))
+        res = engine(cpu, "decode")["resources"]
+        assert res["requests"]["memory"] == res["limits"]["memory"] == "12Gi"
+
+    def test_a_limit_may_be_above_the_request(self):
+        res = {"requests": {"cpu": "8"}, "limits": {"cpu": "16"}}
+        objs = rendered(server({"prefill": {"resources": res}}))
+        res = engine(objs, "prefill")["resources"]
+        assert (res["requests"]["cpu"], res["limits"]["cpu"]) == ("8", "16")
+
+    def test_resources_beyond_cpu_and_memory_are_limited(self):
+        extra = {"hugepages-2Mi": "4Gi", "rdma/hca_shared_devices_b": 2, "example.com/npu": 1}
+        objs = rendered(server({"decode": {"resources": {"limits": extra}}}))
+        res = engine(objs, "decode")["resources"]
+        assert res["limits"] == {
+            "cpu": "8",
+            "memory": "32Gi",
+            "nvidia.com/gpu": 1,
+            "hugepages-2Mi": "4Gi",
+            "rdma/hca_shared_devices_b": "2",
+            "example.com/npu": "1",
+        }
+        assert res["requests"] == {"cpu": "8", "memory": "32Gi"}
+        # Only cpu and memory decide QoS: extended resources keep the pod Guaranteed.
+        assert qos_class(pod_spec(objs, "decode")) == "Guaranteed"
+        for obj in objs:
+            if obj["kind"] == "StatefulSet":
+                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+    def test_a_shared_memory_size_that_is_no_quantity_still_renders(self):
+        # What the CRD accepts renders (tests/cluster/test_bad_input.py): the API server
+        # refuses the volume's sizeLimit, and the memory default leaves it out.
+        objs = rendered(server({"network": {"sharedMemorySize": "lots"}}))
+        assert engine(objs, "decode")["resources"]["requests"]["memory"] == "16Gi"
+
+    @pytest.mark.parametrize(
+        ("quantity", "size"),
+        [("16Gi", 16 * GIB), ("512Mi", 512 * 1024**2), ("1G", 10**9), (1024, 1024)],
+    )
+    def test_memory_quantities_in_bytes(self, quantity, size):
+        assert api.memory_bytes(str(quantity)) == size
+
+    @pytest.mark.parametrize("quantity", ["lots", "", "1e3", "Gi", "5gi", "-1Gi"])
+    def test_memory_quantities_that_are_none(self, quantity):
+        with pytest.raises(ValueError):
+            api.memory_bytes(quantity)
+
+
+class TestEngineProbes:
+    """The engine's startup budget: by source, or spec.<role>.startupSeconds."""
+
+    @staticmethod
+    def budget(manifest: dict, role: str = "decode") -> int:
+        probe = engine(rendered(manifest), role)["startupProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": "engine", "scheme": "HTTP"}
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    def test_weights_on_a_volume_start_within_30_minutes(self):
+        assert self.budget(server()) == 1800
+
+    @pytest.mark.parametrize("cache", [None, {"pvc": {"claimName": "hf"}}])
+    def test_a_hub_download_gets_two_hours(self, cache):
+        # A 70B hub download (~140 GB) plus the load does not fit 30 minutes.
+        assert self.budget(hub_server(cache)) == 7200
+
+    def test_startup_seconds_sets_the_budget_per_role(self):
+        manifest = server({"prefill": {"startupSeconds": 5400}})
+        assert self.budget(manifest, "prefill") == 5400
+        assert self.budget(manifest, "decode") == 1800
+
+    def test_a_budget_between_periods_is_rounded_up(self):
+        assert self.budget(server({"decode": {"startupSeconds": 95}})) == 100
+
+    def test_readiness_and_liveness_stay_on_health(self):
+        c = engine(rendered(server()), "decode")
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
 def sidecar_json(objs: list[dict]) -> dict:

@@ -125,7 +125,8 @@ SHORT_SERVER = api.parse_server(
     {
         **server(
             {
-                "prefill": {"resources": {"gpus": 16}},
+                "prefill": {"resources": {"gpus": 16, "requests": {"cpu": "4"}}},
+                "decode": {"resources": {"limits": {"hugepages-2Mi": "1Gi"}}},
                 "network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_b"}},
             }
         ),
@@ -178,6 +179,26 @@ SHORT_SERVER = api.parse_server(
             [PodState("big-decode-0", "decode", "0/2 nodes are available: 2 Insufficient cpu.")],
             "1 pod(s) cannot be scheduled (big-decode-0): no node has enough cpu "
             "(spec.decode.resources.cpu) free: add nodes with it, or lower that field",
+        ),
+        (
+            # A resource only spec.<role>.resources.limits asks for was named bare, with
+            # no field to change.
+            "hugepages from the limits map, named with that field",
+            [
+                PodState(
+                    "big-decode-0",
+                    "decode",
+                    "0/2 nodes are available: 2 Insufficient hugepages-2Mi." + PREEMPTION,
+                )
+            ],
+            "1 pod(s) cannot be scheduled (big-decode-0): no node has enough hugepages-2Mi "
+            "(spec.decode.resources.limits) free: add nodes with it, or lower that field",
+        ),
+        (
+            "a cpu request from the requests map, named with that field",
+            [PodState("big-prefill-0", "prefill", "0/2 nodes are available: 2 Insufficient cpu.")],
+            "1 pod(s) cannot be scheduled (big-prefill-0): no node has enough cpu "
+            "(spec.prefill.resources.requests) free: add nodes with it, or lower that field",
         ),
         (
             # The scheduler says "... not found. not found"; once repeated as it was.

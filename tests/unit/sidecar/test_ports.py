@@ -12,9 +12,12 @@ import pytest
 from aiohttp import web
 
 from kvferry_dev.fakeengines import FakeEngine
+from kvferry_operator import api, render
 from kvferry_sidecar.app import app_factory
+from kvferry_sidecar.config import Settings
 from kvferry_sidecar.session import owner
 from tests.kube import free_port
+from tests.manifests import MINIMAL
 
 from .conftest import Engines, sidecar_settings, start
 
@@ -134,3 +137,46 @@ async def test_readyz_on_the_public_port_says_not_ready_without_the_reason(
         resp = await http.get(internal + "/readyz")
         detail = await resp.json()
     assert resp.status == 503 and detail["reason"] and detail["engine"] == engines.decode.url
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_the_rendered_startup_probe_passes_before_the_engine_runs(role: str) -> None:
+    """A native sidecar's startup probe holds the engine's start, so the path the
+    operator renders for it must answer while no engine listens (a probe on /readyz
+    would never pass and the engine would never start); readiness still waits for it."""
+    objs = render.render(api.parse_server(MINIMAL))
+    (sts,) = [
+        o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith(role)
+    ]
+    container = sts["spec"]["template"]["spec"]["initContainers"][0]
+    ports = {p["name"]: free_port() for p in container["ports"]}
+    refused = "http://127.0.0.1:1"  # nothing listens: the engine has not started
+    settings = Settings(
+        role=role,
+        engine_url=refused,
+        prefill_engines=(refused,),
+        listen_host="127.0.0.1",
+        listen_port=ports["http"],
+        internal_port=ports["internal"],
+        probe_interval_seconds=3600.0,
+        topology_reload_seconds=3600.0,
+        connect_timeout_seconds=1.0,
+        kv_events="",
+    )
+    runner = web.AppRunner(app_factory(settings))
+    await runner.setup()
+    for port in ports.values():
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    async def status(probe: str) -> int:
+        get = container[probe]["httpGet"]
+        async with http.get(f"http://127.0.0.1:{ports[get['port']]}{get['path']}") as resp:
+            return resp.status
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            assert await status("startupProbe") == 200
+            assert await status("livenessProbe") == 200
+            assert await status("readinessProbe") == 503
+    finally:
+        await runner.cleanup()
