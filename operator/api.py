@@ -247,7 +247,7 @@ class Role:
     pod_labels: dict[str, str]
     pod_annotations: dict[str, str]
     priority_class_name: str | None
-    max_unavailable: int
+    max_unavailable: int | str  # PodDisruptionBudget maxUnavailable: pods or "25%"
     sidecar_resources: SidecarResources
 
 
