@@ -786,6 +786,13 @@ class TestPDB:
         )
         assert pdb["spec"]["maxUnavailable"] == "25%"
 
+    @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+    def test_no_example_blocks_node_drains(self, path: Path):
+        # A budget of 0 refuses every eviction: a node upgrade waits on it for good.
+        for obj in rendered(load_example(path)):
+            if obj["kind"] == "PodDisruptionBudget":
+                assert obj["spec"]["maxUnavailable"] not in (0, "0%"), obj["metadata"]["name"]
+
     @pytest.mark.parametrize("role", [api.ROLE_PREFILL, api.ROLE_DECODE])
     def test_pods_that_are_not_ready_may_always_be_evicted(self, role: str):
         # Under the API's default (IfHealthyBudget) a role whose pods all crash-loop
