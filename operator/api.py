@@ -251,7 +251,7 @@ class Role:
     pod_labels: dict[str, str]
     pod_annotations: dict[str, str]
     priority_class_name: str | None
-    max_unavailable: int
+    max_unavailable: int | str  # PodDisruptionBudget maxUnavailable: pods or "25%"
     sidecar_resources: SidecarResources
     # The engine's startup budget (spec.<role>.startupSeconds); None = by model source.
     startup_seconds: int | None = None

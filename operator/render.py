@@ -501,6 +501,16 @@ def build_entry_service(server: Server) -> Obj:
 
 
 def build_pdb(server: Server, role: Role) -> Obj:
+    """How many of a role's pods voluntary evictions (drains) may take at once:
+    ``maxUnavailable`` as the spec has it, pods or a percentage of the replicas.
+
+    ``unhealthyPodEvictionPolicy: AlwaysAllow``: a pod that is not Ready serves no
+    turns, so evicting it takes nothing from the role. Under the API's default
+    (IfHealthyBudget) a not-Ready pod may be evicted only while the role's Ready pods
+    meet the budget, so when all of a role's pods crash-loop (a bad engine flag, a
+    model that does not fit) or one does under maxUnavailable 0, every drain of their
+    nodes blocks until someone deletes the pods by hand. Ready pods stay under the
+    budget either way. Kubernetes' docs recommend AlwaysAllow for this reason."""
     name = child_name(server, role.name)
     return {
         "apiVersion": "policy/v1",
@@ -509,6 +519,7 @@ def build_pdb(server: Server, role: Role) -> Obj:
         "spec": {
             "maxUnavailable": role.max_unavailable,
             "selector": {"matchLabels": selector_labels(server, role.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 

@@ -227,6 +227,27 @@ INVALID: list[Invalid] = [
         "spec.decode.replicas",
         "should be less than or equal to 1000",
     ),
+    # A PodDisruptionBudget's maxUnavailable: pods or a percentage
+    # (tests/cluster/test_disruption.py runs these through the API server).
+    Invalid(
+        "decode-max-unavailable-word",
+        _spec({"decode": {"maxUnavailable": "lots"}}),
+        "spec.decode.maxUnavailable",
+        "maxUnavailable must be a whole number of pods (0 or more) or a percentage of the "
+        'role\'s replicas from 0% to 100%, e.g. 1 or "25%"',
+    ),
+    Invalid(
+        "prefill-max-unavailable-negative",
+        _spec({"prefill": {"maxUnavailable": -1}}),
+        "spec.prefill.maxUnavailable",
+        "maxUnavailable must be a whole number of pods (0 or more)",
+    ),
+    Invalid(
+        "decode-max-unavailable-over-all",
+        _spec({"decode": {"maxUnavailable": "150%"}}),
+        "spec.decode.maxUnavailable",
+        "a percentage of the role's replicas from 0% to 100%",
+    ),
     Invalid(
         "decode-tp-zero",
         _spec({"decode": {"tensorParallelSize": 0}}),

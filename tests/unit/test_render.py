@@ -1015,6 +1015,40 @@ class TestPDB:
         assert by_kind(objs, "PodDisruptionBudget", "tiny-decode")["spec"]["maxUnavailable"] == 0
         assert by_kind(objs, "PodDisruptionBudget", "tiny-prefill")["spec"]["maxUnavailable"] == 1
 
+    def test_a_percentage_goes_to_the_pdb_as_written(self):
+        # The disruption controller scales it by the StatefulSet's replicas (rounded
+        # up), so a budget written as a share follows an autoscaled role.
+        pdb = by_kind(
+            rendered(server({"decode": {"maxUnavailable": "25%"}})),
+            "PodDisruptionBudget",
+            "tiny-decode",
+        )
+        assert pdb["spec"]["maxUnavailable"] == "25%"
+
+    @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+    def test_no_example_blocks_node_drains(self, path: Path):
+        # A budget of 0 refuses every eviction: a node upgrade waits on it for good.
+        for obj in rendered(load_example(path)):
+            if obj["kind"] == "PodDisruptionBudget":
+                assert obj["spec"]["maxUnavailable"] not in (0, "0%"), obj["metadata"]["name"]
+
+    @pytest.mark.parametrize("role", [api.ROLE_PREFILL, api.ROLE_DECODE])
+    def test_pods_that_are_not_ready_may_always_be_evicted(self, role: str):
+        # Under the API's default (IfHealthyBudget) a role whose pods all crash-loop
+        # blocks every drain of their nodes until someone deletes them by hand.
+        pdb = by_kind(rendered(server()), "PodDisruptionBudget", f"tiny-{role}")
+        assert pdb["spec"] == {
+            "maxUnavailable": 1,
+            "selector": {
+                "matchLabels": {
+                    api.LABEL_NAME: "kvferry",
+                    api.LABEL_INSTANCE: "tiny",
+                    api.LABEL_ROLE: role,
+                }
+            },
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        }
+
 
 class TestAutoRetention:
     def auto(self, applied: int | None, mode: str = "Auto") -> list[dict]:

@@ -80,6 +80,11 @@ def test_unquoted_off_gets_a_yaml_hint():
     assert "quote it" in err.message
 
 
+@pytest.mark.parametrize("value", [0, 1, 7, "0%", "25%", "100%"])
+def test_max_unavailable_takes_pods_or_a_percentage_as_a_pdb_does(value: int | str):
+    assert validation.validate(server({"decode": {"maxUnavailable": value}})) == []
+
+
 def test_a_server_that_already_has_a_status_keeps_its_name():
     # Created before the suffix rule: the API server must still take its spec edits
     # and the operator's status writes (create drops status, so new ones are checked).
