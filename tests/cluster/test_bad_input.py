@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kubernetes import client, config
 
-from kvferry_operator import api, render
+from kvferry_operator import api, render, validation
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
@@ -155,6 +155,9 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
     @SETTINGS
     @given(servers())
     def check(obj: dict[str, Any]) -> None:
+        # Offline `kvferry-operator render` checks with validation.validate: it must
+        # refuse exactly what the API server refuses.
+        offline = validation.validate(obj)
         try:
             out = objects.create_namespaced_custom_object(
                 api.GROUP,
@@ -170,8 +173,10 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
             assert exc.status in (400, 422), (exc.status, exc.body, obj)
             body = json.loads(exc.body)
             assert names_a_field(body), (body, obj)
+            assert offline, ("refused by the API server, not offline", body["message"], obj)
             verdicts["rejected"] += 1
             return
+        assert offline == [], ("refused offline, not by the API server", offline, obj)
         verdicts["accepted"] += 1
         # What the API server accepts (with its defaults) parses and renders.
         render.render(api.parse_server({**out, "metadata": {**out["metadata"], "uid": "u"}}))

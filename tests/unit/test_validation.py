@@ -3,12 +3,14 @@ the same table through a real API server)."""
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Any
 
 import pytest
+import yaml
 
-from kvferry_operator import api, render, validation
+from kvferry_operator import api, cli, render, validation
 from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, server
 
 
@@ -103,3 +105,50 @@ def test_the_names_the_crd_accepts_never_render_the_same_child():
             assert not _children(a) & _children(b), (a, b)
     rejected = set(names) - set(accepted)
     assert rejected >= {"chat-decode", "chat-prefill"}
+
+
+def test_a_repeated_list_map_key_is_refused_as_the_api_server_does():
+    # jsonschema knows no x-kubernetes-list-type: without this, render took what
+    # `kubectl apply` refuses.
+    env = [{"name": "B", "value": "1"}, {"name": "B"}]
+    errors = [str(e) for e in validation.validate(server({"decode": {"env": env}}))]
+    assert 'spec.decode.env[1]: Duplicate value: {"name":"B"}' in errors
+
+
+def test_a_repeated_list_set_item_is_refused_as_the_api_server_does():
+    errors = validation.validate(server({"kvTransfer": {"backends": ["UCX", "UCX"]}}))
+    assert [str(e) for e in errors] == ['spec.kvTransfer.backends[1]: Duplicate value: "UCX"']
+
+
+def test_cel_rules_run_beside_a_bound_error_as_on_the_api_server():
+    # Only type, enum, required and size errors stop the API server's CEL rules; the
+    # user sees every other problem in one go.
+    obj = server({"prefill": {"replicas": -1}, "owners": {"maxHandles": 3}})
+    assert sorted(e.path for e in validation.validate(obj)) == [
+        "spec.owners",
+        "spec.prefill.replicas",
+    ]
+
+
+def test_a_pattern_is_anchored_at_the_very_end_as_in_go():
+    # Go's $ is the end of the text; Python's also matches before a final newline.
+    (err,) = validation.validate(server({"owners": {"header": "X-User\n"}}))
+    assert err.path == "spec.owners.header" and "should match '^[A-Za-z0-9-]+$'" in err.message
+
+
+def test_an_unknown_field_is_the_only_complaint_as_under_strict_decoding():
+    obj = server({"prefill": {"replica": 2, "replicas": -1}})
+    assert [e.path for e in validation.validate(obj)] == ["spec.prefill.replica"]
+
+
+def test_a_null_the_api_server_drops_is_dropped_before_validating_and_rendering():
+    # `podLabels: {team: null}` is stored as {} (nulls of non-nullable fields are
+    # pruned), so render must take it too, and render it without the label.
+    obj = server({"decode": {"podLabels": {"team": None}, "priorityClassName": None}})
+    assert validation.validate(obj) == []
+    objects, errors = cli.render_documents(io.StringIO(yaml.safe_dump(obj)))
+    assert errors == []
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and "decode" in o["metadata"]["name"]
+    )
+    assert "team" not in sts["spec"]["template"]["metadata"]["labels"]
