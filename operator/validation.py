@@ -13,11 +13,13 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import celpy
 import jsonschema
+from celpy import celtypes
 
 from . import api
 
@@ -38,9 +40,7 @@ def _to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
         if key.startswith("x-kubernetes-") or key in ("description", "default", "format"):
             continue
         if key == "pattern":
-            # Go's regexp (the API server's) matches $ only at the very end; Python's
-            # also before a final newline, so "1Gi\n" would pass here and fail there.
-            out[key] = value[:-1] + r"\Z" if value.endswith("$") else value
+            out[key] = _go_pattern(value)
         elif key == "properties":
             out[key] = {k: _to_jsonschema(v) for k, v in value.items()}
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
@@ -194,7 +194,21 @@ def _duplicates(schema: dict[str, Any], value: Any, path: list[Any]) -> list[_Sc
 @functools.cache
 def _cel_program(rule: str) -> celpy.Runner:
     env = celpy.Environment()
-    return env.program(env.compile(rule))
+    return env.program(env.compile(rule), functions={"matches": _go_matches})
+
+
+def _go_pattern(pattern: str) -> str:
+    """Go's regexp (the API server's) matches a final $ only at the very end of the
+    text; Python's also before a final newline, so "1Gi\n" would pass here and fail
+    there."""
+    return (
+        pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+    )
+
+
+def _go_matches(text: Any, pattern: Any) -> celtypes.BoolType:
+    """CEL's string.matches as the API server runs it (see _go_pattern)."""
+    return celtypes.BoolType(re.search(_go_pattern(str(pattern)), str(text)) is not None)
 
 
 def _cel_errors(schema: dict[str, Any], value: Any, path: list[Any]) -> list[FieldError]:

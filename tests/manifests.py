@@ -289,7 +289,7 @@ INVALID: list[Invalid] = [
         "memory-not-a-quantity",
         _spec({"prefill": {"resources": {"memory": "lots"}}}),
         "spec.prefill.resources.memory",
-        "should match",
+        "must be a Kubernetes quantity",
     ),
     Invalid(
         "memory-negative",
@@ -301,13 +301,13 @@ INVALID: list[Invalid] = [
         "sidecar-cpu-not-a-quantity",
         _spec({"decode": {"sidecarResources": {"limits": {"cpu": "1 core"}}}}),
         "spec.decode.sidecarResources.limits.cpu",
-        "should match",
+        "must be a Kubernetes quantity",
     ),
     Invalid(
         "shared-memory-not-a-quantity",
         _spec({"network": {"sharedMemorySize": "16 GB"}}),
         "spec.network.sharedMemorySize",
-        "should match",
+        "must be a Kubernetes quantity",
     ),
     Invalid(
         "hub-ephemeral-storage-not-a-quantity",
@@ -322,7 +322,52 @@ INVALID: list[Invalid] = [
             }
         ),
         "spec.model.source.hub.cache.ephemeralStorage",
-        "should match",
+        "must be a Kubernetes quantity",
+    ),
+    *[
+        Invalid(
+            f"{field.replace('.', '-')}-not-a-quantity",
+            _spec({role: merge({}, patch)}),
+            f"spec.{role}.{field}",
+            "must be a Kubernetes quantity",
+        )
+        for role, field, patch in [
+            ("prefill", "resources.cpu", {"resources": {"cpu": "4 cores"}}),
+            (
+                "decode",
+                "sidecarResources.requests.cpu",
+                {"sidecarResources": {"requests": {"cpu": "1/4"}}},
+            ),
+            (
+                "prefill",
+                "sidecarResources.requests.memory",
+                {"sidecarResources": {"requests": {"memory": "256 Mi"}}},
+            ),
+            (
+                "decode",
+                "sidecarResources.limits.memory",
+                {"sidecarResources": {"limits": {"memory": "1GB!"}}},
+            ),
+        ]
+    ],
+    Invalid(
+        "env-divisor-not-a-quantity",
+        _spec(
+            {
+                "decode": {
+                    "env": [
+                        {
+                            "name": "MEM",
+                            "valueFrom": {
+                                "resourceFieldRef": {"resource": "limits.memory", "divisor": "a Mi"}
+                            },
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.decode.env[0].valueFrom.resourceFieldRef.divisor",
+        "must be a Kubernetes quantity",
     ),
     # Flags the operator sets (engine_config.OWNED_FLAGS): the sidecar still targets 8200.
     Invalid(
