@@ -415,7 +415,8 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         if value is None:
             continue
         # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
-        # schema takes any int-or-string, as core/v1 does.
+        # schema takes any quantity, "4Ki" too, and a server stored before it checked
+        # quantities may hold anything.
         try:
             cpu_cores(str(value))
         except (ValueError, OverflowError):

@@ -45,6 +45,8 @@ def render_documents(stream: TextIO) -> tuple[list[dict[str, Any]], list[str]]:
             )
             continue
         name = (doc.get("metadata") or {}).get("name", f"document {i}")
+        # What the API server would store: without the nulls it drops.
+        doc = validation.prune_nulls(doc)
         problems = validation.validate(doc)
         if problems:
             errors += [f"{api.SERVER_KIND} {name}: {p}" for p in problems]

@@ -152,6 +152,51 @@ def build_kv_events_config() -> Obj:
     }
 
 
+# The engine flags the operator sets (build_engine_args), each with the field that sets
+# it instead ("" for the pod's own wiring, which nothing else may change). vLLM takes the
+# last of a repeated flag, so an extraArgs entry would win while the sidecar, the
+# Services and the tuner still work from ours (another --port: the sidecar still targets
+# 8200). The CRD refuses them in every extraArgs item with OWNED_FLAGS_PATTERN, which a
+# unit test checks against this table: the one list of them.
+OWNED_FLAGS: dict[str, str] = {
+    "--model": "spec.model.source",
+    "--served-model-name": "spec.model.name",
+    "--host": "",
+    "--port": "",
+    "--tensor-parallel-size": "spec.<role>.tensorParallelSize",
+    "--dtype": "spec.model.dtype",
+    "--kv-transfer-config": "spec.kvTransfer",
+    "--kv-events-config": "",
+    "--prefix-caching-hash-algo": "",
+    "--max-model-len": "spec.model.maxModelLen",
+    "--revision": "spec.model.source.hub.revision",
+}
+# vLLM's short alias of --tensor-parallel-size.
+OWNED_SHORT_FLAGS = ("-tp",)
+
+
+def _abbreviations(name: str) -> str:
+    """A regex for ``name`` and every prefix of it (argparse expands an unambiguous
+    prefix of a long flag), with _ for - (vLLM turns underscores in flag names into
+    dashes before argparse sees them): "port" -> p(o(r(t)?)?)?."""
+    out = ""
+    for char in reversed(name):
+        atom = "[-_]" if char == "-" else char
+        out = f"{atom}({out})?" if out else atom
+    return out
+
+
+def owned_flags_pattern() -> str:
+    """Matches an engine argument that sets an owned flag: --flag, --flag=value, vLLM's
+    dotted --flag.key form, underscores for dashes, abbreviations, -tp."""
+    longs = "|".join(_abbreviations(flag[2:]) for flag in OWNED_FLAGS)
+    shorts = "|".join(flag[1:] for flag in OWNED_SHORT_FLAGS)
+    return f"^(--({longs})([=.].*)?|-({shorts})(=.*)?)$"
+
+
+OWNED_FLAGS_PATTERN = owned_flags_pattern()
+
+
 def model_path(spec: ServerSpec) -> str:
     m = spec.model
     if m.pvc:

@@ -62,6 +62,7 @@ def _spec(patch: dict[str, Any]) -> dict[str, Any]:
     return merge(MINIMAL, {"spec": patch})
 
 
+NODE_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 HUB_BOTH = {"pvc": {"claimName": "hf"}, "hostPath": {"path": "/var/cache/hf"}}
 
 # Every CEL rule and every required field of the CRD appears here at least once
@@ -321,13 +322,288 @@ INVALID: list[Invalid] = [
         "cpu-prefill-gpus",
         _spec({"engine": {"device": "cpu"}, "prefill": {"resources": {"gpus": 1}}}),
         "spec.prefill.resources.gpus",
-        "resources.gpus must be unset when spec.engine.device is cpu",
+        "resources.gpus must be 0 or unset when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-decode-gpus",
-        _spec({"engine": {"device": "cpu"}, "decode": {"resources": {"gpus": 0}}}),
+        _spec({"engine": {"device": "cpu"}, "decode": {"resources": {"gpus": 2}}}),
         "spec.decode.resources.gpus",
-        "resources.gpus must be unset when spec.engine.device is cpu",
+        "resources.gpus must be 0 or unset when spec.engine.device is cpu",
+    ),
+    # gpus 0 is the CPU server's (where it is allowed); a GPU engine needs its GPUs.
+    Invalid(
+        "gpu-prefill-gpus-zero",
+        _spec({"prefill": {"resources": {"gpus": 0}}}),
+        "spec.prefill.resources.gpus",
+        "resources.gpus 0 needs spec.engine.device: cpu",
+    ),
+    Invalid(
+        "gpu-decode-gpus-zero",
+        _spec({"decode": {"resources": {"gpus": 0}}}),
+        "spec.decode.resources.gpus",
+        "resources.gpus 0 needs spec.engine.device: cpu",
+    ),
+    Invalid(
+        "tp-above-one-node",
+        _spec({"decode": {"tensorParallelSize": 64}}),
+        "spec.decode.tensorParallelSize",
+        "should be less than or equal to 16",
+    ),
+    # Quantities: what the CRD accepts, the StatefulSet must accept too.
+    Invalid(
+        "memory-not-a-quantity",
+        _spec({"prefill": {"resources": {"memory": "lots"}}}),
+        "spec.prefill.resources.memory",
+        "must be a Kubernetes quantity",
+    ),
+    Invalid(
+        "memory-negative",
+        _spec({"decode": {"resources": {"memory": -4}}}),
+        "spec.decode.resources.memory",
+        "should be greater than or equal to 0",
+    ),
+    Invalid(
+        "sidecar-cpu-not-a-quantity",
+        _spec({"decode": {"sidecarResources": {"limits": {"cpu": "1 core"}}}}),
+        "spec.decode.sidecarResources.limits.cpu",
+        "must be a Kubernetes quantity",
+    ),
+    Invalid(
+        "shared-memory-not-a-quantity",
+        _spec({"network": {"sharedMemorySize": "16 GB"}}),
+        "spec.network.sharedMemorySize",
+        "must be a Kubernetes quantity",
+    ),
+    Invalid(
+        "hub-ephemeral-storage-not-a-quantity",
+        _spec(
+            {
+                "model": {
+                    "source": {
+                        "pvc": DELETE,
+                        "hub": {"id": "org/m", "cache": {"ephemeralStorage": "-1Gi"}},
+                    }
+                }
+            }
+        ),
+        "spec.model.source.hub.cache.ephemeralStorage",
+        "must be a Kubernetes quantity",
+    ),
+    *[
+        Invalid(
+            f"{field.replace('.', '-')}-not-a-quantity",
+            _spec({role: merge({}, patch)}),
+            f"spec.{role}.{field}",
+            "must be a Kubernetes quantity",
+        )
+        for role, field, patch in [
+            ("prefill", "resources.cpu", {"resources": {"cpu": "4 cores"}}),
+            (
+                "decode",
+                "sidecarResources.requests.cpu",
+                {"sidecarResources": {"requests": {"cpu": "1/4"}}},
+            ),
+            (
+                "prefill",
+                "sidecarResources.requests.memory",
+                {"sidecarResources": {"requests": {"memory": "256 Mi"}}},
+            ),
+            (
+                "decode",
+                "sidecarResources.limits.memory",
+                {"sidecarResources": {"limits": {"memory": "1GB!"}}},
+            ),
+        ]
+    ],
+    Invalid(
+        "env-divisor-not-a-quantity",
+        _spec(
+            {
+                "decode": {
+                    "env": [
+                        {
+                            "name": "MEM",
+                            "valueFrom": {
+                                "resourceFieldRef": {"resource": "limits.memory", "divisor": "a Mi"}
+                            },
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.decode.env[0].valueFrom.resourceFieldRef.divisor",
+        "must be a Kubernetes quantity",
+    ),
+    # Flags the operator sets (engine_config.OWNED_FLAGS): the sidecar still targets 8200.
+    Invalid(
+        "extra-args-port",
+        _spec({"decode": {"extraArgs": ["--port", "9000"]}}),
+        "spec.decode.extraArgs[0]",
+        "extraArgs must not set a flag the operator sets",
+    ),
+    Invalid(
+        "extra-args-kv-transfer-config",
+        _spec({"prefill": {"extraArgs": ["--kv_transfer_config={}"]}}),
+        "spec.prefill.extraArgs[0]",
+        "extraArgs must not set a flag the operator sets",
+    ),
+    Invalid(
+        "model-extra-args-abbreviated-tp",
+        _spec({"model": {"extraArgs": ["--enforce-eager", "--tensor-parallel", "4"]}}),
+        "spec.model.extraArgs[1]",
+        "extraArgs must not set a flag the operator sets",
+    ),
+    # core/v1 types with their fields and the pod validation's rules.
+    Invalid(
+        "toleration-misspelt-field",
+        _spec({"prefill": {"tolerations": [{"keys": "nvidia.com/gpu", "operator": "Exists"}]}}),
+        "spec.prefill.tolerations[0].keys",
+        'unknown field "spec.prefill.tolerations[0].keys"',
+    ),
+    Invalid(
+        "toleration-operator-enum",
+        _spec({"prefill": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "exists"}]}}),
+        "spec.prefill.tolerations[0].operator",
+        'Unsupported value: "exists"',
+    ),
+    Invalid(
+        "toleration-key-not-a-label-key",
+        _spec({"decode": {"tolerations": [{"key": "nvidia gpu", "operator": "Exists"}]}}),
+        "spec.decode.tolerations[0].key",
+        "should match",
+    ),
+    Invalid(
+        "toleration-no-key-needs-exists",
+        _spec({"decode": {"tolerations": [{"value": "x", "effect": "NoSchedule"}]}}),
+        "spec.decode.tolerations[0]",
+        "a toleration without a key tolerates every taint and needs operator: Exists",
+    ),
+    Invalid(
+        "toleration-exists-with-value",
+        _spec({"decode": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}),
+        "spec.decode.tolerations[0].value",
+        "a toleration with operator: Exists matches every value of its key",
+    ),
+    Invalid(
+        "toleration-seconds-without-no-execute",
+        _spec({"decode": {"tolerations": [{"key": "k", "tolerationSeconds": 60}]}}),
+        "spec.decode.tolerations[0].tolerationSeconds",
+        "tolerationSeconds applies to effect NoExecute only",
+    ),
+    Invalid(
+        "affinity-misspelt-field",
+        _spec({"decode": {"affinity": {"podAntiAfinity": {}}}}),
+        "spec.decode.affinity.podAntiAfinity",
+        'unknown field "spec.decode.affinity.podAntiAfinity"',
+    ),
+    Invalid(
+        "node-requirement-in-without-values",
+        _spec(
+            {
+                "prefill": {
+                    "affinity": {
+                        "nodeAffinity": {
+                            NODE_REQUIRED: {
+                                "nodeSelectorTerms": [
+                                    {"matchExpressions": [{"key": "gpu", "operator": "In"}]}
+                                ]
+                            }
+                        }
+                    }
+                }
+            }
+        ),
+        f"spec.prefill.affinity.nodeAffinity.{NODE_REQUIRED}.nodeSelectorTerms[0]"
+        ".matchExpressions[0].values",
+        "a node selector requirement with operator In or NotIn needs values",
+    ),
+    Invalid(
+        "pod-requirement-exists-with-values",
+        _spec(
+            {
+                "decode": {
+                    "affinity": {
+                        "podAntiAffinity": {
+                            NODE_REQUIRED: [
+                                {
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {
+                                        "matchExpressions": [
+                                            {"key": "app", "operator": "Exists", "values": ["x"]}
+                                        ]
+                                    },
+                                }
+                            ]
+                        }
+                    }
+                }
+            }
+        ),
+        f"spec.decode.affinity.podAntiAffinity.{NODE_REQUIRED}[0].labelSelector"
+        ".matchExpressions[0].values",
+        "a label selector requirement with operator In or NotIn needs values",
+    ),
+    Invalid(
+        "env-misspelt-field",
+        _spec({"prefill": {"env": [{"name": "A", "valeu": "1"}]}}),
+        "spec.prefill.env[0].valeu",
+        'unknown field "spec.prefill.env[0].valeu"',
+    ),
+    Invalid(
+        "env-duplicate-name",
+        _spec({"prefill": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}}),
+        "spec.prefill.env",
+        "env names each variable once",
+    ),
+    Invalid(
+        "env-duplicate-name-list-map",
+        _spec({"decode": {"env": [{"name": "B", "value": "1"}, {"name": "B"}]}}),
+        "spec.decode.env[1]",
+        'Duplicate value: {"name":"B"}',
+    ),
+    Invalid(
+        "env-name-with-equals",
+        _spec({"decode": {"env": [{"name": "A=B", "value": "1"}]}}),
+        "spec.decode.env[0].name",
+        "should match",
+    ),
+    Invalid(
+        "env-value-and-value-from",
+        _spec(
+            {
+                "decode": {
+                    "env": [
+                        {
+                            "name": "A",
+                            "value": "1",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.decode.env[0]",
+        "an env entry sets value or valueFrom, not both",
+    ),
+    Invalid(
+        "env-value-from-two-sources",
+        _spec(
+            {
+                "decode": {
+                    "env": [
+                        {
+                            "name": "A",
+                            "valueFrom": {
+                                "fieldRef": {"fieldPath": "status.podIP"},
+                                "secretKeyRef": {"name": "s", "key": "k"},
+                            },
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.decode.env[0].valueFrom",
+        "Too many: 2: must have at most 1 item",
     ),
     Invalid(
         "cpu-prefill-tp",
@@ -579,4 +855,126 @@ INVALID: list[Invalid] = [
         "spec.owners.maxPinnedTokens",
         "should be greater than or equal to 1",
     ),
+]
+
+
+# A required field of the core/v1 types in a role, left out: (case, role patch, path).
+_NODE_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+_TERM = {"topologyKey": "kubernetes.io/hostname"}
+_CORE_REQUIRED: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "node-affinity-terms",
+        {"affinity": {"nodeAffinity": {NODE_REQUIRED: {}}}},
+        f"affinity.nodeAffinity.{NODE_REQUIRED}.nodeSelectorTerms",
+    ),
+    (
+        "node-requirement-key",
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    NODE_REQUIRED: {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"operator": "Exists"}]}]
+                    }
+                }
+            }
+        },
+        f"affinity.nodeAffinity.{NODE_REQUIRED}.nodeSelectorTerms[0].matchExpressions[0].key",
+    ),
+    (
+        "node-requirement-operator",
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    NODE_REQUIRED: {"nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu"}]}]}
+                }
+            }
+        },
+        f"affinity.nodeAffinity.{NODE_REQUIRED}.nodeSelectorTerms[0].matchExpressions[0].operator",
+    ),
+    (
+        "node-preferred-weight",
+        {"affinity": {"nodeAffinity": {_NODE_PREFERRED: [{"preference": {}}]}}},
+        f"affinity.nodeAffinity.{_NODE_PREFERRED}[0].weight",
+    ),
+    (
+        "node-preferred-preference",
+        {"affinity": {"nodeAffinity": {_NODE_PREFERRED: [{"weight": 1}]}}},
+        f"affinity.nodeAffinity.{_NODE_PREFERRED}[0].preference",
+    ),
+    (
+        "pod-term-topology-key",
+        {"affinity": {"podAffinity": {NODE_REQUIRED: [{}]}}},
+        f"affinity.podAffinity.{NODE_REQUIRED}[0].topologyKey",
+    ),
+    (
+        "pod-requirement-key",
+        {
+            "affinity": {
+                "podAffinity": {
+                    NODE_REQUIRED: [
+                        {**_TERM, "labelSelector": {"matchExpressions": [{"operator": "Exists"}]}}
+                    ]
+                }
+            }
+        },
+        f"affinity.podAffinity.{NODE_REQUIRED}[0].labelSelector.matchExpressions[0].key",
+    ),
+    (
+        "pod-requirement-operator",
+        {
+            "affinity": {
+                "podAffinity": {
+                    NODE_REQUIRED: [
+                        {**_TERM, "labelSelector": {"matchExpressions": [{"key": "app"}]}}
+                    ]
+                }
+            }
+        },
+        f"affinity.podAffinity.{NODE_REQUIRED}[0].labelSelector.matchExpressions[0].operator",
+    ),
+    (
+        "pod-preferred-weight",
+        {"affinity": {"podAntiAffinity": {_NODE_PREFERRED: [{"podAffinityTerm": _TERM}]}}},
+        f"affinity.podAntiAffinity.{_NODE_PREFERRED}[0].weight",
+    ),
+    (
+        "pod-preferred-term",
+        {"affinity": {"podAntiAffinity": {_NODE_PREFERRED: [{"weight": 1}]}}},
+        f"affinity.podAntiAffinity.{_NODE_PREFERRED}[0].podAffinityTerm",
+    ),
+    (
+        "env-field-path",
+        {"env": [{"name": "A", "valueFrom": {"fieldRef": {}}}]},
+        "env[0].valueFrom.fieldRef.fieldPath",
+    ),
+    (
+        "env-resource",
+        {"env": [{"name": "A", "valueFrom": {"resourceFieldRef": {}}}]},
+        "env[0].valueFrom.resourceFieldRef.resource",
+    ),
+    (
+        "env-config-map-name",
+        {"env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"key": "k"}}}]},
+        "env[0].valueFrom.configMapKeyRef.name",
+    ),
+    (
+        "env-config-map-key",
+        {"env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "c"}}}]},
+        "env[0].valueFrom.configMapKeyRef.key",
+    ),
+    (
+        "env-secret-name",
+        {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"key": "k"}}}]},
+        "env[0].valueFrom.secretKeyRef.name",
+    ),
+    (
+        "env-secret-key",
+        {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
+        "env[0].valueFrom.secretKeyRef.key",
+    ),
+]
+INVALID += [
+    Invalid(f"{case}-required", _spec({role: patch}), f"spec.{role}.{path}", "Required value")
+    for i, (case, patch, path) in enumerate(_CORE_REQUIRED)
+    for role in ["prefill" if i % 2 else "decode"]
 ]

@@ -82,14 +82,21 @@ def test_a_cpu_server_without_an_image_runs_the_published_cpu_image(
 def test_a_cpu_count_that_is_no_quantity_is_an_invalid_spec_naming_the_field(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    # The schema takes any string for resources.cpu (int-or-string, as core/v1 does);
-    # a CPU server sizes its OpenMP threads from it, so the operator must say which
-    # field is wrong instead of failing in its handler and rendering nothing.
-    sample = cpu_example(ns, {"decode": {"resources": {"cpu": "4 cores"}}})
+    # The CRD refuses what is no quantity at all, naming the field.
+    refused = kubectl.apply(
+        cpu_example(ns, {"decode": {"resources": {"cpu": "4 cores"}}}), "--server-side", check=False
+    )
+    assert refused.returncode != 0
+    assert "spec.decode.resources.cpu: Invalid value" in refused.stderr
+    assert "must be a Kubernetes quantity" in refused.stderr
+    # A quantity the CPU build cannot size its OpenMP threads from (a binary suffix)
+    # passes the schema, so the operator must say which field is wrong instead of
+    # failing in its handler and rendering nothing.
+    sample = cpu_example(ns, {"decode": {"resources": {"cpu": "4Ki"}}})
     name = sample["metadata"]["name"]
     kubectl.apply(sample, "--server-side")
     (event,) = wait_for_event(kubectl, ns, name, "InvalidSpec", timeout=30)
-    assert "spec.decode.resources.cpu is '4 cores'" in event["message"], event
+    assert "spec.decode.resources.cpu is '4Ki'" in event["message"], event
     assert 'e.g. "4" or "3500m"' in event["message"], event
     assert kubectl.get("statefulset", f"{name}-prefill", ns) is None
 
@@ -100,15 +107,16 @@ CPU_IMPOSSIBLE = [
     pytest.param(
         {"prefill": {"resources": {"gpus": 1}}},
         "spec.prefill.resources.gpus",
-        "resources.gpus must be unset when spec.engine.device is cpu: a CPU server "
+        "resources.gpus must be 0 or unset when spec.engine.device is cpu: a CPU server "
         "requests no GPUs. Remove resources.gpus",
         id="prefill-gpus",
     ),
+    # gpus: 0 is accepted on a CPU server (it says what unset does); any other is not.
     pytest.param(
-        {"decode": {"resources": {"gpus": 0}}},
+        {"decode": {"resources": {"gpus": 2}}},
         "spec.decode.resources.gpus",
-        "resources.gpus must be unset when spec.engine.device is cpu",
-        id="decode-gpus-zero",
+        "resources.gpus must be 0 or unset when spec.engine.device is cpu",
+        id="decode-gpus",
     ),
     pytest.param(
         {"prefill": {"tensorParallelSize": 2}},

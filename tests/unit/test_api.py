@@ -128,10 +128,14 @@ def test_nested_defaults_apply_under_a_defaulted_parent():
     assert out["network"]["rdma"]["networks"] == []
 
 
+# core/v1 types the typed spec keeps whole (a dict passed to the pods as it is).
+CORE_TYPES = {"prefill.affinity", "decode.affinity"}
+
+
 def _schema_leaf_paths(schema, path=""):
     # An object that keeps unknown fields but declares some (model.source) has leaves.
     props = schema.get("properties")
-    if not props:
+    if not props or path in CORE_TYPES:
         return [path]
     out = []
     for name, sub in props.items():
