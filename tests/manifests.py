@@ -320,13 +320,23 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-prefill-gpus",
-        _spec({"engine": {"device": "cpu"}, "prefill": {"resources": {"gpus": 1}}}),
+        _spec(
+            {
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+                "prefill": {"resources": {"gpus": 1}},
+            }
+        ),
         "spec.prefill.resources.gpus",
         "resources.gpus must be 0 or unset when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-decode-gpus",
-        _spec({"engine": {"device": "cpu"}, "decode": {"resources": {"gpus": 2}}}),
+        _spec(
+            {
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+                "decode": {"resources": {"gpus": 2}},
+            }
+        ),
         "spec.decode.resources.gpus",
         "resources.gpus must be 0 or unset when spec.engine.device is cpu",
     ),
@@ -607,21 +617,37 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-prefill-tp",
-        _spec({"engine": {"device": "cpu"}, "prefill": {"tensorParallelSize": 2}}),
+        _spec(
+            {
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+                "prefill": {"tensorParallelSize": 2},
+            }
+        ),
         "spec.prefill.tensorParallelSize",
         "tensorParallelSize must be 1 when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-decode-tp",
-        _spec({"engine": {"device": "cpu"}, "decode": {"tensorParallelSize": 4}}),
+        _spec(
+            {
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+                "decode": {"tensorParallelSize": 4},
+            }
+        ),
         "spec.decode.tensorParallelSize",
         "tensorParallelSize must be 1 when spec.engine.device is cpu",
+    ),
+    Invalid(
+        "cpu-without-image",
+        _spec({"engine": {"device": "cpu"}}),
+        "spec.engine.image",
+        "spec.engine.image is required when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-transport-rdma",
         _spec(
             {
-                "engine": {"device": "cpu"},
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
                 "network": {"transport": "rdma", "rdma": {"enabled": True, "resourceName": "r/x"}},
             }
         ),
@@ -632,7 +658,7 @@ INVALID: list[Invalid] = [
         "cpu-rdma-enabled",
         _spec(
             {
-                "engine": {"device": "cpu"},
+                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
                 "network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}},
             }
         ),
@@ -641,7 +667,15 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-kv-cache-space-zero",
-        _spec({"engine": {"device": "cpu", "cpu": {"kvCacheSpaceGiB": 0}}}),
+        _spec(
+            {
+                "engine": {
+                    "device": "cpu",
+                    "image": "kvferry-vllm-cpu:v0.32.0",
+                    "cpu": {"kvCacheSpaceGiB": 0},
+                }
+            }
+        ),
         "spec.engine.cpu.kvCacheSpaceGiB",
         "should be greater than or equal to 1",
     ),

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import api
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import wait_ready
 from tests.kube import wait_for_event
@@ -65,18 +64,17 @@ def test_the_cpu_example_is_accepted_and_becomes_ready_without_gpus(
             assert not [r for r in asked if r not in ("cpu", "memory", "ephemeral-storage")]
 
 
-def test_a_cpu_server_without_an_image_runs_the_published_cpu_image(
+def test_a_cpu_server_without_an_image_is_refused_naming_the_field(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    sample = cpu_example(ns, {"engine": {"image": DELETE}})
-    name = sample["metadata"]["name"]
-    kubectl.apply(sample, "--server-side")
-    for role in ("prefill", "decode"):
-        engine = engine_container(kubectl, ns, name, role)
-        assert engine["image"] == api.DEFAULT_ENGINE_IMAGES[api.DEVICE_CPU]
-    # The device picks the image, so the stored spec holds none: a GitOps tool that
-    # applied the manifest without one sees no drift.
-    assert "image" not in kubectl.get("dserver", name, ns)["spec"]["engine"]
+    """vLLM's CPU images ship without NIXL: a default would crash-loop every pod."""
+    refused = kubectl.apply(
+        cpu_example(ns, {"engine": {"image": DELETE}}), "--server-side", check=False
+    )
+    assert refused.returncode != 0
+    assert "spec.engine.image: Invalid value" in refused.stderr, refused.stderr
+    assert "spec.engine.image is required when spec.engine.device is cpu" in refused.stderr
+    assert "ship without NIXL" in refused.stderr
 
 
 def test_a_cpu_count_that_is_no_quantity_is_an_invalid_spec_naming_the_field(

@@ -68,18 +68,27 @@ def test_the_engine_image_defaults_by_device():
     assert "default" not in engine_schema["image"]
     assert engine_schema["device"]["default"] == api.DEVICE_GPU
     gpu = api.parse_spec(MINIMAL["spec"]).engine
-    cpu = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"]).engine
+    cpu_spec = server({"engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"}})
+    cpu = api.parse_spec(cpu_spec["spec"]).engine
     assert (gpu.device, gpu.image) == ("gpu", "vllm/vllm-openai:v0.33.0")
-    assert (cpu.device, cpu.image) == ("cpu", "vllm/vllm-openai-cpu:v0.32.0-x86_64")
+    assert (cpu.device, cpu.image) == ("cpu", "kvferry-vllm-cpu:v0.32.0")
     assert cpu.on_cpu and not gpu.on_cpu
     assert cpu.cpu_kv_cache_space_gib == 2
-    # The CRD's description names both, so `kubectl explain` tells the user.
+    # The CRD's description names the GPU default and why a CPU server has none.
+    described = " ".join(engine_schema["image"]["description"].split())
     for image in api.DEFAULT_ENGINE_IMAGES.values():
-        assert image in " ".join(engine_schema["image"]["description"].split())
+        assert image in described
+    assert "Required for device cpu" in described and "ships no NIXL" in described
+    # vLLM's CPU images ship without NIXL: no default to fall back on (the CRD refuses
+    # it; a server stored before it did gets the same words as an InvalidSpec).
+    with pytest.raises(api.SpecError, match=r"spec\.engine\.image is required"):
+        api.parse_spec(server({"engine": {"device": "cpu"}})["spec"])
 
 
 def test_a_cpu_server_requests_no_gpus():
-    spec = api.parse_spec(server({"engine": {"device": "cpu"}})["spec"])
+    spec = api.parse_spec(
+        server({"engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"}})["spec"]
+    )
     assert spec.prefill.resources.gpus == 0 and spec.decode.resources.gpus == 0
 
 
@@ -89,7 +98,12 @@ def test_a_cpu_servers_cpu_quantity_is_checked_when_parsed(cpu):
     # event; one from render failed the handler and rendered nothing.
     with pytest.raises(api.SpecError, match=r"spec\.prefill\.resources\.cpu is "):
         api.parse_spec(
-            server({"engine": {"device": "cpu"}, "prefill": {"resources": {"cpu": cpu}}})["spec"]
+            server(
+                {
+                    "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+                    "prefill": {"resources": {"cpu": cpu}},
+                }
+            )["spec"]
         )
     # GPU servers pass it through to the pod as before.
     api.parse_spec(server({"prefill": {"resources": {"cpu": cpu}}})["spec"])

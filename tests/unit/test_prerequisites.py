@@ -71,7 +71,7 @@ class TestNodes:
 
     def test_a_cpu_server_needs_no_gpu_node(self):
         # Without it, a cluster with no GPUs (kind, minikube) reported NoGPUNodes.
-        cpu = parsed({"engine": {"device": "cpu"}})
+        cpu = parsed({"engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"}})
         assert reasons(cpu, ClusterFacts(nodes=[CPU_NODE])) == []
 
     def test_no_node_offers_the_rdma_resource(self):

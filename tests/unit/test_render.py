@@ -560,7 +560,7 @@ class TestRDMA:
 
 def cpu_server(spec: dict | None = None) -> dict:
     """A CPU server: MINIMAL with engine.device cpu and ``spec`` merged in."""
-    base = server({"engine": {"device": "cpu"}})
+    base = server({"engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"}})
     return merge(base, {"spec": spec or {}})
 
 
@@ -576,7 +576,7 @@ class TestCPUServer:
         objs = rendered(cpu_server())
         for role in ("prefill", "decode"):
             c = engine(objs, role)
-            assert c["image"] == "vllm/vllm-openai-cpu:v0.32.0-x86_64"
+            assert c["image"] == "kvferry-vllm-cpu:v0.32.0"
             assert c["resources"]["limits"] == {}  # no nvidia.com/gpu, no RDMA resource
             assert "nvidia.com/gpu" not in json.dumps(c)
 

@@ -225,7 +225,10 @@ def test_other_engine_flags_are_taken(arg):
 
 def test_a_cpu_server_may_say_gpus_zero():
     # The schema's minimum 0 and the rules agree: 0 is the CPU server's.
-    spec = {"engine": {"device": "cpu"}, "prefill": {"resources": {"gpus": 0}}}
+    spec = {
+        "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
+        "prefill": {"resources": {"gpus": 0}},
+    }
     assert validation.validate(server(spec)) == []
 
 
