@@ -637,6 +637,25 @@ INVALID: list[Invalid] = [
         "spec.decode.tensorParallelSize",
         "tensorParallelSize must be 1 when spec.engine.device is cpu",
     ),
+    # Names the pod validation checks: refused by the CRD, not by the StatefulSet apply.
+    Invalid(
+        "priority-class-not-a-name",
+        _spec({"decode": {"priorityClassName": "High Priority"}}),
+        "spec.decode.priorityClassName",
+        "should match",
+    ),
+    Invalid(
+        "gpu-resource-without-a-domain",
+        _spec({"prefill": {"resources": {"gpuResourceName": "gpu"}}}),
+        "spec.prefill.resources.gpuResourceName",
+        "should match",
+    ),
+    Invalid(
+        "pvc-claim-not-a-name",
+        _spec({"model": {"source": {"pvc": {"claimName": "My_Models"}}}}),
+        "spec.model.source.pvc.claimName",
+        "should match",
+    ),
     Invalid(
         "cpu-without-image",
         _spec({"engine": {"device": "cpu"}}),

@@ -203,6 +203,8 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
             api.GROUP, api.VERSION, ns, api.SERVER_PLURAL, obj, _request_timeout=(5, 30)
         )
 
+    refusals: dict[int, str] = {}
+
     def reconciled(i: int) -> str | None:
         """'observed', or 'refused' when status names what the API server refused (a
         control character in a value: the operator's apply patch is YAML to it)."""
@@ -211,6 +213,7 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
             return "observed"
         progressing = [c for c in st.get("conditions", []) if c["type"] == "Progressing"]
         if progressing and progressing[0]["reason"] == "ApplyFailed":
+            refusals[i] = progressing[0]["message"]
             return "refused"
         return None
 
@@ -221,7 +224,7 @@ def test_generated_servers_are_rejected_naming_a_field_or_reconciled(
     # What the CRD accepts, the API server accepts in the children too (typed core
     # fields and quantities in the CRD): no accepted server ends ApplyFailed.
     print(f"accepted servers reconciled: {dict(seen)}")
-    assert seen == {"observed": len(accepted)}, seen
+    assert seen == {"observed": len(accepted)}, (seen, refusals)
     assert accepted
     assert "Traceback" not in operator.log()[offset:]
 

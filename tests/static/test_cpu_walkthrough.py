@@ -2,8 +2,9 @@
 
 The walk-through runs on kind or minikube, which this project's machines do not have
 (the section says so), so its steps are checked here as text: the image it builds is
-the one the example names, built FROM vLLM's CPU image (a CPU server has no default image: it ships no NIXL), and the
-server it applies and waits for is examples/cpu.yaml's.
+the one the example names, built FROM vLLM's CPU image (a CPU server has no default
+image: that one ships no NIXL), and the server it applies and waits for is
+examples/cpu.yaml's.
 """
 
 from __future__ import annotations
