@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from kvferry_wire.protocol import ROLE_DECODE, Outcome
+from kvferry_wire.protocol import ROLE_DECODE
 from kvferry_wire.report import (
     GAP_BOUNDS,
     LATENCY_BOUNDS,
@@ -91,24 +91,31 @@ def majority_transport(reports: list[Report]) -> str:
     return known.most_common(1)[0][0] if known else TRANSPORT_UNKNOWN
 
 
-# Failed pulls, with not one KV transfer done, before a server is said to have no
+# Failed NIXL transfers, with not one done, before a server is said to have no
 # transport: one failure may be a peer that restarted mid-read.
-FAILED_PULLS_FOR_NO_TRANSPORT = 3
+FAILED_TRANSFERS_FOR_NO_TRANSPORT = 3
 
 
 def measured_transport(
-    transport: str, reason: str, failed_pulls: int, pulls: int, transfers: int
+    transport: str, reason: str, failed: int, pulls: int, transfers: int
 ) -> tuple[str, str]:
-    """What the sidecars see, unless what was measured says otherwise: when KV reads
-    between pods keep failing and none ever succeeded, no transport works, whatever
-    sysfs and UCX_TLS suggest (e.g. the RDMA shared device plugin's mode, where every
-    pod sees the node's HCAs)."""
-    if failed_pulls < FAILED_PULLS_FOR_NO_TRANSPORT or pulls or transfers:
+    """What the sidecars see, unless what was measured says otherwise: when the
+    engines' KV transfers keep failing and none ever succeeded, no transport works,
+    whatever sysfs and UCX_TLS suggest (e.g. the RDMA shared device plugin's mode,
+    where every pod sees the node's HCAs).
+
+    ``failed`` is the engines' own count of failed NIXL transfers
+    (``vllm:nixl_num_failed_transfers``), not the sidecars' ``pull-failed`` turns:
+    those also count a P that timed out or went away, which says nothing of the
+    transport. Without the engines' metrics nothing is measured and the sidecars'
+    verdict stands."""
+    if failed < FAILED_TRANSFERS_FOR_NO_TRANSPORT or pulls or transfers:
         return transport, reason
     seen = f"{transport} ({reason})" if reason else transport
     return (
         TRANSPORT_NONE,
-        f"{failed_pulls} KV reads between pods failed and none succeeded; the sidecars see {seen}",
+        f"{failed} KV transfers between the pods failed and none succeeded "
+        f"(the engines' NIXL counters); the sidecars see {seen}",
     )
 
 
@@ -290,8 +297,7 @@ def _aggregate(
     transport, reason = measured_transport(
         majority_transport(fresh),
         transport_reason(fresh, majority_transport(fresh)),
-        failed_pulls=outcomes.get(Outcome.PULL_FAILED, 0)
-        + sum(r.engine.nixl_failed for r in fresh),
+        failed=sum(r.engine.nixl_failed for r in fresh),
         pulls=pulls,
         transfers=transfers,
     )

@@ -461,8 +461,8 @@ def transport_condition(server: Server, observed: Observed) -> tuple[str, str, s
             "False",
             value,
             f"KV cannot move between the pods: {evidence}. Turns are served by recomputing "
-            "(pull-failed). Check the engine's UCX_TLS (network.transport, env), the RDMA "
-            "resource (network.rdma.resourceName) and that the pods reach each other",
+            "their prompts on decode. Check the engine's UCX_TLS (network.transport, env), "
+            "the RDMA resource (network.rdma.resourceName) and that the pods reach each other",
         )
     asked = rdma_asked(server)
     if value == TRANSPORT_TCP_FALLBACK and asked:

@@ -417,7 +417,13 @@ async def run_decode(
         # a streamed request is parsed and stripped like any JSON answer.
         if upstream.content_type == _EVENT_STREAM:
             response, capture = await _relay_stream(
-                request, upstream, turn, headers, report, finish
+                request,
+                upstream,
+                turn,
+                headers,
+                report,
+                finish,
+                finish_after_break=not streamed,
             )
         else:
             response, capture = await _answered(sc, upstream, turn, headers, report)
@@ -521,9 +527,13 @@ async def _relay_stream(
     headers: dict[str, str],
     report: TurnReport,
     finish: Callable[[rewrite.Capture], Awaitable[None]] | None = None,
+    *,
+    finish_after_break: bool = False,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
     """``finish``: awaited once the answer is relayed, before the client's ``[DONE]``
-    (a streamed turn's handle is made then, anchor.py)."""
+    (a streamed turn's handle is made then, anchor.py). ``finish_after_break``: also
+    called when the stream breaks after the finish chunk (the handle D put on it is
+    pinned; a re-anchor on a D whose stream just broke is not worth starting)."""
     response = web.StreamResponse(status=200, headers=headers)
     response.content_type = upstream.content_type or "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
@@ -560,7 +570,8 @@ async def _relay_stream(
         # D's stream aborts the request). The client already has the headers: it gets
         # an error event, as vLLM sends one when a stream fails, and the stream ends.
         # After the finish chunk the answer is whole and D holds its KV: as above.
-        if finish is not None and finishing is None and sse.capture.finish_reason is not None:
+        after_finish = finishing is None and sse.capture.finish_reason is not None
+        if finish is not None and finish_after_break and after_finish:
             finish(sse.capture)
         upstream.close()
         report.error = f"stream broken: {type(exc).__name__}: {exc}"

@@ -214,7 +214,7 @@ def test_kv_reads_that_all_fail_are_no_transport_and_a_warning(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
     """The sidecars see RDMA (the shared device plugin shows every pod the node's
-    HCAs), yet every KV read fails: status says NoTransport, with a Warning."""
+    HCAs), yet every NIXL transfer fails: status says NoTransport, with a Warning."""
     kubectl.apply(make(ns), "--server-side")
     wait_ready(kubectl, ns)
     token = bound_token(kubectl, ns, "tiny-decode-0")
@@ -229,6 +229,7 @@ def test_kv_reads_that_all_fail_are_no_transport_and_a_warning(
         transport="RDMA",
         transport_reason="RDMA device(s) mlx5_0 active and UCX_TLS=unset allows RDMA",
         outcomes={"no-handle": 4, "pull-failed": 4},
+        engine=wire.Engine(nixl_failed=4),
     )
     assert push(operator, wire.encode(rep), token)[0] == 202
     cond = wait_until(
@@ -237,7 +238,7 @@ def test_kv_reads_that_all_fail_are_no_transport_and_a_warning(
         "KVTransport=False",
     )
     assert cond["reason"] == "NoTransport"
-    assert "4 KV reads between pods failed and none succeeded" in cond["message"]
+    assert "4 KV transfers between the pods failed and none succeeded" in cond["message"]
     server = kubectl.get("dserver", "tiny", ns)["status"]
     assert server["transport"] == "NoTransport"
     (event,) = wait_for_event(kubectl, ns, "tiny", "NoTransport")

@@ -96,17 +96,17 @@ def test_transport_is_the_majority_of_known_reports():
 
 def test_pulls_that_all_fail_say_no_transport_whatever_the_sidecars_see():
     """RDMA's shared device plugin mode shows every pod the node's HCAs: the sidecars
-    say RDMA while every KV read fails. What was measured wins."""
+    say RDMA while every NIXL transfer fails. What the engines measured wins."""
     broken = rep(
         "tiny-decode-0",
         transport="RDMA",
         transport_reason="RDMA device(s) mlx5_0 active",
         outcomes={"pull-failed": 2},
-        engine=wire.Engine(nixl_failed=1),
+        engine=wire.Engine(nixl_failed=3),
     )
     agg = aggregate.aggregate(SERVER, [reports.Received(broken, NOW)], NOW, 480)
     assert agg.transport == "NoTransport"
-    assert "3 KV reads between pods failed and none succeeded" in agg.transport_reason
+    assert "3 KV transfers between the pods failed and none succeeded" in agg.transport_reason
     assert "RDMA (tiny-decode-0: RDMA device(s) mlx5_0 active)" in agg.transport_reason
     assert agg.status["transfer"]["transport"] == "NoTransport"
 
@@ -116,13 +116,21 @@ def test_failed_pulls_beside_one_that_worked_leave_the_transport_as_seen():
         r = rep(
             "tiny-decode-0",
             transport="RDMA",
-            outcomes={"pull-failed": 5},
+            engine=wire.Engine(nixl_failed=5),
             transfer=wire.Transfer(**worked),
         )
         agg = aggregate.aggregate(SERVER, [reports.Received(r, NOW)], NOW, 480)
         assert agg.transport == "RDMA", worked
-    few = rep("tiny-decode-0", transport="TCP", outcomes={"pull-failed": 2})
+    few = rep("tiny-decode-0", transport="TCP", engine=wire.Engine(nixl_failed=2))
     agg = aggregate.aggregate(SERVER, [reports.Received(few, NOW)], NOW, 480)
+    assert agg.transport == "TCP"
+
+
+def test_pull_failed_turns_alone_are_not_evidence_against_the_transport():
+    """A P that timed out or went away with a handle also ends a turn pull-failed;
+    without the engines' own failed-transfer counts nothing was measured."""
+    r = rep("tiny-decode-0", transport="TCP", outcomes={"pull-failed": 50})
+    agg = aggregate.aggregate(SERVER, [reports.Received(r, NOW)], NOW, 480)
     assert agg.transport == "TCP"
 
 
