@@ -89,7 +89,7 @@ def nodes_for(n: int) -> int:
 
 
 def node_manifest(i: int) -> dict[str, Any]:
-    # CPUs and memory for PODS_PER_NODE pods at the engine's GPU defaults (8 CPUs, 32Gi).
+    # CPUs and memory for PODS_PER_NODE pods at the engine's GPU defaults (4 CPUs, 24Gi).
     cap = {"cpu": "1024", "memory": "4Ti", "pods": str(PODS_PER_NODE)}
     cap["nvidia.com/gpu"] = str(GPUS_PER_NODE)
     return {

@@ -195,7 +195,7 @@ metadata:
     type: kwok
     nvidia.com/gpu.product: NVIDIA-H200
 status:
-  capacity: &cap {cpu: "64", memory: 1Ti, pods: "110", ephemeral-storage: 2Ti, nvidia.com/gpu: "8", rdma/hca_shared_devices_a: "1"}
+  capacity: &cap {cpu: "256", memory: 4Ti, pods: "110", ephemeral-storage: 2Ti, nvidia.com/gpu: "8", rdma/hca_shared_devices_a: "1"}
   allocatable: *cap
 EOT
   done | "$kubectl" --kubeconfig "$state/kubeconfig" apply -f - >/dev/null

@@ -10,7 +10,8 @@ Pure: spec in, core/v1 ``resources`` and probe dicts out. The rules:
      amounts make the pod Guaranteed with the sidecar's defaults (rule 3): the last the
      kubelet evicts under memory pressure, and the only pods the static CPU manager
      gives cores of their own. Per GPU: a worker process, its share of the API server,
-     the engine loop and NIXL's progress threads (each polls most of a core).
+     the engine loop and NIXL's progress threads (each polls most of a core); small
+     enough that a one-GPU pod fits an 8-vCPU, 32 GiB node.
    - cpu: requests only, ``CPU_DEFAULT_CPUS`` and the KV cache space plus
      ``CPU_WEIGHTS_AND_RUNTIME_GIB`` plus ``sharedMemorySize``. No CPU limit: the
      OpenMP threads share the pod's CPUs with NIXL's polling threads, and a CFS quota
@@ -48,8 +49,10 @@ from .engine_config import CPU_DEFAULT_CPUS, CPU_WEIGHTS_AND_RUNTIME_GIB
 Obj = dict[str, Any]
 
 # A GPU engine's defaults per GPU (rule 1).
-GPU_CPUS_PER_GPU = 8
-GPU_MEMORY_GIB_PER_GPU = 16
+# 4 and 8: a 1-GPU pod (engine and sidecar: 4.5 CPUs, 25Gi with the default /dev/shm)
+# fits the common 8-vCPU, 32 GiB one-GPU cloud nodes; examples/rdma.yaml gives 4 per GPU.
+GPU_CPUS_PER_GPU = 4
+GPU_MEMORY_GIB_PER_GPU = 8
 
 # The engine's startup budgets when spec.<role>.startupSeconds is unset (rule 4).
 STARTUP_SECONDS_LOCAL = 1800

@@ -200,8 +200,8 @@ def test_gitops_reapply_changes_nothing(kubectl: Kubectl, operator: Operator, ns
 def test_not_enough_gpus_is_reported_naming_the_resource(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    # The fake nodes have 8 GPUs each; 16 per pod fits nowhere. The CPUs are set: their
-    # default (8 per GPU) would not fit the fake nodes' 64 either.
+    # The fake nodes have 8 GPUs each; 16 per pod fits nowhere. The CPUs are set, so
+    # that the GPUs alone do not fit.
     spec = {"decode": {"resources": {"gpus": 16, "cpu": "8"}}}
     kubectl.apply(make(ns, spec=spec), "--server-side")
     ready = wait_until(

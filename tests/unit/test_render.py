@@ -778,14 +778,14 @@ class TestEngineResources:
         # 16Gi memory-backed /dev/shm that counts against its memory.
         res = engine(rendered(server()), "decode")["resources"]
         assert res == {
-            "requests": {"cpu": "8", "memory": "32Gi"},
-            "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": 1},
+            "requests": {"cpu": "4", "memory": "24Gi"},
+            "limits": {"cpu": "4", "memory": "24Gi", "nvidia.com/gpu": 1},
         }
 
     def test_the_defaults_scale_with_gpus_and_shared_memory(self):
         spec = {"prefill": {"tensorParallelSize": 4}, "network": {"sharedMemorySize": "512Mi"}}
         res = engine(rendered(server(spec)), "prefill")["resources"]
-        assert res["requests"] == {"cpu": "32", "memory": f"{64 * 1024 + 512}Mi"}
+        assert res["requests"] == {"cpu": "16", "memory": f"{32 * 1024 + 512}Mi"}
         assert res["limits"] == {**res["requests"], "nvidia.com/gpu": 4}
 
     @pytest.mark.parametrize("name", ["minimal.yaml", "hub.yaml", "tuned.yaml", "rdma.yaml"])
@@ -805,7 +805,7 @@ class TestEngineResources:
         objs = rendered(server({"decode": {"resources": resources}}))
         res = engine(objs, "decode")["resources"]
         assert res["requests"] == {"cpu": "4", "memory": "150Gi"}
-        assert res["limits"] == {"cpu": "8", "memory": "200Gi", "nvidia.com/gpu": 1}
+        assert res["limits"] == {"cpu": "4", "memory": "200Gi", "nvidia.com/gpu": 1}
         assert qos_class(pod_spec(objs, "decode")) == "Burstable"
         assert qos_class(pod_spec(objs, "prefill")) == "Guaranteed"
 
@@ -830,14 +830,14 @@ class TestEngineResources:
         objs = rendered(server({"decode": {"resources": {"limits": extra}}}))
         res = engine(objs, "decode")["resources"]
         assert res["limits"] == {
-            "cpu": "8",
-            "memory": "32Gi",
+            "cpu": "4",
+            "memory": "24Gi",
             "nvidia.com/gpu": 1,
             "hugepages-2Mi": "4Gi",
             "rdma/hca_shared_devices_b": "2",
             "example.com/npu": "1",
         }
-        assert res["requests"] == {"cpu": "8", "memory": "32Gi"}
+        assert res["requests"] == {"cpu": "4", "memory": "24Gi"}
         # Only cpu and memory decide QoS: extended resources keep the pod Guaranteed.
         assert qos_class(pod_spec(objs, "decode")) == "Guaranteed"
         for obj in objs:
@@ -848,7 +848,7 @@ class TestEngineResources:
         # What the CRD accepts renders (tests/cluster/test_bad_input.py): the API server
         # refuses the volume's sizeLimit, and the memory default leaves it out.
         objs = rendered(server({"network": {"sharedMemorySize": "lots"}}))
-        assert engine(objs, "decode")["resources"]["requests"]["memory"] == "16Gi"
+        assert engine(objs, "decode")["resources"]["requests"]["memory"] == "8Gi"
 
     @pytest.mark.parametrize(
         ("quantity", "size"),
