@@ -27,9 +27,10 @@ Pure: spec in, core/v1 ``resources`` and probe dicts out. The rules:
    the RDMA resource and the hub download's ephemeral storage are added before them.
    A cpu or memory limit in the map without a request (map or field) is the request
    too, as Kubernetes defaults it: a default request never ends above it.
-3. **The sidecar** gets ``spec.<role>.sidecarResources``; a limit left unset is its
-   request (the CRD defaults only the requests), so its container has requests equal
-   to limits unless the spec says otherwise.
+3. **The sidecar** gets ``spec.<role>.sidecarResources``; with no limit set, its limits
+   are its requests (the CRD defaults only the requests), so its container has requests
+   equal to limits unless the spec sets a limit (then an unset memory limit is the
+   memory request, an unset CPU limit stays unset).
 4. **Startup**: the engine's startup probe allows ``spec.<role>.startupSeconds``, or
    by source ``STARTUP_SECONDS_HUB`` (the hub downloads the weights at least once) or
    ``STARTUP_SECONDS_LOCAL``. The sidecar's startup probe asks ``/healthz``, which it
@@ -133,15 +134,22 @@ def build_engine_resources(spec: ServerSpec, role: Role) -> Obj:
 
 
 def build_sidecar_resources(role: Role) -> Obj:
-    """Rule 3: spec.<role>.sidecarResources, an unset limit being its request."""
+    """Rule 3: spec.<role>.sidecarResources; with no limit set at all, the limits are the
+    requests (a Guaranteed pod). Once a limit is set, an unset memory limit is still the
+    memory request (the sidecar's memory is always bounded), an unset CPU limit stays
+    unset: a server stored by the old CRD (a 1Gi memory limit, no CPU limit) must not get
+    its 250m CPU request as a limit that throttles every turn."""
     amounts = role.sidecar_resources
     requests = {
         k: v for k, v in (("cpu", amounts.requests.cpu), ("memory", amounts.requests.memory)) if v
     }
-    limits = {**requests}
-    limits.update(
-        {k: v for k, v in (("cpu", amounts.limits.cpu), ("memory", amounts.limits.memory)) if v}
-    )
+    limits = {
+        k: v for k, v in (("cpu", amounts.limits.cpu), ("memory", amounts.limits.memory)) if v
+    }
+    if not limits:
+        limits = {**requests}
+    elif "memory" not in limits and "memory" in requests:
+        limits["memory"] = requests["memory"]
     out: Obj = {}
     if requests:
         out["requests"] = requests

@@ -746,10 +746,21 @@ class TestSidecar:
         objs = rendered(server(spec))
         assert sidecar(objs, "decode")["resources"] == {
             "requests": {"cpu": "2", "memory": SIDECAR_DEFAULTS["requests"]["memory"]},
-            # The unset CPU limit follows the raised request: never a request above it.
-            "limits": {"cpu": "2", "memory": "4Gi"},
+            # A limit is set: the CPU limit stays unset (no throttling).
+            "limits": {"memory": "4Gi"},
         }
         assert sidecar(objs, "prefill")["resources"] == SIDECAR_RENDERED
+
+    def test_a_server_stored_by_the_old_crd_gets_no_cpu_limit(self):
+        # The old CRD stored requests 250m/256Mi and a 1Gi memory limit: filling the
+        # CPU limit from the request would throttle the decode sidecar at 250m.
+        old = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+        objs = rendered(server({"decode": {"sidecarResources": old}}))
+        assert sidecar(objs, "decode")["resources"] == old
+        # A CPU limit alone: the memory stays bounded by its request.
+        burst = {"limits": {"cpu": "2"}}
+        objs = rendered(server({"prefill": {"sidecarResources": burst}}))
+        assert sidecar(objs, "prefill")["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
 
     def test_probes(self):
         sc = sidecar(rendered(server()), "decode")
