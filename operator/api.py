@@ -427,6 +427,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     cpu_fields = (
         ("resources.cpu", res.get("cpu")),
         ("resources.requests.cpu", requests.get("cpu")),
+        ("resources.limits.cpu", (res.get("limits") or {}).get("cpu")),
     )
     for path, value in cpu_fields if device == DEVICE_CPU else ():
         if value is None:

@@ -291,8 +291,14 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
 def omp_threads(role: Role) -> int:
     """The engine's OpenMP threads: its CPUs less one for the API server, the engine
     loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity).
-    The CPUs are the engine's CPU request: resources.requests.cpu, else resources.cpu."""
-    quantity = role.resources.requests.get("cpu") or role.resources.cpu or CPU_DEFAULT_CPUS
+    The CPUs are the engine's CPU request: resources.requests.cpu, else resources.cpu,
+    else a CPU limit set alone (which is the request too, resources.py)."""
+    quantity = (
+        role.resources.requests.get("cpu")
+        or role.resources.cpu
+        or role.resources.limits.get("cpu")
+        or CPU_DEFAULT_CPUS
+    )
     return max(1, api.cpu_cores(quantity) - 1)
 
 

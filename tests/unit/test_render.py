@@ -830,6 +830,24 @@ class TestEngineResources:
         res = engine(cpu, "decode")["resources"]
         assert res["requests"]["memory"] == res["limits"]["memory"] == "12Gi"
 
+    def test_a_request_above_the_default_limit_raises_that_limit(self):
+        # Rendered as requests 64Gi beside the default 24Gi limit, the API server
+        # refused the StatefulSet (ApplyFailed) for a limit the user never wrote.
+        objs = rendered(server({"decode": {"resources": {"requests": {"memory": "64Gi"}}}}))
+        res = engine(objs, "decode")["resources"]
+        assert res["requests"]["memory"] == res["limits"]["memory"] == "64Gi"
+        objs = rendered(server({"decode": {"resources": {"requests": {"cpu": "6500m"}}}}))
+        res = engine(objs, "decode")["resources"]
+        assert res["requests"]["cpu"] == res["limits"]["cpu"] == "6500m"
+        # A limit the user wrote stays: the API server tells them it is below.
+        mine = {"requests": {"memory": "64Gi"}, "limits": {"memory": "32Gi"}}
+        res = engine(rendered(server({"decode": {"resources": mine}})), "decode")["resources"]
+        assert res["limits"]["memory"] == "32Gi"
+
+    def test_a_cpu_servers_threads_follow_a_cpu_limit_set_alone(self):
+        objs = rendered(cpu_server({"decode": {"resources": {"limits": {"cpu": "8"}}}}))
+        assert env_of(engine(objs, "decode"))["OMP_NUM_THREADS"] == "7"
+
     def test_a_limit_may_be_above_the_request(self):
         res = {"requests": {"cpu": "8"}, "limits": {"cpu": "16"}}
         objs = rendered(server({"prefill": {"resources": res}}))
