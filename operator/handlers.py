@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -356,7 +357,9 @@ def apply_children(
             )
     if only is None:
         # What status may call observed: only a generation whose children all landed.
-        outcome = ownership.ApplyOutcome(server.generation, ok is Applied.ALL, tuple(refusals))
+        outcome = ownership.ApplyOutcome(
+            server.generation, ok is Applied.ALL, tuple(refusals), time.monotonic()
+        )
         claims.applied(server_key, outcome)
     return ok
 
@@ -521,7 +524,12 @@ def refresh_status(
         kind = status.event_type(change)
         message = f"{change.type}={change.status}: {change.message}"
         if post is not None:
-            post(body, kind, change.reason, message)
+            try:
+                post(body, kind, change.reason, message)
+            except Exception as exc:  # an Event is news: the status has landed anyway
+                logging.getLogger(__name__).warning(
+                    "event %s not posted: %s", change.reason, _brief(exc)
+                )
         else:
             (kopf.info if kind == "Normal" else kopf.warn)(
                 body, reason=change.reason, message=message
@@ -567,6 +575,15 @@ def server_changed(
             if memory is not None:
                 memory.forget(key)
         return  # the garbage collector removes the children
+    memory = getattr(memo, "status_memory", None)
+    if memory is not None:
+        # The watch shows our last write: from here on the body's status is the truth
+        # (a status someone else changes later is seen and written back).
+        memory.confirm(
+            (body.metadata["namespace"], body.metadata["name"]),
+            body.metadata.get("uid") or "",
+            dict(body.status),
+        )
     plain = _plain(body)
     generation = body.metadata.get("generation")
     # Status-only updates (our own writes) need no re-apply; a new generation,
@@ -612,19 +629,23 @@ def _refresh_from_index(memo: kopf.Memo, key: tuple[str, str]) -> bool:
     if not found or found[0]["metadata"].get("deletionTimestamp"):
         return True
     statefulsets, pods, nodes = live
-    return refresh_status(
-        {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **found[0]},
-        memo.kube,
-        statefulsets,
-        pods,
-        memo.probe,
-        memo.settings,
-        memo.kube.create_event,
-        nodes,
-        memo.claims,
-        _transports(memo),
-        memo.status_memory,
-    )
+    try:
+        return refresh_status(
+            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **found[0]},
+            memo.kube,
+            statefulsets,
+            pods,
+            memo.probe,
+            memo.settings,
+            memo.kube.create_event,
+            nodes,
+            memo.claims,
+            _transports(memo),
+            memo.status_memory,
+        )
+    except Exception as exc:  # one line, not the client's header dump
+        logging.getLogger(__name__).warning("status of %s/%s failed: %s", *key, _brief(exc))
+        return not is_transient(exc)  # a refusal would fail the same way again
 
 
 def _brief(exc: BaseException) -> str:
@@ -686,9 +707,14 @@ def needs_apply(
     wanted: list[dict[str, Any]],
     children: dict[tuple[str, str, str], Any],
     last: ownership.ApplyOutcome | None,
+    listed_at: float = 0.0,
 ) -> bool:
     """Whether the safety pass re-applies a server: its generation has not landed
-    whole, or some child is missing or lost one of our fields."""
+    whole, or some child is missing or lost one of our fields. Not a server whose
+    apply ended after the children were listed (``listed_at``, monotonic): the list
+    may lack some of its children, and that apply has its own retries."""
+    if last is not None and last.finished > listed_at:
+        return False
     if last is None or last.generation != server.generation or not last.applied:
         return True
     return not all(
@@ -702,9 +728,11 @@ def needs_apply(
 def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
     kube: Kube = memo.kube
     claims: ownership.Claims | None = getattr(memo, "claims", None)
+    listed_at = time.monotonic()
     listed = kube.list_servers(memo.namespaces)
     children = _children_by_key(kube, memo.namespaces)
     indexes = memo.indexes.get("live")
+    queue: Coalescer | None = getattr(memo, "status_queue", None)
     done = PassDone()
     for body in listed:
         if body["metadata"].get("deletionTimestamp"):
@@ -718,7 +746,8 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
             continue  # its InvalidSpec Event was posted when the spec came
         key = (server.namespace, server.name)
         try:
-            if needs_apply(server, wanted, children, claims.last_apply(key) if claims else None):
+            last = claims.last_apply(key) if claims else None
+            if needs_apply(server, wanted, children, last, listed_at):
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)
                 applied = apply_children(
@@ -729,11 +758,16 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
                     retries.failed(*key)
         except Exception as exc:  # the next pass, or a retry, tries again
             logger.warning("safety pass: apply of %s failed: %s", name, _brief(exc))
+        done.statuses += 1
+        if queue is not None and memo.indexes.get("servers") is not None:
+            # From the watch's latest server (the list may be seconds old by now) and
+            # our own last write; the refresh writes only what changed.
+            queue.request(key)
+            continue
         if indexes is None:
             continue
         statefulsets, pods, nodes = indexes
         try:
-            done.statuses += 1
             refresh_status(
                 body,
                 kube,

@@ -10,8 +10,9 @@ once per change (docs/performance.md, operator scale):
   close together, and every one of those events was a write of its own.
 
 :class:`StatusMemory` keeps, per server (by uid), the status fields this operator
-wrote last, and one lock per server so two refreshes of one server never run at once:
-a refresh starts from the body's status with our own last write laid over it.
+wrote last, until the watch shows them, and one lock per server so two refreshes of
+one server never run at once: a refresh starts from the body's status with our own
+last write laid over it.
 :class:`Coalescer` runs a server's refresh once its events have been quiet for
 ``quiet`` seconds (at most ``most`` seconds after the first), so a burst is one write.
 """
@@ -55,6 +56,16 @@ class StatusMemory:
             old = self._written.get(key)
             merged = {**old[1], **fields} if old is not None and old[0] == uid else dict(fields)
             self._written[key] = (uid, merged)
+
+    def confirm(self, key: Key, uid: str, observed: dict[str, Any]) -> None:
+        """The watch shows a status holding all we wrote: forget it (the body is no
+        longer older than our write)."""
+        with self._guard:
+            mine = self._written.get(key)
+            if mine is not None and (
+                mine[0] != uid or all(observed.get(k) == v for k, v in mine[1].items())
+            ):
+                del self._written[key]
 
     def reset(self, key: Key, uid: str, fields: dict[str, Any]) -> None:
         """What the API server just showed (the safety pass's list), replacing what we

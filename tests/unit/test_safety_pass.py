@@ -75,3 +75,10 @@ def test_a_pass_over_a_server_at_rest_only_lists():
     assert (done.servers, done.applied) == (1, 0)
     assert all(r.startswith("list ") for r in kube.requests), kube.requests
     assert len(kube.requests) == 1 + len(handlers.CHILD_KINDS)
+
+
+def test_a_server_applied_since_the_children_were_listed_is_left_to_its_own_apply():
+    # A burst of new servers: the list predates their children, which are not missing.
+    recent = ownership.ApplyOutcome(SERVER.generation, True, (), finished=20.0)
+    assert not handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=10.0)
+    assert handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=30.0)

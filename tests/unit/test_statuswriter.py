@@ -115,3 +115,30 @@ async def test_a_run_that_did_not_land_is_tried_again_on_its_own():
     await asyncio.wait_for(done.wait(), 10)  # the first retry waits backoff.delay(0): 1 s
     await queue.close()
     assert len(tries) == 2
+
+
+def test_once_the_watch_shows_our_write_the_body_is_the_truth_again():
+    memory = StatusMemory()
+    key = ("ns", "tiny")
+    memory.wrote(key, "u1", {"conditions": ["ours"]})
+    memory.confirm(key, "u1", {"conditions": ["older"]})  # not yet: still laid over
+    assert memory.base(key, "u1", {"conditions": ["older"]}) == {"conditions": ["ours"]}
+    memory.confirm(key, "u1", {"conditions": ["ours"], "retention": {}})
+    # Someone clears status afterwards: the refresh sees it and writes it back.
+    assert memory.base(key, "u1", {}) == {}
+
+
+def test_an_event_that_cannot_be_posted_does_not_undo_the_status_write(caplog):
+    # A namespace being deleted refuses new Events (403): the status has landed, the
+    # refresh is done, and the log says so in one line.
+    kube = CountingKube()
+    obj = {**SERVER_OBJ, "status": {}}
+
+    def refuse(*args):
+        raise RuntimeError("events is forbidden: namespace is being terminated")
+
+    unknown = {"type": api.COND_READY, "status": "True", "reason": "AllReplicasReady"}
+    obj["status"] = {"conditions": [unknown]}  # Ready flips to False: an Event is due
+    assert handlers.refresh_status(obj, kube, {}, {}, post=refuse)  # type: ignore[arg-type]
+    assert len(kube.patches) == 1
+    assert "not posted" in caplog.text
