@@ -21,8 +21,12 @@ server is ``status``, so a GitOps tool owning the spec never sees drift.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import enum
 import logging
+import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +37,7 @@ from kvferry_wire.report import TRANSPORT_UNKNOWN
 from . import (
     aggregate,
     api,
+    backoff,
     drift,
     hostpaths,
     metrics,
@@ -48,6 +53,7 @@ from .kube import ApiException, Kube, api_error_message, is_namespace_terminatin
 from .probe import PrerequisiteProbe
 from .retries import ApplyRetries
 from .settings import Settings
+from .statuswriter import Coalescer, StatusMemory
 
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
 OURS = {api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
@@ -93,13 +99,27 @@ async def configure(
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     memo.claims = ownership.Claims()
+    memo.status_memory = StatusMemory()
     loop = asyncio.get_running_loop()
+    memo.status_queue = Coalescer(
+        loop,
+        lambda key: _refresh_from_index(memo, key),
+        quiet=ours.status_quiet_seconds,
+        most=ours.status_most_seconds,
+    )
     memo.tasks = [loop.create_task(_resync_forever(memo, ours, logger))]
     kube_for_retries: Kube = memo.kube
     claims: ownership.Claims = memo.claims
-    memo.retries = ApplyRetries(
-        loop, lambda ns, name: retry_apply(ns, name, kube_for_retries, ours, logger, claims)
-    )
+
+    def retry(namespace: str, name: str) -> bool:
+        try:
+            return retry_apply(namespace, name, kube_for_retries, ours, logger, claims)
+        finally:
+            # What the retry achieved shows in status (observedGeneration, ApplyFailed)
+            # without waiting for a watch event or the safety pass.
+            memo.status_queue.request((namespace, name))
+
+    memo.retries = ApplyRetries(loop, retry)
     memo.reports = reports.ReportStore()
     memo.report_runner = None
     if ours.tls_cert_file and ours.tls_key_file:
@@ -156,6 +176,7 @@ async def configure(
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for task in memo.tasks:
         task.cancel()
+    await memo.status_queue.close()
     await memo.retries.close()
     if memo.report_runner is not None:
         await memo.report_runner.cleanup()
@@ -336,7 +357,9 @@ def apply_children(
             )
     if only is None:
         # What status may call observed: only a generation whose children all landed.
-        outcome = ownership.ApplyOutcome(server.generation, ok is Applied.ALL, tuple(refusals))
+        outcome = ownership.ApplyOutcome(
+            server.generation, ok is Applied.ALL, tuple(refusals), time.monotonic()
+        )
         claims.applied(server_key, outcome)
     return ok
 
@@ -417,58 +440,83 @@ def refresh_status(
     nodes: kopf.Index | None = None,
     claims: ownership.Claims | None = None,
     transports: Callable[[tuple[str, str]], tuple[str, str] | None] | None = None,
-) -> None:
-    """Steps 4-5. ``post(body, type, reason, message)`` emits an Event where no kopf
-    handler runs (kopf.info/warn need one); ``claims`` has the conflicts the last
-    apply found; ``transports`` the publisher's latest transport per server."""
+    memory: StatusMemory | None = None,
+    fresh: bool = False,
+) -> bool:
+    """Steps 4-5; False when the status could not be written (the API server is
+    unavailable: the caller tries again). ``post(body, type, reason, message)``
+    emits an Event where no kopf handler runs (kopf.info/warn need one); ``claims``
+    has the conflicts the last apply found; ``transports`` the publisher's latest
+    transport per server; ``memory`` what this operator wrote last (``body`` may
+    predate it), unless the body was just read from the API server (``fresh``)."""
     try:
         server = api.parse_server(body)
     except api.SpecError:
-        return
+        return True
     key = (server.namespace, server.name)
     roles = {}
     for role in api.ROLES:
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
-    old = body.get("status") or {}
-    # The transport is what the sidecars reported: the publisher's own figure when it
-    # has one, since ``body`` may predate its last write (a child event carries the
-    # server from the index), and a status built on that wrote the transport back.
-    reported = transports(key) if transports is not None else None
-    transport, transport_reason = reported or (
-        old.get("transport", TRANSPORT_UNKNOWN),
-        old.get("transportReason", ""),
-    )
-    observed = status.Observed(
-        roles=roles,
-        pods=list(pods.get(key, [])),
-        transport=transport,
-        transport_reason=transport_reason,
-        prerequisites=check_prerequisites(server, roles, probe, settings),
-        nodes=_nodes_seen(nodes) if nodes is not None else None,
-        conflicts=claims.conflicts(key) if claims is not None else (),
-        last_apply=claims.last_apply(key) if claims is not None else None,
-        host_path_refused=hostpaths.refusal(server, settings.host_path_prefixes)
-        if settings
-        else None,
-    )
-    new, changes = status.compute_status(server, observed, old, api.iso_time())
-    if not status.status_changed(old, new):
-        return
-    try:
-        kube.patch_status(api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, new)
-    except Exception as exc:
-        if not is_transient(exc):
-            raise
-        # No Events for a status that did not land; the next event or resync retries.
-        logging.getLogger(__name__).warning(
-            "status of %s/%s deferred, API server unavailable: %s",
-            server.namespace,
-            server.name,
-            _brief(exc),
+    with memory.lock(key) if memory is not None else contextlib.nullcontext():
+        observed_status = body.get("status") or {}
+        old = (
+            memory.base(key, server.uid, observed_status)
+            if memory is not None and not fresh
+            else observed_status
         )
-        return
+        # The transport is what the sidecars reported: the publisher's own figure when
+        # it has one, since ``body`` may predate its last write (a child event carries
+        # the server from the index), and a status built on that wrote the transport back.
+        reported = transports(key) if transports is not None else None
+        transport, transport_reason = reported or (
+            old.get("transport", TRANSPORT_UNKNOWN),
+            old.get("transportReason", ""),
+        )
+        observed = status.Observed(
+            roles=roles,
+            pods=list(pods.get(key, [])),
+            transport=transport,
+            transport_reason=transport_reason,
+            prerequisites=check_prerequisites(server, roles, probe, settings),
+            nodes=_nodes_seen(nodes) if nodes is not None else None,
+            conflicts=claims.conflicts(key) if claims is not None else (),
+            last_apply=claims.last_apply(key) if claims is not None else None,
+            host_path_refused=hostpaths.refusal(server, settings.host_path_prefixes)
+            if settings
+            else None,
+        )
+        new, changes = status.compute_status(server, observed, old, api.iso_time())
+        patch = status.status_patch(old, new)
+        if memory is not None and fresh:
+            # What was just listed is the truth from here on (someone may have
+            # changed status since our last write); the patch below lands on it.
+            memory.reset(
+                key, server.uid, {k: v for k, v in observed_status.items() if k != "retention"}
+            )
+        if not patch:
+            return True
+        try:
+            kube.patch_status(
+                api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, patch
+            )
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # No Events for a status that did not land; the next event, a retry or
+            # the safety pass writes it.
+            logging.getLogger(__name__).warning(
+                "status of %s/%s deferred, API server unavailable: %s",
+                server.namespace,
+                server.name,
+                _brief(exc),
+            )
+            return False
+        if memory is not None:
+            memory.wrote(key, server.uid, patch)
     for change in changes:
+        if not status.worth_an_event(change):
+            continue
         if claims is not None and not claims.first_post(
             key, change.type, change.status, change.reason
         ):
@@ -476,11 +524,17 @@ def refresh_status(
         kind = status.event_type(change)
         message = f"{change.type}={change.status}: {change.message}"
         if post is not None:
-            post(body, kind, change.reason, message)
+            try:
+                post(body, kind, change.reason, message)
+            except Exception as exc:  # an Event is news: the status has landed anyway
+                logging.getLogger(__name__).warning(
+                    "event %s not posted: %s", change.reason, _brief(exc)
+                )
         else:
             (kopf.info if kind == "Normal" else kopf.warn)(
                 body, reason=change.reason, message=message
             )
+    return True
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -502,23 +556,54 @@ def server_changed(
     statefulsets: kopf.Index,
     pods: kopf.Index,
     nodes: kopf.Index,
+    servers: kopf.Index | None = None,
     **_: Any,
 ) -> None:
-    # Live views, for the resync loop. Per-object memos are shallow copies of the
-    # operator's, so the shared dict (made at start-up) is the way back to it.
+    # Live views, for the resync loop and the status queue. Per-object memos are
+    # shallow copies of the operator's, so the shared dict (made at start-up) is the
+    # way back to it.
     memo.indexes.setdefault("live", (statefulsets, pods, nodes))
+    if servers is not None:
+        memo.indexes.setdefault("servers", servers)
     claims: ownership.Claims | None = getattr(memo, "claims", None)
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
-        if type == "DELETED" and claims is not None:
-            claims.drop_server((body.metadata["namespace"], body.metadata["name"]))
+        if type == "DELETED":
+            key = (body.metadata["namespace"], body.metadata["name"])
+            if claims is not None:
+                claims.drop_server(key)
+            memory: StatusMemory | None = getattr(memo, "status_memory", None)
+            if memory is not None:
+                memory.forget(key)
         return  # the garbage collector removes the children
+    memory = getattr(memo, "status_memory", None)
+    if memory is not None:
+        # The watch shows our last write: from here on the body's status is the truth
+        # (a status someone else changes later is seen and written back).
+        memory.confirm(
+            (body.metadata["namespace"], body.metadata["name"]),
+            body.metadata.get("uid") or "",
+            dict(body.status),
+        )
     plain = _plain(body)
     generation = body.metadata.get("generation")
     # Status-only updates (our own writes) need no re-apply; a new generation,
-    # the initial listing (type None, e.g. after an operator restart) do.
-    new_generation = body.status.get("observedGeneration") != generation
+    # the initial listing (type None, e.g. after an operator restart) do. "New" is
+    # against our own last whole apply, not status.observedGeneration: a status written
+    # while the first apply was still running has none, and each such write came back
+    # as an event that re-applied every child (2.4 times per server on the way to Ready).
+    last = (
+        claims.last_apply((body.metadata["namespace"], body.metadata["name"])) if claims else None
+    )
+    new_generation = (
+        last.generation != generation
+        if last is not None
+        else body.status.get("observedGeneration") != generation
+    )
     if (type in (None, "ADDED") or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
+    if getattr(memo, "status_queue", None) is not None and servers is not None:
+        memo.status_queue.request((body.metadata["namespace"], body.metadata["name"]))
+        return
     refresh_status(
         plain,
         memo.kube,
@@ -529,7 +614,38 @@ def server_changed(
         nodes=nodes,
         claims=claims,
         transports=_transports(memo),
+        memory=getattr(memo, "status_memory", None),
     )
+
+
+def _refresh_from_index(memo: kopf.Memo, key: tuple[str, str]) -> bool:
+    """The status queue's refresh of one server, from the live indexes (the freshest
+    server the watch has shown, with what we last wrote laid over its status)."""
+    servers = memo.indexes.get("servers")
+    live = memo.indexes.get("live")
+    if servers is None or live is None:
+        return True
+    found = list(servers.get(key, []))
+    if not found or found[0]["metadata"].get("deletionTimestamp"):
+        return True
+    statefulsets, pods, nodes = live
+    try:
+        return refresh_status(
+            {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **found[0]},
+            memo.kube,
+            statefulsets,
+            pods,
+            memo.probe,
+            memo.settings,
+            memo.kube.create_event,
+            nodes,
+            memo.claims,
+            _transports(memo),
+            memo.status_memory,
+        )
+    except Exception as exc:  # one line, not the client's header dump
+        logging.getLogger(__name__).warning("status of %s/%s failed: %s", *key, _brief(exc))
+        return not is_transient(exc)  # a refusal would fail the same way again
 
 
 def _brief(exc: BaseException) -> str:
@@ -539,55 +655,136 @@ def _brief(exc: BaseException) -> str:
 
 
 async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> None:
-    """Safety net for missed watch events: re-apply every server's children, and
-    refresh its status (what the cluster offers changes without an event on our
-    objects: a device plugin installed, a namespace relabelled, a network created).
+    """The safety pass, every ``resync_seconds`` +-20 % (``backoff.jittered``): for
+    missed watch events, and for what changes without an event on our objects (a
+    device plugin installed, a namespace relabelled, a network created: status).
+
+    Drift and spec changes are applied from the watches, so this pass writes nothing
+    when nothing changed: it lists the servers and each child kind (a few requests
+    whatever the number of servers), and re-applies only a server whose children no
+    longer hold our fields (``drift.covers``) or whose generation has not landed.
 
     A kopf timer would do this too, but kopf guards timers with a finalizer on
     every server, and a finalizer would block deleting servers whenever the
-    operator is down. Applying unchanged objects writes nothing; neither does an
-    unchanged status.
+    operator is down.
     """
+    while True:
+        await asyncio.sleep(backoff.jittered(settings.resync_seconds, random.random()))
+        try:
+            done = await asyncio.to_thread(safety_pass, memo, settings, logger)
+        except Exception as exc:  # the loop must outlive any trouble of one pass
+            logger.warning("safety pass failed: %s", _brief(exc))
+            continue
+        memo.indexes["passes"] = memo.indexes.get("passes", 0) + 1
+        logger.info(
+            "safety pass done: %d servers, %d re-applied, %d status written",
+            done.servers,
+            done.applied,
+            done.statuses,
+        )
+
+
+@dataclasses.dataclass
+class PassDone:
+    servers: int = 0
+    applied: int = 0  # servers whose children were re-applied
+    statuses: int = 0  # status refreshes run (each writes only what changed)
+
+
+def _children_by_key(kube: Kube, namespaces: list[str] | None) -> dict[tuple[str, str, str], Any]:
+    """Every child the operator labels as its own, by (kind, namespace, name)."""
+    selector = f"{api.LABEL_MANAGED_BY}={api.FIELD_MANAGER}"
+    out: dict[tuple[str, str, str], Any] = {}
+    for _group, _version, _plural, api_version, kind in CHILD_KINDS:
+        for obj in kube.list_labelled(api_version, kind, selector, namespaces):
+            meta = obj.get("metadata") or {}
+            out[(kind, meta.get("namespace", ""), meta.get("name", ""))] = obj
+    return out
+
+
+def needs_apply(
+    server: api.Server,
+    wanted: list[dict[str, Any]],
+    children: dict[tuple[str, str, str], Any],
+    last: ownership.ApplyOutcome | None,
+    listed_at: float = 0.0,
+) -> bool:
+    """Whether the safety pass re-applies a server: its generation has not landed
+    whole, or some child is missing or lost one of our fields. Not a server whose
+    apply ended after the children were listed (``listed_at``, monotonic): the list
+    may lack some of its children, and that apply has its own retries."""
+    if last is not None and last.finished > listed_at:
+        return False
+    if last is None or last.generation != server.generation or not last.applied:
+        return True
+    return not all(
+        drift.covers(
+            children.get((c["kind"], c["metadata"]["namespace"], c["metadata"]["name"])), c
+        )
+        for c in wanted
+    )
+
+
+def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
     kube: Kube = memo.kube
     claims: ownership.Claims | None = getattr(memo, "claims", None)
-    while True:
-        await asyncio.sleep(settings.resync_seconds)
-        try:
-            listed = await asyncio.to_thread(kube.list_servers, memo.namespaces)
-        except Exception as exc:
-            logger.warning("resync: listing servers failed: %s", _brief(exc))
+    listed_at = time.monotonic()
+    listed = kube.list_servers(memo.namespaces)
+    children = _children_by_key(kube, memo.namespaces)
+    indexes = memo.indexes.get("live")
+    queue: Coalescer | None = getattr(memo, "status_queue", None)
+    done = PassDone()
+    for body in listed:
+        if body["metadata"].get("deletionTimestamp"):
             continue
-        # The live kopf indexes, kept by the first watch handler that ran.
-        indexes = memo.indexes.get("live")
-        for body in listed:
-            if body["metadata"].get("deletionTimestamp"):
-                continue
-            try:
-                await asyncio.to_thread(
-                    apply_children, body, kube, settings, logger, None, claims, kube.create_event
+        done.servers += 1
+        name = body["metadata"].get("name")
+        try:
+            server = api.parse_server(body)
+            wanted = render.render(server, settings.render_context())
+        except api.SpecError:
+            continue  # its InvalidSpec Event was posted when the spec came
+        key = (server.namespace, server.name)
+        try:
+            last = claims.last_apply(key) if claims else None
+            if needs_apply(server, wanted, children, last, listed_at):
+                done.applied += 1
+                logger.info("safety pass: re-applying %s/%s", *key)
+                applied = apply_children(
+                    body, kube, settings, logger, None, claims, kube.create_event
                 )
-            except Exception as exc:  # the loop must outlive any one server's trouble
-                logger.warning("resync of %s failed: %s", body["metadata"].get("name"), _brief(exc))
-            if indexes is not None:
-                statefulsets, pods, nodes = indexes
-                try:
-                    await asyncio.to_thread(
-                        refresh_status,
-                        body,
-                        kube,
-                        statefulsets,
-                        pods,
-                        memo.probe,
-                        settings,
-                        kube.create_event,
-                        nodes,
-                        claims,
-                        _transports(memo),
-                    )
-                except Exception as exc:  # the next pass tries again
-                    logger.warning(
-                        "resync: status of %s failed: %s", body["metadata"].get("name"), _brief(exc)
-                    )
+                retries: ApplyRetries | None = getattr(memo, "retries", None)
+                if applied is Applied.RETRY and retries is not None:
+                    retries.failed(*key)
+        except Exception as exc:  # the next pass, or a retry, tries again
+            logger.warning("safety pass: apply of %s failed: %s", name, _brief(exc))
+        done.statuses += 1
+        if queue is not None and memo.indexes.get("servers") is not None:
+            # From the watch's latest server (the list may be seconds old by now) and
+            # our own last write; the refresh writes only what changed.
+            queue.request(key)
+            continue
+        if indexes is None:
+            continue
+        statefulsets, pods, nodes = indexes
+        try:
+            refresh_status(
+                body,
+                kube,
+                statefulsets,
+                pods,
+                memo.probe,
+                settings,
+                kube.create_event,
+                nodes,
+                claims,
+                _transports(memo),
+                getattr(memo, "status_memory", None),
+                fresh=True,  # listed just now: truer than what we remember writing
+            )
+        except Exception as exc:  # the next pass tries again
+            logger.warning("safety pass: status of %s failed: %s", name, _brief(exc))
+    return done
 
 
 def _holds_ours(
@@ -618,7 +815,12 @@ def _refresh(
 ) -> None:
     """Step 4-5 for a server found through one of its children, pods or nodes: every
     caller passes the same inputs (prerequisites and nodes too), so no event path
-    computes a status that another path would then flip back."""
+    computes a status that another path would then flip back. Through the status
+    queue when it runs: a burst of events is one write."""
+    queue: Coalescer | None = getattr(memo, "status_queue", None)
+    if queue is not None and memo.indexes.get("servers") is not None:
+        queue.request((owner["metadata"]["namespace"], owner["metadata"]["name"]))
+        return
     refresh_status(
         {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner},
         memo.kube,
@@ -629,6 +831,7 @@ def _refresh(
         nodes=nodes,
         claims=getattr(memo, "claims", None),
         transports=_transports(memo),
+        memory=getattr(memo, "status_memory", None),
     )
 
 

@@ -132,6 +132,34 @@ class Kube:
             for item in res.get(namespace=ns, _request_timeout=t).items
         ]
 
+    def list_labelled(
+        self,
+        api_version: str,
+        kind: str,
+        label_selector: str,
+        namespaces: list[str] | None = None,
+        page: int = 500,
+    ) -> list[Obj]:
+        """Every object of a kind with the labels, in pages of ``page`` (a large
+        cluster's list is never one huge answer), cluster-wide or per namespace."""
+        res = self._resource(api_version, kind)
+        out: list[Obj] = []
+        for ns in namespaces or [None]:
+            token: str | None = None
+            while True:
+                got = res.get(
+                    namespace=ns,
+                    label_selector=label_selector,
+                    limit=page,
+                    _continue=token,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+                out.extend(item.to_dict() for item in got.items)
+                token = (got.metadata or {}).get("continue") if got.metadata else None
+                if not token:
+                    break
+        return out
+
     def review_token(
         self, token: str, audience: str, timeout: tuple[float, float] = REQUEST_TIMEOUT
     ) -> Obj:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import api
@@ -50,6 +50,9 @@ class ApplyOutcome:
     generation: int
     applied: bool  # every child landed
     refusals: tuple[str, ...] = ()  # "<kind> <name>: <the API server's message>"
+    # When the apply ended (the caller's monotonic clock): a list taken before that
+    # may lack some of its children (handlers.needs_apply).
+    finished: float = field(default=0.0, compare=False)
 
 
 def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:

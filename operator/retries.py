@@ -53,7 +53,7 @@ class ApplyRetries:
                 except Exception as exc:  # the next try, or the resync, goes again
                     log.warning("retry %d of %s/%s failed: %s", attempt + 1, *key, exc)
             log.warning(
-                "apply of %s/%s still failing after %d retries; the resync tries again",
+                "apply of %s/%s still failing after %d retries; the safety pass tries again",
                 *key,
                 len(self.delays),
             )

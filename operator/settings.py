@@ -14,6 +14,11 @@ log = logging.getLogger(__name__)
 
 # Variables an earlier release read, with why they are gone: named in a warning rather
 # than ignored in silence (docs/upgrading.md).
+# The safety pass's interval by default (KVFERRY_RESYNC_SECONDS; the chart's
+# settings.resyncSeconds): one pass costs a list of the servers and one of each child
+# kind, whatever the number of servers.
+RESYNC_SECONDS = 300
+
 REMOVED = {"KVFERRY_DEBOUNCE_SECONDS": "it was read and never used"}
 
 
@@ -22,8 +27,11 @@ class Settings:
     # Image for the kvferry-sidecar when a server does not name one; the chart
     # sets it to the sidecar image released with this operator.
     sidecar_image: str
-    # Safety-net reconcile: re-applies children (drift) and refreshes status
-    # even when no watch event arrived (a missed event, a lost connection).
+    # The safety pass (handlers._resync_forever): lists the servers and their children,
+    # re-applies what no longer holds our fields and refreshes status, even when no
+    # watch event arrived (a missed event, a lost connection). Each wait is this, +-20 %
+    # at random, so operators started together do not pass together. Drift and spec
+    # changes are applied from the watches; this is the net under them.
     resync_seconds: float
     # The report endpoint sidecars push to. TLS from the chart's Secret; without
     # a certificate the endpoint does not start (reports need HTTPS: they carry
@@ -49,6 +57,10 @@ class Settings:
     # How long the prerequisite checks reuse what they read (nodes, the namespace's
     # Pod Security label, Multus objects) while a server's pods are not all ready.
     prerequisites_cache_seconds: float = 30.0
+    # A server's status is written once its events have been quiet this long (at most
+    # status_most_seconds after the first): P's and D's readiness in one write.
+    status_quiet_seconds: float = 1.0
+    status_most_seconds: float = 5.0
     # Plain-HTTP /metrics (what the operator decided, per server); 0 = off.
     metrics_port: int = 8080
     metrics_host: str = "0.0.0.0"
@@ -77,11 +89,13 @@ def from_env() -> Settings:
         publish_seconds=float(env("KVFERRY_PUBLISH_SECONDS", "10")),
         min_status_write_seconds=float(env("KVFERRY_MIN_STATUS_WRITE_SECONDS", "10")),
         prerequisites_cache_seconds=float(env("KVFERRY_PREREQUISITES_CACHE_SECONDS", "30")),
+        status_quiet_seconds=float(env("KVFERRY_STATUS_QUIET_SECONDS", "1")),
+        status_most_seconds=float(env("KVFERRY_STATUS_MOST_SECONDS", "5")),
         metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         host_path_prefixes=hostpaths.parse_prefixes(env(hostpaths.ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
-        resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", "60")),
+        resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", str(RESYNC_SECONDS))),
     )
 
 

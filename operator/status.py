@@ -98,6 +98,8 @@ class ConditionChange:
     status: str
     reason: str
     message: str
+    # (status, reason) before the change; None when the condition is new.
+    was: tuple[str, str] | None = None
 
 
 def role_observed_from(sts: dict[str, Any] | None) -> RoleObserved:
@@ -438,6 +440,40 @@ def event_type(change: ConditionChange) -> str:
     return "Warning" if change.status == bad else "Normal"
 
 
+# Where a new server's conditions start, for worth_an_event: a condition's first state
+# is news only where it differs from this.
+INITIAL_CONDITIONS = {
+    api.COND_READY: ("False", REASON_WAITING),
+    api.COND_PROGRESSING: ("True", REASON_CREATING),
+    api.COND_DEGRADED: ("False", REASON_HEALTHY),
+    api.COND_KV_TRANSPORT: ("Unknown", REASON_NO_REPORTS),
+    api.COND_PREREQUISITES: ("Unknown", prerequisites.REASON_NOT_CHECKED),
+}
+
+
+def worth_an_event(change: ConditionChange) -> bool:
+    """Whether a condition change is news for ``kubectl describe`` and alerting.
+
+    Every change is in status; an Event is posted for a status that flips, and for a
+    reason that moves into or out of a fault (a Warning). Not for what every new
+    server goes through on its way to Ready: its conditions' first states where they
+    are what a new server starts with (``INITIAL_CONDITIONS``), a Normal reason giving
+    way to another (``Creating`` to ``RollingUpdate``), or prerequisites not checked
+    yet turning out met. A new server's way to Ready posts two Events, ``Ready=True``
+    and ``Progressing=False/Complete``, whether status saw the steps between or not."""
+    warning = event_type(change) == "Warning"
+    was = change.was or INITIAL_CONDITIONS.get(change.type)
+    if was is None:
+        return True
+    was_status, was_reason = was
+    if (was_status, was_reason) == (change.status, change.reason):
+        return False
+    if was_status != change.status:
+        return warning or was_reason != prerequisites.REASON_NOT_CHECKED
+    before = ConditionChange(change.type, was_status, was_reason, "")
+    return warning or event_type(before) == "Warning"
+
+
 def rdma_asked(server: Server) -> str | None:
     """The spec field that asks for RDMA, or None."""
     net = server.spec.network
@@ -490,8 +526,9 @@ def merge_conditions(
         )
         merged.append({**cond, "lastTransitionTime": since})
         if before is None or flipped or before.get("reason") != cond["reason"]:
+            was = None if before is None else (before.get("status"), before.get("reason"))
             changes.append(
-                ConditionChange(cond["type"], cond["status"], cond["reason"], cond["message"])
+                ConditionChange(cond["type"], cond["status"], cond["reason"], cond["message"], was)
             )
     return merged, changes
 
@@ -523,3 +560,11 @@ def compute_status(
 
 def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return (old or {}) != new
+
+
+def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch from ``old`` to ``new``: the top-level fields that differ, and
+    never ``retention`` (the publisher's; ``new`` carries it over from a status that
+    may be older than the publisher's last write). Empty: nothing to write."""
+    old = old or {}
+    return {k: v for k, v in new.items() if k != "retention" and old.get(k) != v}

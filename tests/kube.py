@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,37 @@ from tests.progress import step
 SCRIPT = ROOT / "hack" / "controlplane.sh"
 STATE = Path(os.environ.get("KVFERRY_TEST_CP_DIR", f"/tmp/kvferry-cp-test-{os.getpid()}"))
 PORT = os.environ.get("KVFERRY_TEST_CP_PORT", "26443")
+# The API server's audit log records one user alone: an operator a test runs under a
+# client certificate of that name (audited_kubeconfig), to count its requests. Nobody
+# else is recorded, so the log stays small and costs the other tests nothing.
+AUDITED_USER = "kvferry-operator-audited"
+AUDIT_DIR = Path(f"{STATE}-audit")
+AUDIT_LOG = AUDIT_DIR / "audit.log"
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  users: [{AUDITED_USER}]
+- level: None
+"""
+
+
+def cp_env() -> dict[str, str]:
+    """hack/controlplane.sh's environment for the session's control plane (also for
+    a kube-apiserver a test stops and starts: it keeps its audit log)."""
+    AUDIT_DIR.mkdir(parents=True, exist_ok=True)
+    policy = AUDIT_DIR / "policy.yaml"
+    policy.write_text(AUDIT_POLICY)
+    return {
+        **os.environ,
+        "KVFERRY_CP_DIR": str(STATE),
+        "KVFERRY_CP_PORT": PORT,
+        "KVFERRY_CP_APISERVER_ARGS": (
+            f"--audit-policy-file={policy} --audit-log-path={AUDIT_LOG} "
+            "--audit-log-format=json --audit-log-maxsize=0"
+        ),
+    }
 
 
 class Kubectl:
@@ -90,7 +124,7 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
 
 @pytest.fixture(scope="session")
 def kubeconfig() -> Iterator[Path]:
-    env = {**os.environ, "KVFERRY_CP_DIR": str(STATE), "KVFERRY_CP_PORT": PORT}
+    env = cp_env()
     what = (
         f"starting the local control plane on port {PORT} (hack/controlplane.sh up; the "
         "first run on a machine builds it from Go modules, ~8 min on 2 cores)"
@@ -103,6 +137,75 @@ def kubeconfig() -> Iterator[Path]:
         pytest.fail(f"local control plane did not start:\n{proc.stderr[-6000:]}", pytrace=False)
     yield STATE / "kubeconfig"
     subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
+    shutil.rmtree(AUDIT_DIR, ignore_errors=True)
+
+
+def audited_kubeconfig(kubeconfig: Path, folder: Path) -> Path:
+    """The admin's kubeconfig with a client certificate of AUDITED_USER (in
+    system:masters too), signed by the control plane's CA."""
+    pki = STATE / "pki"
+    key, csr, crt = (folder / f"audited.{x}" for x in ("key", "csr", "crt"))
+    ext = folder / "audited.ext"
+    ext.write_text("extendedKeyUsage=clientAuth\n")
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+        "-subj", f"/O=system:masters/CN={AUDITED_USER}",
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"), "-CAkey",
+        str(pki / "ca.key"), "-CAcreateserial", "-out", str(crt), "-days", "2",
+        "-extfile", str(ext),
+    )  # fmt: skip
+    text = kubeconfig.read_text()
+    text = text.replace(str(pki / "admin.crt"), str(crt)).replace(str(pki / "admin.key"), str(key))
+    path = folder / "audited.kubeconfig"
+    path.write_text(text)
+    return path
+
+
+@dataclass(frozen=True)
+class Audited:
+    """One request of AUDITED_USER, as the API server's audit log has it."""
+
+    at: float  # unix seconds the API server received it
+    verb: str
+    resource: str  # with "/<subresource>"
+    namespace: str
+    name: str
+    code: int
+
+    @property
+    def write(self) -> bool:
+        return self.verb in ("create", "update", "patch", "delete", "deletecollection")
+
+
+def audited_requests(since: float = 0.0, until: float = float("inf")) -> list[Audited]:
+    """AUDITED_USER's requests received in [since, until), one per audit ID."""
+    seen: dict[str, Audited] = {}
+    if not AUDIT_LOG.exists():
+        return []
+    for line in AUDIT_LOG.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        aid = ev.get("auditID")
+        if (ev.get("user") or {}).get("username") != AUDITED_USER or not aid or aid in seen:
+            continue
+        at = datetime.fromisoformat(ev["requestReceivedTimestamp"].replace("Z", "+00:00"))
+        ref = ev.get("objectRef") or {}
+        resource = (ref.get("resource") or "?") + (
+            f"/{ref['subresource']}" if ref.get("subresource") else ""
+        )
+        seen[aid] = Audited(
+            at.timestamp(),
+            ev.get("verb", "?"),
+            resource,
+            ref.get("namespace", ""),
+            ref.get("name", ""),
+            int((ev.get("responseStatus") or {}).get("code") or 0),
+        )
+    return [r for r in seen.values() if since <= r.at < until]
 
 
 @contextmanager

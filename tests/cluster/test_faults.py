@@ -4,17 +4,16 @@ Each ends with the operator converged and no traceback in its log."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import condition, make, wait_ready
-from tests.kube import PORT, SCRIPT, STATE, wait_for_event
+from tests.kube import SCRIPT, cp_env, wait_for_event
 
 
 def controlplane(command: str) -> None:
-    env = {**os.environ, "KVFERRY_CP_DIR": str(STATE), "KVFERRY_CP_PORT": PORT}
+    env = cp_env()
     proc = subprocess.run(
         ["bash", str(SCRIPT), command], capture_output=True, text=True, env=env, timeout=180
     )

@@ -116,8 +116,15 @@ CALLS = [
     Call("Kube.get ConfigMap", "", "configmaps", ("get",)),
     Call("Kube.get PodDisruptionBudget", "policy", "poddisruptionbudgets", ("get",)),
     Call("Kube.get NetworkPolicy", "networking.k8s.io", "networkpolicies", ("get",)),
-    # Kube.list_servers (handlers._resync_forever).
+    # Kube.list_servers (handlers.safety_pass).
     Call("Kube.list_servers", "kvferry.io", "disaggregatedservers", ("list",)),
+    # Kube.list_labelled (handlers.safety_pass): every child kind, labelled as ours.
+    Call("Kube.list_labelled StatefulSet", "apps", "statefulsets", ("list",)),
+    Call("Kube.list_labelled Service", "", "services", ("list",)),
+    Call("Kube.list_labelled ConfigMap", "", "configmaps", ("list",)),
+    Call("Kube.list_labelled PodDisruptionBudget", "policy", "poddisruptionbudgets", ("list",)),
+    Call("Kube.list_labelled NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
+    Call("Kube.list_labelled KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),

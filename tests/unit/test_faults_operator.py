@@ -191,6 +191,9 @@ class UnreachableKube:
         self.lists += 1
         return [SERVER_OBJ]
 
+    def list_labelled(self, api_version, kind, label_selector, namespaces):
+        return []  # no child yet: the pass applies them
+
     def get(self, api_version, kind, namespace, name):
         self.reads += 1  # is the child's name free or ours (handlers._taken)
         raise urllib3.exceptions.MaxRetryError(None, "/api", "connection refused")
@@ -356,7 +359,8 @@ def test_two_refreshes_from_the_same_old_status_post_a_change_once():
 
     posted: list[str] = []
     claims = ownership.Claims()
-    stale = {**SERVER_OBJ, "status": {"transport": "Unknown"}}
+    unknown = {"type": api.COND_KV_TRANSPORT, "status": "Unknown", "reason": "NoReports"}
+    stale = {**SERVER_OBJ, "status": {"transport": "Unknown", "conditions": [unknown]}}
     for _ in range(2):
         handlers.refresh_status(
             stale,

@@ -12,20 +12,27 @@ import urllib3
 
 from kvferry_operator import api, backoff, handlers
 from kvferry_operator.retries import ApplyRetries
-from kvferry_operator.settings import Settings
+from kvferry_operator.settings import RESYNC_SECONDS, Settings
 from tests.manifests import server
 
 LOG = logging.getLogger("test")
 
 
 def test_the_schedule_doubles_from_one_second_up_to_the_cap():
-    assert backoff.schedule() == (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+    assert backoff.schedule()[:7] == (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0)
     assert backoff.delay(10) == backoff.CAP_SECONDS
     assert backoff.schedule(3, base=0.5, factor=3.0, cap=4.0) == (0.5, 1.5, 4.0)
 
 
-def test_the_schedule_ends_about_when_the_default_resync_would_run():
-    assert 45 <= sum(backoff.schedule()) <= 75
+def test_the_schedule_ends_about_when_the_default_safety_pass_would_run():
+    assert 0.8 * RESYNC_SECONDS <= sum(backoff.schedule()) <= 1.2 * RESYNC_SECONDS
+
+
+@pytest.mark.parametrize("rand", [0.0, 0.25, 0.5, 0.999])
+def test_a_jittered_interval_stays_within_a_fifth_of_itself(rand):
+    got = backoff.jittered(300.0, rand)
+    assert 240.0 <= got <= 360.0
+    assert backoff.jittered(300.0, 0.5) == 300.0
 
 
 def test_a_negative_attempt_is_refused():

@@ -24,4 +24,4 @@ def test_the_defaults_need_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("KVFERRY_RESYNC_SECONDS", "KVFERRY_REPORT_PORT", "KVFERRY_DEBOUNCE_SECONDS"):
         monkeypatch.delenv(var, raising=False)
     ours = settings.from_env()
-    assert (ours.resync_seconds, ours.report_port) == (60.0, 8443)
+    assert (ours.resync_seconds, ours.report_port) == (300.0, 8443)

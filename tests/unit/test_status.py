@@ -545,3 +545,95 @@ def test_a_generation_held_back_is_never_complete(held):
     progressing = cond(st["conditions"], api.COND_PROGRESSING)
     assert progressing["status"] == "False" and progressing["reason"] != status.REASON_COMPLETE
     assert {c.type: status.event_type(c) for c in changes}[api.COND_PROGRESSING] == "Warning"
+
+
+def change(ctype, value, reason, was=None):
+    return status.ConditionChange(ctype, value, reason, "m", was)
+
+
+@pytest.mark.parametrize(
+    ("c", "posted"),
+    [
+        # A new server's way to Ready: two Events, Ready=True and Complete.
+        (change(api.COND_READY, "False", status.REASON_WAITING), False),
+        (change(api.COND_PROGRESSING, "True", status.REASON_CREATING), False),
+        (change(api.COND_DEGRADED, "False", status.REASON_HEALTHY), False),
+        (change(api.COND_KV_TRANSPORT, "Unknown", status.REASON_NO_REPORTS), False),
+        (change(api.COND_PREREQUISITES, "Unknown", prerequisites.REASON_NOT_CHECKED), False),
+        (
+            change(
+                api.COND_PROGRESSING,
+                "True",
+                status.REASON_ROLLING,
+                ("True", status.REASON_CREATING),
+            ),
+            False,
+        ),
+        (
+            change(
+                api.COND_PREREQUISITES,
+                "True",
+                prerequisites.REASON_MET,
+                ("Unknown", prerequisites.REASON_NOT_CHECKED),
+            ),
+            False,
+        ),
+        (
+            change(api.COND_READY, "True", status.REASON_READY, ("False", status.REASON_WAITING)),
+            True,
+        ),
+        (
+            change(
+                api.COND_PROGRESSING,
+                "False",
+                status.REASON_COMPLETE,
+                ("True", status.REASON_ROLLING),
+            ),
+            True,
+        ),
+        # A server whose first status is already Ready says so.
+        (change(api.COND_READY, "True", status.REASON_READY), True),
+        (change(api.COND_PROGRESSING, "False", status.REASON_COMPLETE), True),
+        (change(api.COND_PROGRESSING, "True", status.REASON_ROLLING), False),
+        (change(api.COND_PREREQUISITES, "True", prerequisites.REASON_MET), False),
+        # Faults, new or moved into, and the way out of one.
+        (change(api.COND_READY, "False", status.REASON_UNSCHEDULABLE), True),
+        (change(api.COND_DEGRADED, "True", status.REASON_CRASHING), True),
+        (
+            change(
+                api.COND_READY,
+                "False",
+                status.REASON_UNSCHEDULABLE,
+                ("False", status.REASON_WAITING),
+            ),
+            True,
+        ),
+        (
+            change(
+                api.COND_PROGRESSING,
+                "False",
+                status.REASON_COMPLETE,
+                ("False", status.REASON_APPLY_FAILED),
+            ),
+            True,
+        ),
+        (
+            change(api.COND_READY, "False", status.REASON_WAITING, ("True", status.REASON_READY)),
+            True,
+        ),
+        (
+            change(api.COND_KV_TRANSPORT, "True", "TCP", ("Unknown", status.REASON_NO_REPORTS)),
+            True,
+        ),
+    ],
+)
+def test_an_event_is_posted_for_news_not_for_every_step_to_ready(c, posted):
+    assert status.worth_an_event(c) is posted
+
+
+def test_the_status_patch_holds_only_what_changed_and_never_retention():
+    old = {"endpoint": "a", "retention": {"applied": 1}, "conditions": [{"type": "Ready"}]}
+    new = {"endpoint": "a", "retention": {"applied": 2}, "conditions": [{"type": "Degraded"}]}
+    assert status.status_patch(old, new) == {"conditions": [{"type": "Degraded"}]}
+    assert status.status_patch(old, {**old, "retention": {"applied": 9}}) == {}
+    assert status.status_patch(None, {"endpoint": "a"}) == {"endpoint": "a"}

@@ -1,0 +1,218 @@
+"""A quiet operator (issue 23, items 1 and 2), counted by the API server's audit log.
+
+The operator runs under a client certificate of its own (tests.kube.AUDITED_USER, the
+one user the session's audit policy records), with the safety pass's interval set by
+the test: every request it makes is in the log, by verb, resource and namespace.
+
+- at rest, a safety pass lists and compares, and writes nothing;
+- to Ready, status is written a few times and two Events are posted; a condition
+  change posts its Event once;
+- drift is restored from the watch and a failed apply retries on its own with
+  backoff, with a safety pass an hour away.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry_operator import handlers
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.cluster.test_operator import condition, make, uid, wait_ready
+from tests.kube import audited_kubeconfig, audited_requests
+
+
+@pytest.fixture
+def audited(
+    kubectl: Kubectl, operator: Operator, kubeconfig: Path, tmp_path: Path
+) -> Iterator[Callable[[float], Operator]]:
+    """Start the audited operator with a given safety-pass interval (the session's
+    operator is stopped meanwhile: two operators would both reconcile)."""
+    started: list[Operator] = []
+
+    def start(resync_seconds: float) -> Operator:
+        operator.stop()
+        op = Operator(audited_kubeconfig(kubeconfig, tmp_path), tmp_path / "operator.log")
+        op.extra_env = {"KVFERRY_RESYNC_SECONDS": str(resync_seconds)}
+        op.started_at = time.time()  # type: ignore[attr-defined]
+        op.start()
+        started.append(op)
+        return op
+
+    try:
+        yield start
+    finally:
+        for op in started:
+            op.stop()
+        operator.start()
+
+
+def passes(op: Operator) -> int:
+    """Safety passes finished: each starts with a list of the servers, one after the
+    other, so the lists after kopf's own first one, less the one running."""
+    lists = [
+        r
+        for r in audited_requests(op.started_at)  # type: ignore[attr-defined]
+        if r.verb == "list" and r.resource == "disaggregatedservers"
+    ]
+    return max(0, len(lists) - 2)
+
+
+def wait_passes(op: Operator, at_least: int) -> None:
+    wait_until(lambda: passes(op) >= at_least, 60, f"{at_least} safety passes")
+
+
+def server_events(kubectl: Kubectl, ns: str, name: str) -> Counter[str]:
+    items = kubectl.json(
+        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+    )["items"]
+    return Counter(
+        e["reason"]
+        for e in items
+        if (e.get("involvedObject") or {}).get("kind") == "DisaggregatedServer"
+        for _ in range(int(e.get("count") or 1))
+    )
+
+
+def test_a_server_at_rest_costs_no_write_and_its_way_to_ready_few(
+    kubectl: Kubectl, audited: Callable[[float], Operator], ns: str
+):
+    op = audited(2)  # a safety pass every 2 s +-20 %
+    t0 = time.time()
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    # Both roles Ready, and nothing left to write: a pass after Ready has the last word.
+    wait_passes(op, passes(op) + 2)
+
+    to_ready = [r for r in audited_requests(t0) if r.namespace == ns]
+    status_patches = [r for r in to_ready if r.resource == "disaggregatedservers/status"]
+    assert len(status_patches) <= 3, status_patches
+    events = server_events(kubectl, ns, "tiny")
+    # A new server's way to Ready is news twice: Ready=True and Progressing Complete.
+    assert events == Counter({"AllReplicasReady": 1, "Complete": 1}), events
+
+    # At rest: passes list servers and children cluster-wide, and write nothing.
+    start = passes(op)
+    wait_passes(op, start + 1)
+    since = time.time()
+    wait_passes(op, start + 4)
+    until = time.time()
+    window = audited_requests(since, until)
+    assert [r for r in window if r.namespace == ns] == []
+    # Cluster-wide: the passes' lists. (Servers that earlier tests left in namespaces
+    # being deleted are not at rest: their applies are refused, and they are theirs.)
+    cluster_wide = [r for r in window if not r.namespace]
+    assert [r for r in cluster_wide if r.write] == []
+    lists_per_pass = 1 + len(handlers.CHILD_KINDS)
+    assert len(cluster_wide) <= 3 * lists_per_pass + 2, Counter(
+        f"{r.verb} {r.resource}" for r in cluster_wide
+    )
+
+    # A condition change posts its Event once, however many refreshes follow.
+    kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type=merge", "-p",
+                '{"spec":{"decode":{"replicas":0}}}')  # fmt: skip
+    wait_until(
+        lambda: condition(kubectl, ns, "tiny", "Ready").get("reason") == "NoDecodeReplicas",
+        60,
+        "Ready=False NoDecodeReplicas",
+    )
+    wait_passes(op, passes(op) + 3)
+    assert server_events(kubectl, ns, "tiny")["NoDecodeReplicas"] == 1
+
+
+def webhook(ns: str) -> dict[str, Any]:
+    """Admission of our ConfigMaps in ``ns`` fails: the webhook is not listening (the
+    API server answers 500, as for an admission service that is down)."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"down-{ns}"},
+        "webhooks": [
+            {
+                "name": "down.kvferry.test",
+                "clientConfig": {"url": "https://127.0.0.1:1/validate"},
+                "rules": [
+                    {
+                        "operations": ["CREATE", "UPDATE"],
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "resources": ["configmaps"],
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "objectSelector": {
+                    "matchLabels": {"app.kubernetes.io/managed-by": "kvferry-operator"}
+                },
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 1,
+            }
+        ],
+    }
+
+
+def test_drift_is_restored_and_a_failed_apply_retried_without_a_safety_pass(
+    kubectl: Kubectl, audited: Callable[[float], Operator], ns: str
+):
+    op = audited(3600)
+    hook = webhook(ns)
+    kubectl.apply(hook)
+    try:
+        t0 = time.time()
+        kubectl.apply(make(ns), "--server-side")
+        wait_until(
+            lambda: condition(kubectl, ns, "tiny", "Degraded").get("reason") == "ApplyFailed",
+            60,
+            "Degraded=True ApplyFailed (the ConfigMap refused)",
+        )
+        # Retried on its own, waiting longer each time.
+        wait_until(
+            lambda: len(failed_configmap_applies(ns, t0)) >= 4, 60, "4 refused ConfigMap applies"
+        )
+    finally:
+        kubectl.run("delete", "validatingwebhookconfiguration", hook["metadata"]["name"])
+    tries = [r.at for r in failed_configmap_applies(ns, t0)]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    # backoff.schedule(): 1, 2, 4 s between the first four (and the apply's own time,
+    # which a loaded machine stretches unevenly): never back to back, 7 s at least.
+    assert min(gaps) >= 0.9 and tries[3] - tries[0] >= 6.9, gaps
+    # The next retry lands it, and status says so, without a watch event to prompt it.
+    wait_until(lambda: kubectl.get("configmap", "tiny-sidecar", ns), 60, "the ConfigMap applied")
+    wait_until(
+        lambda: (
+            condition(kubectl, ns, "tiny", "Degraded").get("reason") == "Healthy"
+            and condition(kubectl, ns, "tiny", "Progressing").get("reason") == "Complete"
+        ),
+        60,
+        "Degraded=False Healthy and Progressing Complete after the retry",
+    )
+    wait_ready(kubectl, ns)
+
+    # Drift, restored from the watch: a deleted child, an edited one.
+    before = uid(kubectl, "service", "tiny", ns)
+    kubectl.run("delete", "service", "tiny", "-n", ns, "--wait=true")
+    wait_until(lambda: uid(kubectl, "service", "tiny", ns) not in (None, before), 30, "restored")
+    kubectl.run("patch", "statefulset", "tiny-decode", "-n", ns, "--type=merge", "-p",
+                json.dumps({"spec": {"replicas": 3}}))  # fmt: skip
+    wait_until(
+        lambda: kubectl.get("statefulset", "tiny-decode", ns)["spec"]["replicas"] == 1,
+        30,
+        "decode replicas back to 1",
+    )
+    assert passes(op) == 0, "a safety pass ran: the test proves nothing"
+
+
+def failed_configmap_applies(ns: str, since: float) -> list[Any]:
+    return [
+        r
+        for r in audited_requests(since)
+        if r.namespace == ns and r.resource == "configmaps" and r.verb == "patch" and r.code >= 500
+    ]

@@ -1,0 +1,84 @@
+"""The safety pass writes nothing when nothing changed: it lists the servers and their
+children, and re-applies only a server whose children lost our fields or whose
+generation has not landed."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from kvferry_operator import api, handlers, ownership, render
+from kvferry_operator.settings import Settings
+from tests.unit.test_faults_operator import SERVER_OBJ
+
+SETTINGS = Settings(sidecar_image="", resync_seconds=300)
+SERVER = api.parse_server(SERVER_OBJ)
+WANTED = render.render(SERVER, SETTINGS.render_context())
+LANDED = ownership.ApplyOutcome(SERVER.generation, True)
+
+
+def as_listed(children: list[dict]) -> dict:
+    # What the API server answers holds every rendered field, and more of its own.
+    out = {}
+    for c in children:
+        meta = c["metadata"]
+        listed = {**c, "metadata": {**meta, "uid": "x", "resourceVersion": "1"}, "status": {}}
+        out[(c["kind"], meta["namespace"], meta["name"])] = listed
+    return out
+
+
+def test_children_that_hold_our_fields_need_no_apply():
+    assert not handlers.needs_apply(SERVER, WANTED, as_listed(WANTED), LANDED)
+
+
+def test_a_missing_or_edited_child_or_an_unlanded_generation_needs_one():
+    children = as_listed(WANTED)
+    missing = dict(children)
+    missing.pop(next(iter(missing)))
+    assert handlers.needs_apply(SERVER, WANTED, missing, LANDED)
+    edited = dict(children)
+    key = next(k for k in edited if k[0] == "StatefulSet")
+    edited[key] = {**edited[key], "spec": {**edited[key]["spec"], "replicas": 7}}
+    assert handlers.needs_apply(SERVER, WANTED, edited, LANDED)
+    refused = ownership.ApplyOutcome(SERVER.generation, False, ("StatefulSet x: 422",))
+    assert handlers.needs_apply(SERVER, WANTED, children, refused)
+    assert handlers.needs_apply(SERVER, WANTED, children, None)
+
+
+class ListingKube:
+    def __init__(self, children: dict) -> None:
+        self.children = children
+        self.requests: list[str] = []
+
+    def list_servers(self, namespaces):
+        self.requests.append("list servers")
+        return [SERVER_OBJ]
+
+    def list_labelled(self, api_version, kind, label_selector, namespaces):
+        self.requests.append(f"list {kind}")
+        return [c for k, c in self.children.items() if k[0] == kind]
+
+    def __getattr__(self, name):  # any other call is a request the pass must not make
+        def call(*args, **kwargs):
+            self.requests.append(name)
+
+        return call
+
+
+def test_a_pass_over_a_server_at_rest_only_lists():
+    kube = ListingKube(as_listed(WANTED))
+    claims = ownership.Claims()
+    claims.applied(("ns", "tiny"), LANDED)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=claims)
+    done = handlers.safety_pass(memo, SETTINGS, logging.getLogger("test"))
+    assert (done.servers, done.applied) == (1, 0)
+    assert all(r.startswith("list ") for r in kube.requests), kube.requests
+    assert len(kube.requests) == 1 + len(handlers.CHILD_KINDS)
+
+
+def test_a_server_applied_since_the_children_were_listed_is_left_to_its_own_apply():
+    # A burst of new servers: the list predates their children, which are not missing.
+    recent = ownership.ApplyOutcome(SERVER.generation, True, (), finished=20.0)
+    assert not handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=10.0)
+    assert handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=30.0)
