@@ -170,7 +170,7 @@ ROWS: list[tuple[str, list[P]]] = [
             ),
             P(
                 "Transport",
-                "RDMA, TCP, TCPFallback or Unknown per pod; the evidence is in "
+                "RDMA, TCP, TCPFallback, NoTransport or Unknown per pod; the evidence is in "
                 "kubectl get kv-cache-status -o yaml (transfer.transportReason).",
                 (
                     Q(

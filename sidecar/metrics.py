@@ -333,7 +333,7 @@ def report_families(r: rpt.Report) -> list:
         _info(
             "kvferry_transport",
             "What the P<->D KV path uses as this sidecar sees it (RDMA, TCP, TCPFallback, "
-            "Unknown); the evidence is the report's transportReason.",
+            "NoTransport, Unknown); the evidence is the report's transportReason.",
             {"transport": r.transport},
         ),
         _counter(

@@ -322,7 +322,7 @@ def test_multi_turn_run_shows_in_kubectl_get_kv_cache_status(kubectl: Kubectl, r
 
     # Transport: NIXL over UCX tcp on loopback (UCX_TLS=tcp,self, no RDMA device here),
     # with the bandwidth measured from the decode engine's own NIXL transfers. TCP, not
-    # TCPFallback: the tiny server is a CPU server, where network.transport auto is tcp.
+    # TCPFallback: RDMA was not asked for (a CPU server, where network.transport auto is tcp).
     transport = re.fullmatch(r"TCP@(\d+\.\d\d)GB/s", row["TRANSPORT"])
     assert transport, row
     assert float(transport.group(1)) > 0
