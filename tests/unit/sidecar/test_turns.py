@@ -896,18 +896,14 @@ def test_an_engine_error_is_rebuilt_never_relayed_as_sent(
     assert relay.engine_error(status, raw) == {"error": expected}
 
 
-async def test_streaming_033_a_client_that_closes_at_the_finish_chunk_keeps_the_handle(
-    aiohttp_client: Any, engines: Engines
-) -> None:
-    """vLLM 0.33 puts the handle on the finish chunk and D pins it whatever the client
-    does next. A client that closes there (handler cancellation on, as the sidecar
-    runs) left that handle neither kept nor released: pinned on D, untracked, until
-    its TTL."""
+async def _stream_closed_at_the_finish_chunk(aiohttp_client: Any, engines: Engines) -> Any:
+    """A streamed turn whose client reads up to the chunk with finish_reason and closes
+    (before the usage chunk and [DONE]), on a sidecar with aiohttp's handler
+    cancellation on, as it runs; returns the sidecar once it saw the client leave."""
     from kvferry_sidecar.app import app_factory
 
     from .conftest import sidecar_settings
 
-    engines.decode.hold_after_finish = asyncio.Event()
     app = app_factory(sidecar_settings(engines), clock=engines.clock)
     client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
     sc = sidecar_of(client)
@@ -932,6 +928,18 @@ async def test_streaming_033_a_client_that_closes_at_the_finish_chunk_keeps_the_
             break
     resp.close()  # before the usage chunk and [DONE]
     await asyncio.wait_for(gone.wait(), 10)  # the sidecar saw the client leave
+    return sc
+
+
+async def test_streaming_033_a_client_that_closes_at_the_finish_chunk_keeps_the_handle(
+    aiohttp_client: Any, engines: Engines
+) -> None:
+    """vLLM 0.33 puts the handle on the finish chunk and D pins it whatever the client
+    does next. A client that closes there (handler cancellation on, as the sidecar
+    runs) left that handle neither kept nor released: pinned on D, untracked, until
+    its TTL."""
+    engines.decode.hold_after_finish = asyncio.Event()
+    sc = await _stream_closed_at_the_finish_chunk(aiohttp_client, engines)
     engines.decode.hold_after_finish.set()
     (handle,) = sc.store.values()
     assert handle.params == engines.decode.handles[0]
@@ -943,36 +951,9 @@ async def test_streaming_032_a_client_that_closes_at_the_finish_chunk_still_keep
     """Clients that stop reading at finish_reason (a break in a `with` block) close
     before [DONE]: with aiohttp's handler cancellation on, as the sidecar runs, that
     aborted the re-anchor and released the anchor, so the turn kept nothing."""
-    from kvferry_sidecar.app import app_factory
-
-    from .conftest import sidecar_settings
-
     engines.decode.version = "0.32.0"
     engines.decode.hold_reanchor = asyncio.Event()
-    app = app_factory(sidecar_settings(engines), clock=engines.clock)
-    client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
-    sc = sidecar_of(client)
-    gone = asyncio.Event()
-    record = sc.record_turn
-
-    def recorded(report: Any) -> None:
-        record(report)
-        if report.status == 499:
-            gone.set()
-
-    sc.record_turn = recorded  # type: ignore[method-assign]
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": LONG_QUESTION}],
-        "stream": True,
-        "session_id": "s",
-    }
-    resp = await client.post(CHAT, json=body)
-    async for line in resp.content:
-        if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("finish_reason"):
-            break
-    resp.close()  # before the usage chunk and [DONE]
-    await asyncio.wait_for(gone.wait(), 10)  # the sidecar saw the client leave
+    sc = await _stream_closed_at_the_finish_chunk(aiohttp_client, engines)
     engines.decode.hold_reanchor.set()
     await asyncio.gather(*getattr(relay, "_KEEPING", ()))  # the keeping, if any, done
     (handle,) = sc.store.values()
