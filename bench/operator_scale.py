@@ -43,6 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry_dev.audit import AuditedRequest as Request
+from kvferry_dev.audit import read_audit
+
 from .common import (
     DEFAULT_OUT,
     ROOT,
@@ -347,46 +350,8 @@ class OperatorProcess:
 # ----------------------------------------------------------------------------- audit
 
 
-@dataclass(frozen=True)
-class Request:
-    audit_id: str
-    received: float  # unix seconds
-    verb: str
-    resource: str
-
-
-def _ts(text: str) -> float:
-    # RFC 3339 with microseconds, always UTC ("...Z") in audit events.
-    from datetime import datetime
-
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def read_audit(path: Path) -> list[Request]:
-    """The operator's requests, one per audit ID (a watch logs two stages)."""
-    seen: dict[str, Request] = {}
-    if not path.exists():
-        return []
-    for line in path.read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if (ev.get("user") or {}).get("username") != OPERATOR_USER:
-            continue
-        aid = ev.get("auditID")
-        if not aid or aid in seen:
-            continue
-        ref = ev.get("objectRef") or {}
-        res = ref.get("resource") or ev.get("requestURI", "?").split("?")[0]
-        if ref.get("subresource"):
-            res += "/" + ref["subresource"]
-        seen[aid] = Request(aid, _ts(ev["requestReceivedTimestamp"]), ev.get("verb", "?"), res)
-    return list(seen.values())
-
-
 def between(reqs: list[Request], t0: float, t1: float) -> list[Request]:
-    return [r for r in reqs if t0 <= r.received < t1]
+    return [r for r in reqs if t0 <= r.at < t1]
 
 
 # What the report endpoint asks to authenticate a push (report_endpoint.py): counted
@@ -445,7 +410,7 @@ def wait_for_watches(cluster: Cluster, op: OperatorProcess, timeout: float = 120
             raise SystemExit(f"the operator exited; log {op.log_path}")
         if any(
             r.verb == "watch" and r.resource == "disaggregatedservers"
-            for r in read_audit(cluster.audit_log)
+            for r in read_audit(cluster.audit_log, OPERATOR_USER)
         ):
             return time.monotonic() - t0
         time.sleep(0.5)
@@ -522,7 +487,7 @@ def run_one(
         cpu2 = process_cpu_seconds(op.pid)
         wall2 = time.time()
         rss = max(rss, process_peak_rss_mb(op.pid))
-        reqs = read_audit(cluster.audit_log)
+        reqs = read_audit(cluster.audit_log, OPERATOR_USER)
         busy = between(reqs, wall0, wall1)
         quiet_all = between(reqs, wall1, wall2)
         quiet = [r for r in quiet_all if not is_report_auth(r)]

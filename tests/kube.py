@@ -18,13 +18,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvferry_dev.audit import AuditedRequest, read_audit
 from tests.manifests import ROOT
 from tests.progress import step
 
@@ -163,49 +162,9 @@ def audited_kubeconfig(kubeconfig: Path, folder: Path) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class Audited:
-    """One request of AUDITED_USER, as the API server's audit log has it."""
-
-    at: float  # unix seconds the API server received it
-    verb: str
-    resource: str  # with "/<subresource>"
-    namespace: str
-    name: str
-    code: int
-
-    @property
-    def write(self) -> bool:
-        return self.verb in ("create", "update", "patch", "delete", "deletecollection")
-
-
-def audited_requests(since: float = 0.0, until: float = float("inf")) -> list[Audited]:
+def audited_requests(since: float = 0.0, until: float = float("inf")) -> list[AuditedRequest]:
     """AUDITED_USER's requests received in [since, until), one per audit ID."""
-    seen: dict[str, Audited] = {}
-    if not AUDIT_LOG.exists():
-        return []
-    for line in AUDIT_LOG.read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        aid = ev.get("auditID")
-        if (ev.get("user") or {}).get("username") != AUDITED_USER or not aid or aid in seen:
-            continue
-        at = datetime.fromisoformat(ev["requestReceivedTimestamp"].replace("Z", "+00:00"))
-        ref = ev.get("objectRef") or {}
-        resource = (ref.get("resource") or "?") + (
-            f"/{ref['subresource']}" if ref.get("subresource") else ""
-        )
-        seen[aid] = Audited(
-            at.timestamp(),
-            ev.get("verb", "?"),
-            resource,
-            ref.get("namespace", ""),
-            ref.get("name", ""),
-            int((ev.get("responseStatus") or {}).get("code") or 0),
-        )
-    return [r for r in seen.values() if since <= r.at < until]
+    return [r for r in read_audit(AUDIT_LOG, AUDITED_USER) if since <= r.at < until]
 
 
 @contextmanager
