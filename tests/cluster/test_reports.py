@@ -186,6 +186,15 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     assert scraped.total("kvferry_operator_transport_info", transport="TCPFallback", **labels) == 1
 
 
+def kv_transport_false(kubectl: Kubectl, ns: str) -> dict:
+    """The KVTransport condition of server tiny once it is False (it stays so)."""
+    return wait_until(
+        lambda: (c := condition(kubectl, ns, "tiny", "KVTransport")).get("status") == "False" and c,
+        30,
+        "KVTransport=False",
+    )
+
+
 def test_tcp_when_rdma_was_asked_for_is_a_warning(kubectl: Kubectl, operator: Operator, ns: str):
     rdma = {
         "network": {
@@ -197,11 +206,7 @@ def test_tcp_when_rdma_was_asked_for_is_a_warning(kubectl: Kubectl, operator: Op
     wait_ready(kubectl, ns)
     token = bound_token(kubectl, ns, "tiny-decode-0")
     assert push(operator, decode_report(ns, "tiny", "tiny-decode-0"), token)[0] == 202
-    cond = wait_until(
-        lambda: (c := condition(kubectl, ns, "tiny", "KVTransport")).get("status") == "False" and c,
-        30,
-        "KVTransport=False",
-    )
+    cond = kv_transport_false(kubectl, ns)
     assert cond["reason"] == "TCPFallback"
     assert "network.transport: rdma asks for RDMA, but KV moves over TCP" in cond["message"]
     (event,) = wait_for_event(kubectl, ns, "tiny", "TCPFallback")
@@ -232,11 +237,7 @@ def test_kv_reads_that_all_fail_are_no_transport_and_a_warning(
         engine=wire.Engine(nixl_failed=4),
     )
     assert push(operator, wire.encode(rep), token)[0] == 202
-    cond = wait_until(
-        lambda: (c := condition(kubectl, ns, "tiny", "KVTransport")).get("status") == "False" and c,
-        30,
-        "KVTransport=False",
-    )
+    cond = kv_transport_false(kubectl, ns)
     assert cond["reason"] == "NoTransport"
     assert "4 KV transfers between the pods failed and none succeeded" in cond["message"]
     server = kubectl.get("dserver", "tiny", ns)["status"]
