@@ -12,13 +12,13 @@ from .render import DEFAULT_SIDECAR_IMAGE, Context
 
 log = logging.getLogger(__name__)
 
-# Variables an earlier release read, with why they are gone: named in a warning rather
-# than ignored in silence (docs/upgrading.md).
 # The safety pass's interval by default (KVFERRY_RESYNC_SECONDS; the chart's
 # settings.resyncSeconds): one pass costs a list of the servers and one of each child
 # kind, whatever the number of servers.
 RESYNC_SECONDS = 300
 
+# Variables an earlier release read, with why they are gone: named in a warning rather
+# than ignored in silence (docs/upgrading.md).
 REMOVED = {"KVFERRY_DEBOUNCE_SECONDS": "it was read and never used"}
 
 
