@@ -294,9 +294,10 @@ def _aggregate(
     bytes_per_token = max(bpt) if bpt else None
     bandwidth = pull_bytes / pull_seconds if pull_seconds > 0 and pull_bytes > 0 else None
     gbps = gigabytes_per_second(pull_bytes, pull_seconds)
+    seen = majority_transport(fresh)
     transport, reason = measured_transport(
-        majority_transport(fresh),
-        transport_reason(fresh, majority_transport(fresh)),
+        seen,
+        transport_reason(fresh, seen),
         failed=sum(r.engine.nixl_failed for r in fresh),
         pulls=pulls,
         transfers=transfers,
