@@ -210,7 +210,7 @@ CPU_IMAGE_REQUIRED = (
 
 @dataclass(frozen=True)
 class Engine:
-    image: str  # resolved: unset in the spec means DEFAULT_ENGINE_IMAGES[device]
+    image: str  # resolved: unset in the spec means DEFAULT_ENGINE_IMAGES[device] (gpu only)
     image_pull_policy: str
     sidecar_image: str | None
     image_pull_secrets: tuple[str, ...] = ()  # Secret names, for every container of the pods
@@ -383,11 +383,16 @@ def _amounts(raw: dict[str, Any]) -> ResourceAmounts:
 MAX_REPLICAS = 1000
 
 
+def cpu_millis(quantity: str) -> int:
+    """Millicores of a Kubernetes CPU quantity ("4" -> 4000, "3500m" -> 3500).
+    Raises ValueError (OverflowError for "inf") on anything else."""
+    return int(quantity[:-1]) if quantity.endswith("m") else int(float(quantity) * 1000)
+
+
 def cpu_cores(quantity: str) -> int:
     """Whole CPUs of a Kubernetes CPU quantity ("4", "3500m" -> 3), at least 1.
     Raises ValueError (OverflowError for "inf") on anything else."""
-    cores = int(quantity[:-1]) // 1000 if quantity.endswith("m") else int(float(quantity))
-    return max(1, cores)
+    return max(1, cpu_millis(quantity) // 1000)
 
 
 # Memory quantity suffixes (core/v1 resource.Quantity) and the bytes each stands for.
@@ -432,7 +437,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
     for path, value in cpu_fields if device == DEVICE_CPU else ():
         if value is None:
             continue
-        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads, from the rendered request); the
+        # A CPU engine's OpenMP threads come from it (engine_config.omp_threads); the
         # schema takes any quantity, "4Ki" too, and a server stored before it checked
         # quantities may hold anything.
         try:

@@ -121,15 +121,11 @@ def default_engine_amounts(spec: ServerSpec, role: Role) -> tuple[Obj, Obj]:
     return requests, limits
 
 
-def _cpu_millis(quantity: str) -> float:
-    return float(quantity[:-1]) if quantity.endswith("m") else float(quantity) * 1000
-
-
 def _raise_default_limits(role: Role, requests: Obj, limits: Obj) -> None:
     """A request from ``resources.requests`` above a limit the user never wrote (the
     device's default) raises that limit to it: the API server refuses a request above
     its limit, and the user asked for more, not for an ApplyFailed."""
-    for key, parse in (("cpu", _cpu_millis), ("memory", api.memory_bytes)):
+    for key, parse in (("cpu", api.cpu_millis), ("memory", api.memory_bytes)):
         asked = role.resources.requests.get(key)
         written = getattr(role.resources, key) is not None or key in role.resources.limits
         if asked is None or written or key not in limits:
@@ -137,7 +133,7 @@ def _raise_default_limits(role: Role, requests: Obj, limits: Obj) -> None:
         try:
             if parse(str(asked)) > parse(str(limits[key])):
                 limits[key] = asked
-        except ValueError:
+        except (ValueError, OverflowError):
             continue  # not a quantity this parses: the API server says which field
 
 
