@@ -537,6 +537,13 @@ def refresh_status(
     return True
 
 
+def _status_queue(memo: kopf.Memo) -> Coalescer | None:
+    """The status queue once it can refresh from the watch (the server index is in);
+    None before, when a status is refreshed directly."""
+    queue: Coalescer | None = getattr(memo, "status_queue", None)
+    return queue if queue is not None and memo.indexes.get("servers") is not None else None
+
+
 def _plain(body: kopf.Body) -> dict[str, Any]:
     return {
         "apiVersion": body.get("apiVersion"),
@@ -732,7 +739,6 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
     listed = kube.list_servers(memo.namespaces)
     children = _children_by_key(kube, memo.namespaces)
     indexes = memo.indexes.get("live")
-    queue: Coalescer | None = getattr(memo, "status_queue", None)
     done = PassDone()
     for body in listed:
         if body["metadata"].get("deletionTimestamp"):
@@ -759,7 +765,7 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         except Exception as exc:  # the next pass, or a retry, tries again
             logger.warning("safety pass: apply of %s failed: %s", name, _brief(exc))
         done.statuses += 1
-        if queue is not None and memo.indexes.get("servers") is not None:
+        if (queue := _status_queue(memo)) is not None:
             # From the watch's latest server (the list may be seconds old by now) and
             # our own last write; the refresh writes only what changed.
             queue.request(key)
@@ -817,8 +823,7 @@ def _refresh(
     caller passes the same inputs (prerequisites and nodes too), so no event path
     computes a status that another path would then flip back. Through the status
     queue when it runs: a burst of events is one write."""
-    queue: Coalescer | None = getattr(memo, "status_queue", None)
-    if queue is not None and memo.indexes.get("servers") is not None:
+    if (queue := _status_queue(memo)) is not None:
         queue.request((owner["metadata"]["namespace"], owner["metadata"]["name"]))
         return
     refresh_status(
