@@ -277,16 +277,34 @@ class TestEngineContainer:
         vol = next(v for v in pod_spec(objs, "prefill")["volumes"] if v["name"] == "models")
         assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 
-    def test_hub_token_comes_from_the_secret(self):
+    def test_hub_token_comes_from_the_secret_as_a_file(self):
+        # A file, not HF_TOKEN: a variable is inherited by every process the engine
+        # starts and shows in its environment dumps (checkov CKV_K8S_35).
         spec = {
             "model": {
-                "source": {"pvc": None, "hub": {"id": "org/m", "tokenSecret": {"name": "hf"}}}
+                "source": {
+                    "pvc": None,
+                    "hub": {"id": "org/m", "tokenSecret": {"name": "hf", "key": "tok"}},
+                }
             }
         }
         manifest = server(spec)
         del manifest["spec"]["model"]["source"]["pvc"]
-        env = env_of(engine(rendered(manifest), "decode"))
-        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        objs = rendered(manifest)
+        container = engine(objs, "decode")
+        env = env_of(container)
+        assert "HF_TOKEN" not in env
+        assert env["HF_TOKEN_PATH"] == "/var/run/secrets/huggingface/token"
+        assert {
+            "name": "hf-token",
+            "mountPath": "/var/run/secrets/huggingface",
+            "readOnly": True,
+        } in (container["volumeMounts"])
+        vol = next(v for v in pod_spec(objs, "decode")["volumes"] if v["name"] == "hf-token")
+        assert vol["secret"] == {
+            "secretName": "hf",
+            "items": [{"key": "tok", "path": "token"}],
+        }
 
     def test_hub_download_without_a_cache_requests_ephemeral_storage(self):
         # Weights downloaded into an emptyDir fill the node's disk: schedule for it.
