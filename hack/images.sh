@@ -145,17 +145,16 @@ context() {
 
 build() {
   tools
-  local base_image ctx role started base_arg old
+  local base_image ctx role started old
   base_image=$(base)
   ctx=$(context "$@")
   for role in operator sidecar; do
     started=$SECONDS
     old=$(podman image inspect --format '{{.Id}}' "$repo-$role:$tag" 2>/dev/null || true)
-    base_arg=BASE
-    [[ $role == sidecar ]] && base_arg=VLLM_IMAGE
+    # Both images on the one base (python:3.11-slim for a release, this local one here).
     buildah bud --quiet --runtime "$RUNTIME" "${ULIMITS[@]}" --layers=false \
         -f "$root/images/$role/Dockerfile" \
-        --build-arg "$base_arg=$base_image" --build-arg OFFLINE=1 \
+        --build-arg "BASE=$base_image" --build-arg OFFLINE=1 \
         -t "$repo-$role:$tag" "$ctx" >&2 \
       || die "buildah bud of images/$role/Dockerfile failed (see above)"
     log "built $repo-$role:$tag in $((SECONDS - started)) s"

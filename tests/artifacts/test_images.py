@@ -72,6 +72,20 @@ def test_images_run_as_65532_and_carry_only_their_role(images: Images):
         assert f"No module named '{module}'" in proc.stderr, proc.stderr
 
 
+def test_the_sidecar_image_adds_only_its_venv_to_the_slim_base(images: Images):
+    # One small image for every engine version (images/README.md): the base and the
+    # sidecar's venv, 63 MB here; an image carrying vLLM or torch would add gigabytes.
+    base = subprocess.run(
+        ["bash", str(IMAGES_SH), "base"], capture_output=True, text=True, timeout=600, check=True
+    ).stdout.split()[-1]
+
+    def size(image: str) -> int:
+        return int(yaml.safe_load(podman("image", "inspect", image).stdout)[0]["Size"])
+
+    added = size(images.sidecar) - size(base)
+    assert 0 < added < 150_000_000, f"the sidecar image adds {added / 1e6:.0f} MB to its base"
+
+
 # ------------------------------------------------------------------ the operator image
 
 RELEASE = "kvferry-image"

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvferry_operator import api, render
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.kube import wait_for_event
 from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, merge, server
@@ -77,6 +78,27 @@ def test_sample_creates_children_and_becomes_ready(kubectl: Kubectl, operator: O
     kvcs = kubectl.get("kvcachestatus", name, ns)
     assert kvcs["status"]["phase"] == "NoReports"
     assert "no residency reports yet" in kvcs["status"]["message"]
+
+
+def test_the_api_server_keeps_every_examples_pods_as_rendered(kubectl: Kubectl, ns: str):
+    # The scanner skips on each StatefulSet, the pod-level seccomp profile and the hub
+    # token's Secret volume (tuned.yaml) must survive validation and pruning.
+    for example in EXAMPLES:
+        manifest = load_example(example)
+        manifest["metadata"]["namespace"] = ns
+        rendered = render.render(api.parse_server(manifest))
+        sets = [o for o in rendered if o["kind"] == "StatefulSet"]
+        proc = kubectl.apply(sets, "--server-side", "--dry-run=server", "-o", "json")
+        stored = {o["metadata"]["name"]: o for o in json.loads(proc.stdout)["items"]}
+        for sts in sets:
+            kept = stored[sts["metadata"]["name"]]
+            assert kept["metadata"]["annotations"] == sts["metadata"]["annotations"], example
+            pod, kept_pod = sts["spec"]["template"]["spec"], kept["spec"]["template"]["spec"]
+            assert kept_pod["securityContext"] == pod["securityContext"], example
+            assert [v["name"] for v in kept_pod["volumes"]] == [v["name"] for v in pod["volumes"]]
+            if example.name == "tuned.yaml":
+                (token,) = [v for v in kept_pod["volumes"] if v["name"] == "hf-token"]
+                assert token["secret"]["items"] == [{"key": "token", "path": "token"}]
 
 
 def test_a_server_with_only_a_model_name_loads_it_from_the_hub_and_becomes_ready(

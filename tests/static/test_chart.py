@@ -343,7 +343,9 @@ def test_builtin_objects_pass_strict_kubernetes_schema(sets: list[str]):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-def test_optional_objects_are_off_by_default():
+def test_optional_objects_are_off_by_default_and_the_operators_policy_on():
+    # The NetworkPolicy is on: a scanner (checkov CKV2_K8S_6) refuses a pod no policy
+    # selects, and the report endpoint needs no client but kvferry's own pods.
     kinds = sorted(o["kind"] for o in template())
     assert kinds == sorted(
         [
@@ -352,11 +354,13 @@ def test_optional_objects_are_off_by_default():
             "ClusterRoleBinding",
             "ClusterRoleBinding",
             "Deployment",
+            "NetworkPolicy",
             "Secret",
             "Service",
             "ServiceAccount",
         ]
     )
+    assert "NetworkPolicy" not in {o["kind"] for o in template("networkPolicy.enabled=false")}
 
 
 def test_deploy_manifest_is_current():

@@ -106,3 +106,22 @@ def test_a_missing_extra_is_named_with_the_command_that_installs_it():
         "pip install 'kvferry[operator]'"
     )
     assert extras.requirements("operator", dist="no-such-distribution") == []
+
+
+def _dockerfile_args(role: str) -> tuple[dict[str, str], list[str]]:
+    """A role's Dockerfile: its ARG defaults and its FROM lines."""
+    text = (ROOT / "images" / role / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    return args, re.findall(r"^FROM (.+)$", text, re.M)
+
+
+def test_the_sidecar_image_is_built_on_the_operators_slim_python_not_on_vllm():
+    # The sidecar imports nothing of vLLM (the import test above): an image FROM vLLM's
+    # was ~10 GB for an aiohttp proxy, pulled a second time whenever its tag and the
+    # engine's differ.
+    for role in ("operator", "sidecar"):
+        args, froms = _dockerfile_args(role)
+        assert froms == ["${BASE}"], (role, froms)
+        assert args["BASE"] == "python:3.11-slim", (role, args)
+        assert not any("vllm" in v.lower() for v in args.values()), (role, args)
+    assert declared("sidecar").isdisjoint({"vllm", "torch"})

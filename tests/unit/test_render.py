@@ -277,16 +277,34 @@ class TestEngineContainer:
         vol = next(v for v in pod_spec(objs, "prefill")["volumes"] if v["name"] == "models")
         assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 
-    def test_hub_token_comes_from_the_secret(self):
+    def test_hub_token_comes_from_the_secret_as_a_file(self):
+        # A file, not HF_TOKEN: a variable is inherited by every process the engine
+        # starts and shows in its environment dumps (checkov CKV_K8S_35).
         spec = {
             "model": {
-                "source": {"pvc": None, "hub": {"id": "org/m", "tokenSecret": {"name": "hf"}}}
+                "source": {
+                    "pvc": None,
+                    "hub": {"id": "org/m", "tokenSecret": {"name": "hf", "key": "tok"}},
+                }
             }
         }
         manifest = server(spec)
         del manifest["spec"]["model"]["source"]["pvc"]
-        env = env_of(engine(rendered(manifest), "decode"))
-        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        objs = rendered(manifest)
+        container = engine(objs, "decode")
+        env = env_of(container)
+        assert "HF_TOKEN" not in env
+        assert env["HF_TOKEN_PATH"] == "/var/run/secrets/huggingface/token"
+        assert {
+            "name": "hf-token",
+            "mountPath": "/var/run/secrets/huggingface",
+            "readOnly": True,
+        } in (container["volumeMounts"])
+        vol = next(v for v in pod_spec(objs, "decode")["volumes"] if v["name"] == "hf-token")
+        assert vol["secret"] == {
+            "secretName": "hf",
+            "items": [{"key": "tok", "path": "token"}],
+        }
 
     def test_hub_download_without_a_cache_requests_ephemeral_storage(self):
         # Weights downloaded into an emptyDir fill the node's disk: schedule for it.
@@ -976,6 +994,41 @@ class TestRollout:
             assert (
                 ta["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH]
                 != tb["metadata"]["annotations"][api.ANNOTATION_BUILD_HASH]
+            )
+
+    # The version policy (docs/production.md, Upgrades): what an operator upgrade rolls.
+    def test_a_new_sidecar_image_rolls_both_roles_and_leaves_the_engine_as_it_was(self):
+        # The sidecar image is the operator's (chart sidecarImage), in the pod template:
+        # an upgrade that ships a new one rolls every pod of both roles, once.
+        manifest = {**server(), "metadata": {**server()["metadata"], "uid": UID}}
+        old, new = (
+            render.render(api.parse_server(manifest), render.Context(sidecar_image=image))
+            for image in ("example.com/kvferry-sidecar:0.1.0", "example.com/kvferry-sidecar:0.2.0")
+        )
+        for role in api.ROLES:
+            ta = by_kind(old, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            tb = by_kind(new, "StatefulSet", f"tiny-{role}")["spec"]["template"]
+            assert ta["spec"]["initContainers"][0]["image"].endswith(":0.1.0")
+            assert tb["spec"]["initContainers"][0]["image"].endswith(":0.2.0")
+            assert ta["spec"]["containers"] == tb["spec"]["containers"]
+            assert ta["metadata"] == tb["metadata"]  # the engine build: handles stay valid
+        assert [o for o in old if o["kind"] != "StatefulSet"] == [
+            o for o in new if o["kind"] != "StatefulSet"
+        ]
+
+    def test_a_new_default_engine_image_rolls_unpinned_servers_only(self, monkeypatch):
+        # spec.engine.image has no schema default: the operator fills it in, so a server
+        # without one follows the operator's default (tested with its sidecar); a server
+        # naming one (or stored with the old CRD default) keeps it across upgrades.
+        pinned = server({"engine": {"image": "vllm/vllm-openai:v0.33.0"}})
+        before = {name: rendered(m) for name, m in (("unpinned", server()), ("pinned", pinned))}
+        monkeypatch.setitem(api.DEFAULT_ENGINE_IMAGES, api.DEVICE_GPU, "vllm/vllm-openai:v9.9.9")
+        after = {name: rendered(m) for name, m in (("unpinned", server()), ("pinned", pinned))}
+        for role in api.ROLES:
+            assert engine(before["unpinned"], role)["image"] == "vllm/vllm-openai:v0.33.0"
+            assert engine(after["unpinned"], role)["image"] == "vllm/vllm-openai:v9.9.9"
+            assert by_kind(after["pinned"], "StatefulSet", f"tiny-{role}") == by_kind(
+                before["pinned"], "StatefulSet", f"tiny-{role}"
             )
 
     def test_scaling_one_role_changes_only_its_replicas(self):
