@@ -293,6 +293,14 @@ INVALID: list[Invalid] = [
         "spec.decode.resources.limits",
         "set the GPUs with resources.gpus",
     ),
+    # Each value of the limits map is a quantity: the API server runs the rule on every
+    # entry, offline validation too (found by tests/cluster/test_bad_input.py).
+    Invalid(
+        "decode-limits-value-no-quantity",
+        _spec({"decode": {"resources": {"limits": {"hugepages-2Mi": ""}}}}),
+        "spec.decode.resources.limits[hugepages-2Mi]",
+        "must be a Kubernetes quantity",
+    ),
     Invalid(
         "prefill-limits-name-the-gpu-resource",
         _spec({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}),
