@@ -249,6 +249,25 @@ INVALID: list[Invalid] = [
         "spec.decode.maxUnavailable",
         "a percentage of the role's replicas from 0% to 100%",
     ),
+    # How long a stopping pod drains (tests/cluster/test_drain.py).
+    Invalid(
+        "decode-drain-negative",
+        _spec({"decode": {"drainSeconds": -1}}),
+        "spec.decode.drainSeconds",
+        "should be greater than or equal to 0",
+    ),
+    Invalid(
+        "prefill-drain-over-an-hour",
+        _spec({"prefill": {"drainSeconds": 3601}}),
+        "spec.prefill.drainSeconds",
+        "should be less than or equal to 3600",
+    ),
+    Invalid(
+        "decode-drain-word",
+        _spec({"decode": {"drainSeconds": "30m"}}),
+        "spec.decode.drainSeconds",
+        "must be of type integer",
+    ),
     Invalid(
         "decode-tp-zero",
         _spec({"decode": {"tensorParallelSize": 0}}),
