@@ -51,6 +51,8 @@ async def test_sigterm_drains_before_the_process_exits(aiohttp_server: Any, tmp_
         assert streamed_text(raw) == "fine thanks "
         code = await asyncio.to_thread(sc.proc.wait, EXIT_TIMEOUT_S)
         assert code == 0, sc.logtail()
-        assert "drained inflight=0" in sc.log_path.read_text()
+        drained = [line for line in sc.log_path.read_text().splitlines() if "drained " in line]
+        assert len(drained) == 1 and "drained inflight=0" in drained[0], drained
+        print(f"\n{drained[0]}")
     finally:
         await asyncio.to_thread(sc.stop)
