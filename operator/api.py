@@ -265,6 +265,9 @@ class Role:
     sidecar_resources: SidecarResources
     # The engine's startup budget (spec.<role>.startupSeconds); None = by model source.
     startup_seconds: int | None = None
+    # How long a stopping pod waits for its turns in flight (spec.<role>.drainSeconds);
+    # None = by role (render.drain_seconds).
+    drain_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -473,6 +476,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
             requests=_amounts(sidecar["requests"]), limits=_amounts(sidecar["limits"])
         ),
         startup_seconds=raw.get("startupSeconds"),
+        drain_seconds=raw.get("drainSeconds"),
     )
 
 

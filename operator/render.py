@@ -67,6 +67,11 @@ HF_TOKEN_VOLUME = "hf-token"
 # The sidecar runs as this non-root user (distroless "nonroot").
 SIDECAR_UID = 65532
 
+# What a stopping pod has beyond its drain: the handles' release requests (5 s at most,
+# kvferry_sidecar.runtime) and the engine's own stop after SIGTERM. 60 s was the whole
+# grace before pods drained, and vLLM stopped within it.
+DRAIN_MARGIN_SECONDS = 60
+
 Obj = dict[str, Any]
 
 
@@ -131,6 +136,34 @@ def _metadata(server: Server, name: str, labels: dict[str, str]) -> Obj:
     return meta
 
 
+def drain_seconds(role: Role) -> int:
+    """spec.<role>.drainSeconds, or by role: decode waits out the sidecar's decode
+    budget (a turn whose decode began as the drain started finishes), prefill nothing
+    (its sidecar carries no turns: decode sidecars call the prefill engine directly)."""
+    if role.drain_seconds is not None:
+        return role.drain_seconds
+    if role.name == api.ROLE_DECODE:
+        return int(wire_settings.SidecarSettings().decode_timeout_seconds)
+    return 0
+
+
+def build_engine_lifecycle() -> Obj:
+    """The engine's preStop: GET the sidecar's drain (the same network namespace: the
+    pod IP the kubelet dials reaches the sidecar's internal port). The kubelet runs
+    each container's preStop at once and stops a native sidecar only after the main
+    containers exited, so this hook is what holds the engine until the turns are done
+    (docs/production.md, Drain). Every field the API server defaults is written."""
+    return {
+        "preStop": {
+            "httpGet": {
+                "path": protocol.DRAIN_PATH,
+                "port": protocol.SIDECAR_INTERNAL_PORT,
+                "scheme": "HTTP",
+            }
+        }
+    }
+
+
 def build_engine_container(server: Server, role: Role) -> Obj:
     spec = server.spec
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -154,6 +187,7 @@ def build_engine_container(server: Server, role: Role) -> Obj:
         "resources": build_engine_resources(spec, role),
         "securityContext": build_engine_security_context(spec),
         "volumeMounts": mounts,
+        "lifecycle": build_engine_lifecycle(),
         # Downloading and loading a large model can take hours: the startup probe's
         # budget comes from the source or spec.<role>.startupSeconds (resources.py).
         **build_engine_probes(spec, role),
@@ -212,6 +246,10 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             f"{CONFIG_MOUNT}/{CONFIG_KEY_SETTINGS}",
             "--topology",
             f"{CONFIG_MOUNT}/{CONFIG_KEY_TOPOLOGY}",
+            # Per role, so a flag, not sidecar.json (one file for both roles): what its
+            # own SIGTERM drain waits and what the preStop drain waits.
+            "--drain-seconds",
+            str(drain_seconds(role)),
         ],
         "env": [
             field_env("POD_NAME", "metadata.name"),
@@ -328,7 +366,8 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
         # The containers set their own contexts; this one covers any other container
         # the pod gets (checkov CKV_K8S_29 wants a pod-level context).
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-        "terminationGracePeriodSeconds": 60,
+        # The drain (the engine's preStop) and then the engine's own stop.
+        "terminationGracePeriodSeconds": drain_seconds(role) + DRAIN_MARGIN_SECONDS,
         "initContainers": [build_sidecar_container(spec, server, role, ctx)],
         "containers": [build_engine_container(server, role)],
         "volumes": build_volumes(server),

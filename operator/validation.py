@@ -67,10 +67,15 @@ def _validator(kind: str) -> jsonschema.Draft4Validator:
     return jsonschema.Draft4Validator(schema)
 
 
+class _MapKey(str):
+    """A key of a map (additionalProperties): the API server writes it ``[key]``."""
+
+
 def _path(parts: list[Any] | tuple[Any, ...]) -> str:
     out = ""
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+        bracket = isinstance(part, int | _MapKey)
+        out += f"[{part}]" if bracket else f".{part}" if out else str(part)
     return out
 
 
@@ -223,9 +228,17 @@ def _cel_errors(schema: dict[str, Any], value: Any, path: list[Any]) -> list[Fie
         if not bool(ok):
             errors.append(FieldError(where, " ".join(check["message"].split())))
     if isinstance(value, dict):
-        for name, sub in schema.get("properties", {}).items():
+        props = schema.get("properties", {})
+        for name, sub in props.items():
             if name in value:
                 errors += _cel_errors(sub, value[name], [*path, name])
+        # A map's values carry rules too (resources.limits: each a quantity), which
+        # the API server runs on every entry.
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name, item in value.items():
+                if name not in props:
+                    errors += _cel_errors(extra, item, [*path, _MapKey(name)])
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             errors += _cel_errors(schema["items"], item, [*path, i])

@@ -27,15 +27,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from kvferry_wire.protocol import HDR_REQUEST_ID
+from kvferry_wire.protocol import DRAIN_PATH, HDR_DRAINING, HDR_REQUEST_ID
 
-from . import relay
+from . import drain, relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .limits import InflightBudget
@@ -53,8 +54,15 @@ CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)
 # Whether the request came in on the internal port (peers, monitoring).
 INTERNAL = web.RequestKey("internal", bool)
 
+# The engine container's preStop hook asks this (drain.py): it answers once the turns
+# in flight are done or the grace is over, and the kubelet stops the engine after it.
+PATH_DRAIN = DRAIN_PATH
+
 # Answered on the internal port only.
-INTERNAL_PATHS = frozenset({"/metrics", PATH_RESIDENCY})
+INTERNAL_PATHS = frozenset({"/metrics", PATH_RESIDENCY, PATH_DRAIN})
+
+# Drain on SIGTERM before stopping (the program sets it; in-process tests do not).
+DRAIN_ON_SIGTERM = web.AppKey("drain_on_sigterm", bool)
 
 # Request bodies held by the turns in progress (limits.InflightBudget).
 BODY_BUDGET = web.AppKey("body_budget", InflightBudget)
@@ -123,9 +131,35 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers[HDR_REQUEST_ID] = client_id
 
 
+def _drain_then_exit(sc: Sidecar) -> None:
+    """SIGTERM: drain, then stop as aiohttp's own handler would (GracefulExit). With
+    native sidecars the kubelet sends it after the engine has exited, once the preStop
+    drain is over, so this drain returns at once; it matters when the sidecar alone
+    is stopped (a liveness restart) or runs outside Kubernetes."""
+
+    def graceful_exit() -> None:
+        raise web.GracefulExit()
+
+    async def run() -> None:
+        await sc.drain()
+        asyncio.get_running_loop().call_soon(graceful_exit)
+
+    task = asyncio.ensure_future(run())
+    _SIGNAL_TASKS.add(task)
+    task.add_done_callback(_SIGNAL_TASKS.discard)
+
+
+_SIGNAL_TASKS: set[asyncio.Future[None]] = set()
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     sc = app[SIDECAR]
     await sc.start()
+    if app[DRAIN_ON_SIGTERM]:
+        # Replaces aiohttp's SIGTERM handler (installed before startup), which would
+        # close the listeners at once: a stopping pod must still answer 503 + Retry-After
+        # and let the turns in flight finish.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _drain_then_exit, sc)
     tasks = [
         asyncio.create_task(loop, name=f"kvferry-sidecar-{loop.__name__}")
         for loop in sc.background()
@@ -148,6 +182,10 @@ async def readyz(request: web.Request) -> web.Response:
     code; a client has no business with the engine's URL or the handle count); the
     internal port adds what peers and operators need to tell why."""
     sc = request.app[SIDECAR]
+    if sc.drainer.draining:
+        # Not ready from the first moment of a drain: the endpoint controller marks a
+        # terminating pod not ready anyway, but it may still count as serving.
+        return web.json_response({"status": "draining"}, status=503)
     if not request[INTERNAL]:
         if sc.local.ready:
             return web.json_response({"status": "ready"})
@@ -189,23 +227,53 @@ async def models(request: web.Request) -> web.Response:
     return web.Response(status=status, body=body, content_type=content_type or "application/json")
 
 
+async def drain_endpoint(request: web.Request) -> web.Response:
+    """The engine's preStop hook (GET, as the kubelet's httpGet sends it): stop taking
+    turns, wait for those in flight within ``drain_seconds``, release the handles held,
+    then answer; the kubelet stops the engine after the answer."""
+    result = await request.app[SIDECAR].drain()
+    return web.json_response(result.as_json())
+
+
+def draining(request: web.Request) -> web.Response:
+    """A turn that arrives while the pod stops: retryable. A client retries after
+    Retry-After and reaches another pod (the Service no longer lists this one); a peer
+    that forwarded it reads X-Kvferry-Draining and serves it itself (forward.py). The
+    connection is closed, so a client's pool opens its next one elsewhere."""
+    message = "this decode pod is stopping and takes no new turns; retry (another pod serves it)"
+    response = web.json_response(
+        relay.error_body(message, "draining", 503),
+        status=503,
+        headers={"Retry-After": str(drain.RETRY_AFTER_SECONDS), HDR_DRAINING: "true"},
+    )
+    response.force_close()
+    return response
+
+
 def _turn(api: Api) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await relay.serve_turn(
-            request.app[SIDECAR],
-            request,
-            api,
-            request[REQUEST_ID],
-            client_request_id=request[CLIENT_REQUEST_ID],
-            from_peer=request[INTERNAL],
-            budget=request.app[BODY_BUDGET],
-        )
+        sc = request.app[SIDECAR]
+        if sc.drainer.draining:
+            return draining(request)
+        with sc.drainer.turn():
+            return await relay.serve_turn(
+                sc,
+                request,
+                api,
+                request[REQUEST_ID],
+                client_request_id=request[CLIENT_REQUEST_ID],
+                from_peer=request[INTERNAL],
+                budget=request.app[BODY_BUDGET],
+            )
 
     return handler
 
 
-def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Application:
-    """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests."""
+def app_factory(
+    settings: Settings, *, clock: Clock | None = None, drain_on_sigterm: bool = False
+) -> web.Application:
+    """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests;
+    ``drain_on_sigterm``: SIGTERM drains before the app stops (the program's own)."""
     app = web.Application(
         middlewares=[request_id_middleware, port_middleware],
         # A turn's body is read by relay.serve_turn within its own caps (limits.py);
@@ -219,6 +287,7 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
     )
     app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
     app[BODY_BUDGET] = InflightBudget(settings.max_inflight_body_bytes)
+    app[DRAIN_ON_SIGTERM] = drain_on_sigterm
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/healthz", healthz)
@@ -226,6 +295,7 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
     app.router.add_get("/metrics", metrics)
     app.router.add_get(PATH_MODELS, models)
     app.router.add_get(PATH_RESIDENCY, residency)
+    app.router.add_get(PATH_DRAIN, drain_endpoint)
     if settings.role == ROLE_DECODE:
         app.router.add_post(PATH_CHAT, _turn(Api.CHAT))
         app.router.add_post(PATH_COMPLETIONS, _turn(Api.COMPLETIONS))

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvferry-sidecar: cannot listen on {ports}: {exc}", file=sys.stderr)
         return 1
     web.run_app(
-        app_factory(settings),
+        app_factory(settings, drain_on_sigterm=True),
         loop=new_event_loop(),
         sock=socks,
         access_log=None,

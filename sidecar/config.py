@@ -197,6 +197,8 @@ def validate(settings: Settings) -> Settings:
             raise ConfigError(f"{name} must be >= 0")
     if settings.max_model_len is not None and settings.max_model_len < 1:
         raise ConfigError("max_model_len must be >= 1")
+    if settings.drain_seconds < 0:
+        raise ConfigError("drain_seconds must be >= 0 (0: stop taking turns and stop at once)")
     if settings.release_after_seconds < 0:
         raise ConfigError("release_after_seconds must be >= 0")
     if settings.report_interval_seconds <= 0:

@@ -6,7 +6,9 @@ answer back. The relayed request carries ``X-Kvferry-Forwarded-By``; a sidecar s
 such a request itself whatever its own view of the ring, so a request is forwarded at
 most once even while two pods disagree about the topology (a scale-up in progress).
 An owner that cannot be reached, or answers 5xx before anything was streamed, is
-skipped: this pod serves the turn (without the handle: a recompute).
+skipped: this pod serves the turn (without the handle: a recompute). So is an owner
+that is draining (its pod stops: 503 with ``X-Kvferry-Draining``), counted apart as
+``owner-draining``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvferry_wire.protocol import HDR_FORWARDED_BY, HDR_REQUEST_ID
+from kvferry_wire.protocol import HDR_DRAINING, HDR_FORWARDED_BY, HDR_REQUEST_ID
 
 from . import session
 from .runtime import Sidecar
@@ -118,6 +120,16 @@ async def forward(
         return None
     response: web.StreamResponse | None = None
     try:
+        if upstream.status == 503 and HDR_DRAINING in upstream.headers:
+            # The owner's pod is stopping (app.draining): its sessions' KV goes with
+            # it, so this pod serves the turn (a recompute) instead of the client
+            # retrying into the same refusal.
+            await upstream.read()
+            sc.metrics.forwarded.labels("owner-draining").inc()
+            log.info(
+                "owner draining, serving here request_id=%s owner=%s", turn.request_id, ordinal
+            )
+            return None
         if upstream.status >= 500:
             await upstream.read()
             sc.metrics.forwarded.labels("owner-error").inc()

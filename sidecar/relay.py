@@ -248,6 +248,13 @@ async def run_prefill(
 # ------------------------------------------------------------------ 6. decode
 
 
+async def _in_flight(sc: Sidecar, work: Awaitable[None]) -> None:
+    """Work a turn leaves running once its client may have gone (a re-anchor): a
+    drain waits for it like a turn (drain.py, rule 1)."""
+    with sc.drainer.turn():
+        await work
+
+
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> JSON:
     error: JSON = {"message": message, "type": kind, "code": status}
     if param is not None:
@@ -394,7 +401,7 @@ async def run_decode(
             _keep_handle(sc, turn, capture, rules, report)
             return _done()
         keeping = asyncio.ensure_future(
-            _keep_streamed_handle(sc, turn, capture, anchored, rules, report)
+            _in_flight(sc, _keep_streamed_handle(sc, turn, capture, anchored, rules, report))
         )
         _KEEPING.add(keeping)
         keeping.add_done_callback(_KEEPING.discard)

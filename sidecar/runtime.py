@@ -23,7 +23,7 @@ import aiohttp
 
 from kvferry_wire import protocol, report
 
-from . import config, enginemetrics, owners, plan, transport
+from . import config, drain, enginemetrics, owners, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -77,6 +77,10 @@ class Sidecar:
         if self._topology is not None:
             self._topology.last = (settings.prefill_engines, settings.decode_sidecars)
         self.kv_index = BlockIndex()
+        # The turns in flight and the drain that waits for them when the pod stops.
+        self.drainer = drain.Drainer()
+        self._drain_task: asyncio.Task[drain.Result] | None = None
+        self._released_on_drain = False
         # Handles pinned on D that no turn will read, and how they are let go.
         self.releaser = Releaser(
             send=self._send_release,
@@ -248,8 +252,57 @@ class Sidecar:
         await self.probe()
         await self.scrape_engine()
 
+    # ------------------------------------------------------------ stopping
+
+    async def drain(self) -> drain.Result:
+        """Stop taking turns, wait for those in flight (``drain_seconds`` at most), then
+        release the handles held while the engine still runs: after the engine stops,
+        P's empty pull for them would only fail. Every caller (the preStop hook, the
+        sidecar's own SIGTERM, a retried hook) joins the one drain."""
+        return await asyncio.shield(self.begin_drain())
+
+    def begin_drain(self) -> asyncio.Task[drain.Result]:
+        """Start the drain (or find the one under way): from now on no turn is taken."""
+        if self._drain_task is None:
+            self.drainer.begin(self.settings.drain_seconds)
+            log.info(
+                "draining inflight=%s grace_s=%s",
+                self.drainer.inflight,
+                self.settings.drain_seconds,
+            )
+            self._drain_task = asyncio.ensure_future(self._drain())
+        return self._drain_task
+
+    async def _drain(self) -> drain.Result:
+        generation = self.drainer.generation
+        result = await self.drainer.wait()
+        if result.left:
+            log.warning(
+                "drain grace over; turns in flight will be cut inflight=%s waited_s=%.1f "
+                "engine_down=%s",
+                result.left,
+                result.waited_s,
+                result.engine_down,
+            )
+        if (
+            self.is_decode
+            and getattr(self, "pool", None) is not None
+            and generation == self.drainer.generation
+        ):
+            await self.releaser.release_all(self.store.values(), SHUTDOWN_RELEASE_SECONDS)
+            self._released_on_drain = True
+        log.info("drained inflight=%s waited_s=%.1f", result.left, result.waited_s)
+        return result
+
     async def close(self) -> None:
-        if self.is_decode and getattr(self, "pool", None) is not None:
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
+            await asyncio.gather(self._drain_task, return_exceptions=True)
+        if (
+            self.is_decode
+            and getattr(self, "pool", None) is not None
+            and not self._released_on_drain
+        ):
             # The handles die with this process: let D free them now, not at their
             # deadline (best effort, bounded: a pod's grace period is short).
             await self.releaser.release_all(self.store.values(), SHUTDOWN_RELEASE_SECONDS)
@@ -260,6 +313,12 @@ class Sidecar:
         """The local engine is a new one: its pinned blocks and its cache are gone."""
         cleared = self.store.clear()
         log.warning("engine restarted; handles cleared count=%s", cleared)
+        if self.drainer.reset():
+            # The kubelet ran the engine's preStop before restarting it (a liveness
+            # failure): the pod stays, so the sidecar serves the new engine.
+            self._drain_task = None
+            self._released_on_drain = False
+            log.warning("engine restarted after a drain; taking turns again")
         # Its prefix cache is empty and its event sequence starts again at 0.
         self.kv_index.restart()
         self.residency.engine_restarted()
@@ -269,6 +328,11 @@ class Sidecar:
         if await self.local.probe():
             self.engine_restarted()
         self.residency.engine_healthy = self.local.ready
+        # A drain waits for nothing an engine that is down could finish (drain.py).
+        if self.local.ready:
+            self.drainer.engine_up()
+        else:
+            self.drainer.engine_down()
         self.metrics.engine_ready.set(1 if self.local.ready else 0)
         if self.is_decode:
             await self.pool.probe()

@@ -249,6 +249,25 @@ INVALID: list[Invalid] = [
         "spec.decode.maxUnavailable",
         "a percentage of the role's replicas from 0% to 100%",
     ),
+    # How long a stopping pod drains (tests/cluster/test_drain.py).
+    Invalid(
+        "decode-drain-negative",
+        _spec({"decode": {"drainSeconds": -1}}),
+        "spec.decode.drainSeconds",
+        "should be greater than or equal to 0",
+    ),
+    Invalid(
+        "prefill-drain-over-an-hour",
+        _spec({"prefill": {"drainSeconds": 3601}}),
+        "spec.prefill.drainSeconds",
+        "should be less than or equal to 3600",
+    ),
+    Invalid(
+        "decode-drain-word",
+        _spec({"decode": {"drainSeconds": "30m"}}),
+        "spec.decode.drainSeconds",
+        "must be of type integer",
+    ),
     Invalid(
         "decode-tp-zero",
         _spec({"decode": {"tensorParallelSize": 0}}),
@@ -292,6 +311,14 @@ INVALID: list[Invalid] = [
         ),
         "spec.decode.resources.limits",
         "set the GPUs with resources.gpus",
+    ),
+    # Each value of the limits map is a quantity: the API server runs the rule on every
+    # entry, offline validation too (found by tests/cluster/test_bad_input.py).
+    Invalid(
+        "decode-limits-value-no-quantity",
+        _spec({"decode": {"resources": {"limits": {"hugepages-2Mi": ""}}}}),
+        "spec.decode.resources.limits[hugepages-2Mi]",
+        "must be a Kubernetes quantity",
     ),
     Invalid(
         "prefill-limits-name-the-gpu-resource",

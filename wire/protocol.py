@@ -39,6 +39,9 @@ HANDLE_EXPIRY_MARGIN_SECONDS: Final = 15
 # ------------------------------------------------------------------ the report endpoint
 
 REPORT_PATH: Final = "/v1/reports"
+# The sidecar's drain, on its internal port: the engine container's preStop hook GETs
+# it and the kubelet stops the engine once it answers (kvferry_sidecar.drain).
+DRAIN_PATH: Final = "/drain"
 # Audience of the projected ServiceAccount token a sidecar presents with its report.
 REPORT_TOKEN_AUDIENCE: Final = "kvferry"
 
@@ -49,6 +52,10 @@ HDR_SESSION_ID: Final = "X-Session-Id"
 # Set by a sidecar that forwards a request to the session's owner. Its presence makes
 # the receiver serve the request itself, so one request is forwarded at most once.
 HDR_FORWARDED_BY: Final = "X-Kvferry-Forwarded-By"
+# On a 503 from a sidecar that is draining (its pod is stopping): it takes no new
+# turns. A peer that forwarded the turn serves it itself; a client retries (Retry-After)
+# and reaches another pod through the Service, which no longer lists this one.
+HDR_DRAINING: Final = "X-Kvferry-Draining"
 # Diagnostics on a turn's response, only when the server enables them
 # (routing.diagnosticHeaders): they tell, at block granularity, how much of a prompt
 # matched the session's previous turn, which a client guessing another's session key

@@ -124,6 +124,11 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     decode_timeout_seconds: float = 1800.0
     # Longest silence between two chunks of a streamed answer.
     stream_idle_timeout_seconds: float = 300.0
+    # Stopping (GET /drain from the engine's preStop hook, or SIGTERM): how long the
+    # turns in flight may take to finish before the engine is let go. The decode
+    # budget by default, so a turn whose decode began as the drain started finishes;
+    # the operator renders spec.<role>.drainSeconds as --drain-seconds.
+    drain_seconds: float = 1800.0
     # Residency reporting (both roles): the server this pod belongs to.
     server: str | None = None
     # POST the report here every report_interval_seconds; "" = do not push.

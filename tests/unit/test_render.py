@@ -941,6 +941,60 @@ class TestEngineProbes:
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
+class TestDrain:
+    """A stopping pod drains: the engine's preStop waits on the sidecar's /drain, and
+    the grace is the drain plus a margin (spec.<role>.drainSeconds, or by role)."""
+
+    @staticmethod
+    def grace(manifest: dict, role: str) -> int:
+        return pod_spec(rendered(manifest), role)["terminationGracePeriodSeconds"]
+
+    @pytest.mark.parametrize("role", ["prefill", "decode"])
+    def test_the_engine_waits_for_the_sidecars_drain_before_it_stops(self, role):
+        # Without it the kubelet SIGTERMs the engine first (native sidecars stop last)
+        # and every turn in flight is cut.
+        c = engine(rendered(server()), role)
+        assert c["lifecycle"] == {
+            "preStop": {
+                "httpGet": {
+                    "path": protocol.DRAIN_PATH,
+                    "port": protocol.SIDECAR_INTERNAL_PORT,
+                    "scheme": "HTTP",
+                }
+            }
+        }
+
+    def test_decode_waits_out_the_decode_budget_by_default(self):
+        budget = int(wire_settings.SidecarSettings().decode_timeout_seconds)
+        assert budget == 1800
+        objs = rendered(server())
+        assert arg_after(sidecar(objs, "decode"), "--drain-seconds") == str(budget)
+        assert self.grace(server(), "decode") == budget + render.DRAIN_MARGIN_SECONDS
+
+    def test_prefill_drains_nothing_by_default(self):
+        # Its sidecar carries no turns: the grace stays the engine's own stop.
+        assert arg_after(sidecar(rendered(server()), "prefill"), "--drain-seconds") == "0"
+        assert self.grace(server(), "prefill") == 60
+
+    def test_drain_seconds_sets_the_drain_and_the_grace_per_role(self):
+        manifest = server({"decode": {"drainSeconds": 120}, "prefill": {"drainSeconds": 30}})
+        assert self.grace(manifest, "decode") == 180
+        assert self.grace(manifest, "prefill") == 90
+        assert arg_after(sidecar(rendered(manifest), "decode"), "--drain-seconds") == "120"
+
+    def test_drain_seconds_zero_stops_at_once(self):
+        manifest = server({"decode": {"drainSeconds": 0}})
+        assert self.grace(manifest, "decode") == render.DRAIN_MARGIN_SECONDS
+
+    def test_the_sidecar_reads_the_drain_flag(self):
+        # The flag the operator renders is one the sidecar has (config.FIELDS).
+        from kvferry_sidecar import cli as sidecar_cli
+
+        args = sidecar(rendered(server()), "decode")["args"]
+        flags = args[args.index("--drain-seconds") : args.index("--drain-seconds") + 2]
+        assert sidecar_cli.settings_from_args(["--role", "decode", *flags]).drain_seconds == 1800
+
+
 def sidecar_json(objs: list[dict]) -> dict:
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
     return json.loads(cm["data"][render.CONFIG_KEY_SETTINGS])

@@ -63,12 +63,12 @@ async def two_ports(
         yield ports
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/v1/residency"])
+@pytest.mark.parametrize("path", ["/metrics", "/v1/residency", "/drain"])
 async def test_internal_routes_answer_on_the_internal_port_only(
     two_ports: tuple[str, str, FakeEngine], path: str
 ) -> None:
     """The entry Service exposes the public port: clients cannot read the sidecar's
-    figures (other sessions' reuse) there."""
+    figures (other sessions' reuse) there, nor stop the pod (/drain)."""
     public, internal, _ = two_ports
     async with aiohttp.ClientSession() as http:
         refused = await http.get(public + path, headers={"X-Request-Id": "r-404"})
