@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import yaml
+
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
+from tests.manifests import ROOT, load_example
 
 EXTERNAL = {"scaling": {"mode": "External"}}
 TIMEOUT = 60
@@ -256,3 +259,43 @@ def test_rolescaler_validation(kubectl: Kubectl, operator: Operator, ns: str):
     assert moved.returncode != 0 and "serverName and role are immutable" in moved.stderr
     columns = kubectl.run("get", "rolescaler", "tiny-prefill", "-n", ns).stdout.split("\n")[0]
     assert columns.split() == ["NAME", "SERVER", "ROLE", "DESIRED", "CURRENT", "READY", "AGE"]
+
+
+def test_the_example_hpas_reach_the_example_rolescalers(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """examples/autoscaling.yaml with examples/autoscaling/hpa.yaml, as the docs apply
+    them: each HPA finds its RoleScaler's /scale (AbleToScale); with no metrics adapter
+    here their Pods metrics are missing, which the HPA says too (ScalingActive=False)."""
+    server = load_example(ROOT / "examples" / "autoscaling.yaml")
+    server["metadata"]["namespace"] = ns
+    kubectl.apply(server, "--server-side")
+    hpas = list(yaml.safe_load_all((ROOT / "examples" / "autoscaling" / "hpa.yaml").read_text()))
+    for hpa in hpas:
+        hpa["metadata"]["namespace"] = ns
+    kubectl.apply(hpas)
+    name = server["metadata"]["name"]
+    for role in ("prefill", "decode"):
+        wait_until(
+            lambda role=role: (s := scaler(kubectl, ns, role, name)) and s["spec"]["replicas"] == 2,
+            TIMEOUT,
+            f"RoleScaler {name}-{role} seeded at the example's 2",
+        )
+        conditions = wait_until(
+            lambda role=role: (
+                {
+                    c["type"]: c["status"]
+                    for c in (kubectl.get("hpa", f"{name}-{role}", ns) or {})
+                    .get("status", {})
+                    .get("conditions", [])
+                }.get("ScalingActive")
+                and {
+                    c["type"]: c["status"]
+                    for c in kubectl.get("hpa", f"{name}-{role}", ns)["status"]["conditions"]
+                }
+            ),
+            120,  # the HPA controller syncs every 15 s
+            f"HPA {name}-{role} conditions",
+        )
+        assert conditions["AbleToScale"] == "True", conditions
+        assert conditions["ScalingActive"] == "False", conditions  # no metrics adapter here
