@@ -129,6 +129,15 @@ def test_kubectl_scale_of_each_role_is_followed_and_never_undone(
     kubectl.run("scale", "statefulset", "tiny-prefill", "--replicas=1", "-n", ns)
     wait_until(lambda: sts_replicas(kubectl, ns, "prefill") == 3, TIMEOUT, "drift restored to 3")
 
+    # A restarted operator renders from the RoleScalers too (its first apply of every
+    # server, then a safety pass): nothing goes back to the spec's 1.
+    operator.stop()
+    operator.start()
+    start = safety_passes(operator)
+    wait_until(lambda: safety_passes(operator) > start, TIMEOUT, "a safety pass after restart")
+    assert (sts_replicas(kubectl, ns, "prefill"), sts_replicas(kubectl, ns, "decode")) == (3, 2)
+    assert len(topology(kubectl, ns)["decodeSidecars"]) == 2
+
     # Deleted by hand: created again at the count running now, not the spec's.
     kubectl.run("delete", "rolescaler", "tiny-decode", "-n", ns)
     wait_until(
