@@ -287,3 +287,32 @@ class TestApplyChildren:
 
 
 EXTERNAL_PREFILL = {"prefill": EXTERNAL}
+
+
+def test_a_missing_rolescaler_crd_is_named_and_holds_the_statefulsets():
+    """An operator upgraded without the new CRD: the Event names it and the fix, and
+    no StatefulSet is applied from the spec's count meanwhile."""
+    from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+    class NoCRD(FakeKube):
+        def get(self, api_version, kind, namespace, name):
+            if kind == api.SCALER_KIND:
+                raise ResourceNotFoundError(f"No matches found for {kind}")
+            return super().get(api_version, kind, namespace, name)
+
+    posted: list[tuple[str, str]] = []
+    kube = NoCRD()
+    body = server(EXTERNAL_PREFILL, name="tiny", namespace="ns", uid=UID, generation=1)
+    applied = handlers.apply_children(
+        body,
+        kube,
+        Settings(sidecar_image="", resync_seconds=60),
+        logging.getLogger("t"),
+        post=lambda _body, _type, reason, message: posted.append((reason, message)),
+    )
+    assert applied is handlers.Applied.NEVER
+    ((reason, message),) = posted
+    assert reason == "ApplyFailed"
+    assert "rolescalers.kvferry.io is not installed" in message
+    assert "crds/kvferry.io_rolescalers.yaml" in message
+    assert "StatefulSet" not in {k for k, _ in kube.writes}
