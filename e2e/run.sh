@@ -53,7 +53,7 @@ step "CRDs (server-side apply: Helm installs crds/ only once, never upgrades the
 # --force-conflicts: CRDs a `helm install` created belong to the field manager "helm".
 kubectl apply --server-side --force-conflicts -f "$root/crds/"
 kubectl wait --for condition=Established --timeout=60s \
-  crd/disaggregatedservers.kvferry.io crd/kvcachestatuses.kvferry.io
+  crd/disaggregatedservers.kvferry.io crd/kvcachestatuses.kvferry.io crd/rolescalers.kvferry.io
 
 step "chart: $helm upgrade --install $release -n $op_ns"
 # shellcheck disable=SC2086 # E2E_HELM_ARGS is a list of words on purpose

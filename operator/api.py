@@ -29,6 +29,8 @@ SERVER_KIND = "DisaggregatedServer"
 SERVER_PLURAL = "disaggregatedservers"
 STATUS_KIND = "KVCacheStatus"
 STATUS_PLURAL = "kvcachestatuses"
+SCALER_KIND = "RoleScaler"
+SCALER_PLURAL = "rolescalers"
 
 # The one field manager for every object the operator applies; GitOps tools
 # use their own, so ownership of each field stays unambiguous.
@@ -73,6 +75,7 @@ CRD_DIR = Path(__file__).resolve().parent / "crds"
 CRD_FILES = {
     SERVER_KIND: "kvferry.io_disaggregatedservers.yaml",
     STATUS_KIND: "kvferry.io_kvcachestatuses.yaml",
+    SCALER_KIND: "kvferry.io_rolescalers.yaml",
 }
 
 
@@ -247,6 +250,12 @@ class SidecarResources:
     limits: ResourceAmounts
 
 
+# spec.<role>.scaling.mode: Static reads spec.<role>.replicas; External reads the
+# RoleScaler <server>-<role> the operator creates (kvferry_operator.scaler).
+SCALING_STATIC = "Static"
+SCALING_EXTERNAL = "External"
+
+
 @dataclass(frozen=True)
 class Role:
     name: str  # prefill | decode
@@ -268,6 +277,12 @@ class Role:
     # How long a stopping pod waits for its turns in flight (spec.<role>.drainSeconds);
     # None = by role (render.drain_seconds).
     drain_seconds: int | None = None
+    # spec.<role>.scaling.mode: who sets the replica count (Server.replicas).
+    scaling_mode: str = SCALING_STATIC
+
+    @property
+    def scaled_externally(self) -> bool:
+        return self.scaling_mode == SCALING_EXTERNAL
 
 
 @dataclass(frozen=True)
@@ -367,10 +382,22 @@ class Server:
     # cacheTuning Auto's applied decodeRetentionSeconds (status.retention.applied):
     # it lives in status, never in the user's spec, so GitOps sees no drift.
     applied_retention: int | None = None
+    # spec.replicas of the RoleScaler of each role in scaling mode External, as read
+    # (scaler.py): it lives in another object, so the server's spec never drifts.
+    scaled: dict[str, int] = field(default_factory=dict)
 
     @property
     def decode_retention_seconds(self) -> int:
         return self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
+
+    def replicas(self, role: str) -> int:
+        """The count the role runs at, the one home of that rule: its RoleScaler's
+        spec.replicas under scaling mode External, once read; spec.<role>.replicas
+        otherwise (Static, or External with no RoleScaler read: offline rendering)."""
+        spec = self.spec.role(role)
+        if spec.scaled_externally and role in self.scaled:
+            return self.scaled[role]
+        return spec.replicas
 
 
 def _quantity(value: Any) -> str | None:
@@ -477,6 +504,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         ),
         startup_seconds=raw.get("startupSeconds"),
         drain_seconds=raw.get("drainSeconds"),
+        scaling_mode=raw["scaling"]["mode"],
     )
 
 
@@ -580,7 +608,8 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
         raise SpecError(f"spec is missing or mistypes a required field near {exc}") from exc
 
 
-def parse_server(obj: dict[str, Any]) -> Server:
+def parse_server(obj: dict[str, Any], scaled: dict[str, int] | None = None) -> Server:
+    """``scaled``: the RoleScalers' spec.replicas by role (scaler.py reads them)."""
     meta = obj.get("metadata", {})
     return Server(
         name=meta["name"],
@@ -590,6 +619,7 @@ def parse_server(obj: dict[str, Any]) -> Server:
         spec=parse_spec(obj.get("spec") or {}),
         labels=dict(meta.get("labels") or {}),
         applied_retention=_applied_retention(obj),
+        scaled=dict(scaled or {}),
     )
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import kopf
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kvferry_wire.report import TRANSPORT_UNKNOWN
 
@@ -47,6 +48,7 @@ from . import (
     render,
     report_endpoint,
     reports,
+    scaler,
     status,
 )
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
@@ -56,6 +58,7 @@ from .settings import Settings
 from .statuswriter import Coalescer, StatusMemory
 
 SERVER = (api.GROUP, api.VERSION, api.SERVER_PLURAL)
+SCALERS = (api.GROUP, api.VERSION, api.SCALER_PLURAL)
 OURS = {api.LABEL_MANAGED_BY: api.FIELD_MANAGER}
 
 # Event reasons.
@@ -113,7 +116,7 @@ async def configure(
 
     def retry(namespace: str, name: str) -> bool:
         try:
-            return retry_apply(namespace, name, kube_for_retries, ours, logger, claims)
+            return retry_apply(namespace, name, kube_for_retries, ours, logger, claims, _seen(memo))
         finally:
             # What the retry achieved shows in status (observedGeneration, ApplyFailed)
             # without waiting for a watch event or the safety pass.
@@ -206,8 +209,71 @@ def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
             namespace,
             labels.get(api.LABEL_INSTANCE),
             labels.get(api.LABEL_ROLE),
-        ): status.role_observed_from({"metadata": dict(body.metadata), "status": dict(body.status)})
+        ): status.role_observed_from(
+            {
+                "metadata": dict(body.metadata),
+                "spec": {"replicas": body.spec.get("replicas")},
+                "status": dict(body.status),
+            }
+        )
     }
+
+
+@kopf.index(*SCALERS, labels=OURS)
+def rolescalers(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """(namespace, server, role) -> the RoleScaler as seen (scaler.py: its spec.replicas
+    is the role's count under scaling mode External)."""
+    return {
+        (namespace, labels.get(api.LABEL_INSTANCE), labels.get(api.LABEL_ROLE)): {
+            "metadata": dict(body.metadata),
+            "spec": dict(body.spec),
+            "status": dict(body.status),
+        }
+    }
+
+
+# (namespace, server) -> the server's RoleScalers by role, as the watch shows them.
+Seen = Callable[[tuple[str, str]], dict[str, dict[str, Any]]]
+
+
+def _seen(memo: kopf.Memo) -> Seen | None:
+    """The RoleScaler index as a lookup, once a server event has handed it over; None
+    before (apply_children then reads the RoleScalers it needs)."""
+    indexes = getattr(memo, "indexes", None) or {}
+    index: kopf.Index | None = indexes.get("rolescalers")
+    if index is None:
+        return None
+
+    def lookup(key: tuple[str, str]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for role in api.ROLES:
+            found = list(index.get((*key, role), []))
+            if found:
+                out[role] = found[0]
+        return out
+
+    return lookup
+
+
+def _scaled(body: dict[str, Any], seen: Seen | None) -> dict[str, int]:
+    """The spec.replicas of the server's own RoleScalers, by role (for api.Server)."""
+    if seen is None:
+        return {}
+    meta = body.get("metadata") or {}
+    uid = meta.get("uid") or ""
+    out = {}
+    for role, obj in seen((meta.get("namespace") or "default", meta.get("name", ""))).items():
+        replicas = scaler.replicas_of(obj)
+        if replicas is not None and ownership.is_ours(obj, uid):
+            out[role] = replicas
+    return out
+
+
+def parse(body: dict[str, Any], seen: Seen | None = None) -> api.Server:
+    """The server with its RoleScalers' counts: every path that renders or computes
+    status parses through here, so none sees the spec's count where a RoleScaler's
+    rules (a drift check that would re-apply on every pass, a Ready that never comes)."""
+    return api.parse_server(body, _scaled(body, seen))
 
 
 @kopf.index("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})
@@ -260,11 +326,13 @@ def apply_children(
     only: tuple[str, str] | None = None,
     claims: ownership.Claims | None = None,
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
+    seen: Seen | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
     children known to be ours and records conflicts and the outcome for status (a
     throwaway one without it: every child is read first). ``post`` posts Events
-    outside a kopf handler (the resync loop, the retries), where kopf.warn cannot."""
+    outside a kopf handler (the resync loop, the retries), where kopf.warn cannot.
+    ``seen``: the RoleScalers as the watch shows them (read by name without it)."""
 
     def warn(reason: str, message: str) -> None:
         if post is None:
@@ -276,7 +344,7 @@ def apply_children(
             logger.warning("event %s not posted: %s", reason, _brief(exc))
 
     try:
-        server = api.parse_server(body)
+        server = parse(body, seen)
     except api.SpecError as exc:
         warn(EVENT_INVALID, str(exc))
         return Applied.NEVER
@@ -284,6 +352,31 @@ def apply_children(
     server_key = (server.namespace, server.name)
     ok = Applied.ALL
     refusals: list[str] = []
+    # Step 1b: each External role's count, from its RoleScaler (created when absent).
+    try:
+        server, counted, why = resolve_scalers(server, kube, claims, seen, logger, only is None)
+    except Exception as exc:
+        if isinstance(exc, ResourceNotFoundError):
+            why = (
+                f"{api.SCALER_KIND}: the CRD rolescalers.kvferry.io is not installed; apply "
+                "crds/kvferry.io_rolescalers.yaml (helm upgrade installs it) or set "
+                "spec.<role>.scaling.mode: Static"
+            )
+            ok = Applied.NEVER
+        elif isinstance(exc, ApiException):
+            why = f"{api.SCALER_KIND}: {api_error_message(exc)}"
+            ok = Applied.RETRY if is_transient(exc) or exc.status == 409 else Applied.NEVER
+        elif is_transient(exc):
+            logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
+            return Applied.RETRY
+        else:
+            raise
+        counted = False
+    if why:
+        logger.error("apply failed: %s", why)
+        warn(EVENT_APPLY_FAILED, why)
+        refusals.append(why)
+        ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
     refused = hostpaths.refusal(server, settings.host_path_prefixes)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
@@ -299,6 +392,11 @@ def apply_children(
         ):
             continue
         key = (child["kind"], meta["namespace"], meta["name"])
+        if not counted and child["kind"] in ("StatefulSet", "ConfigMap"):
+            # Their replicas and topology would come from the spec where a RoleScaler
+            # rules: they keep what they run (the refusal or conflict says why).
+            logger.warning("not applied, a role's RoleScaler count is not known: %s", key)
+            continue
         if child["kind"] == "StatefulSet" and (refused or not isolated):
             # The status says why (refresh_status): HostPathNotAllowed, or the
             # NetworkPolicy's ApplyFailed Event.
@@ -364,6 +462,65 @@ def apply_children(
     return ok
 
 
+def resolve_scalers(
+    server: api.Server,
+    kube: Kube,
+    claims: ownership.Claims,
+    seen: Seen | None,
+    logger: logging.Logger,
+    prune: bool = True,
+) -> tuple[api.Server, bool, str]:
+    """The server with each External role's count from its RoleScaler, whether every
+    such count is known, and why not (a refusal for the Event; "" when none). Creates
+    a missing RoleScaler seeded at the role's current count and, with ``prune``,
+    deletes the server's RoleScalers of roles back in Static (scaler.py's rules)."""
+    key = (server.namespace, server.name)
+    found = seen(key) if seen is not None else {}
+    scaled: dict[str, int] = {}
+    counted, why = True, ""
+    external = scaler.external_roles(server)
+    for role in api.ROLES:
+        name = scaler.scaler_name(server, role)
+        child = (api.SCALER_KIND, server.namespace, name)
+        if role not in external:
+            claims.record(key, child, None)  # a conflict of a role no longer External
+            continue
+        obj = found.get(role) or kube.get(api.API_VERSION, api.SCALER_KIND, server.namespace, name)
+        if obj is None:
+            sts = kube.get(
+                "apps/v1", "StatefulSet", server.namespace, render.child_name(server, role)
+            )
+            ours = sts if sts is not None and ownership.is_ours(sts, server.uid) else None
+            seed = scaler.seed_replicas(server, role, ours)
+            obj = kube.create(scaler.build_role_scaler(server, role, seed))
+            if obj is None:  # created meanwhile (another pass): read what is there
+                obj = kube.get(api.API_VERSION, api.SCALER_KIND, server.namespace, name)
+            else:
+                logger.info("created %s %s at %d replicas", api.SCALER_KIND, name, seed)
+        taken = ownership.conflict(obj, api.SCALER_KIND, name, server.uid)
+        claims.record(key, child, taken)
+        replicas = scaler.replicas_of(obj) if obj is not None and taken is None else None
+        if replicas is None:
+            counted = False
+            if obj is not None and taken is None:
+                why = (
+                    f"{api.SCALER_KIND} {name}: spec.replicas is missing or out of range; "
+                    f"set it (kubectl scale rolescaler {name} --replicas N)"
+                )
+            continue
+        scaled[role] = replicas
+    if prune:
+        for role in scaler.stale(
+            server, {r: o for r, o in found.items() if ownership.is_ours(o, server.uid)}
+        ):
+            meta = found[role]["metadata"]
+            kube.delete(
+                api.API_VERSION, api.SCALER_KIND, server.namespace, meta["name"], meta["uid"]
+            )
+            logger.info("deleted %s %s: %s is Static again", api.SCALER_KIND, meta["name"], role)
+    return dataclasses.replace(server, scaled=scaled), counted, why
+
+
 def _taken(
     child: dict[str, Any], server: api.Server, kube: Kube, claims: ownership.Claims
 ) -> ownership.Conflict | None:
@@ -385,7 +542,7 @@ def apply_or_retry(
 ) -> Applied:
     """apply_children, and a bounded retry of the whole server when it may land later."""
     claims: ownership.Claims | None = getattr(memo, "claims", None)
-    result = apply_children(body, memo.kube, memo.settings, logger, only, claims)
+    result = apply_children(body, memo.kube, memo.settings, logger, only, claims, seen=_seen(memo))
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
         meta = body["metadata"]
@@ -400,13 +557,16 @@ def retry_apply(
     settings: Settings,
     logger: logging.Logger,
     claims: ownership.Claims | None = None,
+    seen: Seen | None = None,
 ) -> bool:
     """One retry of a server's apply, on its current object: True when done (all
     landed, the server is gone or being deleted, or retrying cannot help)."""
     body = kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return True
-    applied = apply_children(body, kube, settings, logger, None, claims, kube.create_event)
+    applied = apply_children(
+        body, kube, settings, logger, None, claims, kube.create_event, seen=seen
+    )
     return applied is not Applied.RETRY
 
 
@@ -442,15 +602,17 @@ def refresh_status(
     transports: Callable[[tuple[str, str]], tuple[str, str] | None] | None = None,
     memory: StatusMemory | None = None,
     fresh: bool = False,
+    seen: Seen | None = None,
 ) -> bool:
     """Steps 4-5; False when the status could not be written (the API server is
     unavailable: the caller tries again). ``post(body, type, reason, message)``
     emits an Event where no kopf handler runs (kopf.info/warn need one); ``claims``
     has the conflicts the last apply found; ``transports`` the publisher's latest
     transport per server; ``memory`` what this operator wrote last (``body`` may
-    predate it), unless the body was just read from the API server (``fresh``)."""
+    predate it), unless the body was just read from the API server (``fresh``);
+    ``seen`` the RoleScalers (their counts, and their status is written here too)."""
     try:
-        server = api.parse_server(body)
+        server = parse(body, seen)
     except api.SpecError:
         return True
     key = (server.namespace, server.name)
@@ -458,6 +620,8 @@ def refresh_status(
     for role in api.ROLES:
         found = list(statefulsets.get((*key, role), []))
         roles[role] = found[0] if found else status.RoleObserved()
+    if seen is not None:
+        write_scaler_status(server, roles, seen(key), kube)
     with memory.lock(key) if memory is not None else contextlib.nullcontext():
         observed_status = body.get("status") or {}
         old = (
@@ -537,6 +701,27 @@ def refresh_status(
     return True
 
 
+def write_scaler_status(
+    server: api.Server,
+    roles: dict[str, status.RoleObserved],
+    found: dict[str, dict[str, Any]],
+    kube: Kube,
+) -> None:
+    """Each of the server's own RoleScalers' status from its role's StatefulSet: only
+    what changed (the index shows our last write), so at rest nothing is written."""
+    for role in scaler.external_roles(server):
+        obj = found.get(role)
+        if obj is None or not ownership.is_ours(obj, server.uid):
+            continue
+        obs = roles[role]
+        new = scaler.build_scaler_status(server, role, obs.replicas, obs.ready_replicas)
+        patch = scaler.status_patch(obj.get("status"), new)
+        if patch:
+            kube.patch_status(
+                api.API_VERSION, api.SCALER_KIND, server.namespace, obj["metadata"]["name"], patch
+            )
+
+
 def _status_queue(memo: kopf.Memo) -> Coalescer | None:
     """The status queue once it can refresh from the watch (the server index is in);
     None before, when a status is refreshed directly."""
@@ -564,12 +749,15 @@ def server_changed(
     pods: kopf.Index,
     nodes: kopf.Index,
     servers: kopf.Index | None = None,
+    rolescalers: kopf.Index | None = None,
     **_: Any,
 ) -> None:
     # Live views, for the resync loop and the status queue. Per-object memos are
     # shallow copies of the operator's, so the shared dict (made at start-up) is the
     # way back to it.
     memo.indexes.setdefault("live", (statefulsets, pods, nodes))
+    if rolescalers is not None:
+        memo.indexes.setdefault("rolescalers", rolescalers)
     if servers is not None:
         memo.indexes.setdefault("servers", servers)
     claims: ownership.Claims | None = getattr(memo, "claims", None)
@@ -622,6 +810,7 @@ def server_changed(
         claims=claims,
         transports=_transports(memo),
         memory=getattr(memo, "status_memory", None),
+        seen=_seen(memo),
     )
 
 
@@ -649,6 +838,7 @@ def _refresh_from_index(memo: kopf.Memo, key: tuple[str, str]) -> bool:
             memo.claims,
             _transports(memo),
             memo.status_memory,
+            seen=_seen(memo),
         )
     except Exception as exc:  # one line, not the client's header dump
         logging.getLogger(__name__).warning("status of %s/%s failed: %s", *key, _brief(exc))
@@ -746,7 +936,7 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         done.servers += 1
         name = body["metadata"].get("name")
         try:
-            server = api.parse_server(body)
+            server = parse(body, _seen(memo))
             wanted = render.render(server, settings.render_context())
         except api.SpecError:
             continue  # its InvalidSpec Event was posted when the spec came
@@ -757,7 +947,7 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)
                 applied = apply_children(
-                    body, kube, settings, logger, None, claims, kube.create_event
+                    body, kube, settings, logger, None, claims, kube.create_event, _seen(memo)
                 )
                 retries: ApplyRetries | None = getattr(memo, "retries", None)
                 if applied is Applied.RETRY and retries is not None:
@@ -787,6 +977,7 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
                 _transports(memo),
                 getattr(memo, "status_memory", None),
                 fresh=True,  # listed just now: truer than what we remember writing
+                seen=_seen(memo),
             )
         except Exception as exc:  # the next pass tries again
             logger.warning("safety pass: status of %s failed: %s", name, _brief(exc))
@@ -794,11 +985,16 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
 
 
 def _holds_ours(
-    owner: dict[str, Any], kind: str, name: str, body: kopf.Body, settings: Settings
+    owner: dict[str, Any],
+    kind: str,
+    name: str,
+    body: kopf.Body,
+    settings: Settings,
+    seen: Seen | None = None,
 ) -> bool:
     """The observed child still has every field we render for it (drift.covers)."""
     try:
-        children = render.render(api.parse_server(owner), settings.render_context())
+        children = render.render(parse(owner, seen), settings.render_context())
     except api.SpecError:
         return False
     wanted = next(
@@ -837,6 +1033,7 @@ def _refresh(
         claims=getattr(memo, "claims", None),
         transports=_transports(memo),
         memory=getattr(memo, "status_memory", None),
+        seen=_seen(memo),
     )
 
 
@@ -881,7 +1078,7 @@ def _on_child_event(kind: str):
         if type == "DELETED":
             logger.info("child deleted, restoring kind=%s name=%s", kind, name)
             kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
-        elif _holds_ours(owner, kind, name, body, memo.settings):
+        elif _holds_ours(owner, kind, name, body, memo.settings, _seen(memo)):
             if kind == "StatefulSet":
                 _refresh(owner, memo, statefulsets, pods, nodes)
             return
@@ -896,6 +1093,48 @@ for _group, _version, _plural, _api_version, _kind in CHILD_KINDS:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(
         _on_child_event(_kind)
     )
+
+
+@kopf.on.event(*SCALERS, labels=OURS)
+def scaler_changed(
+    type: str | None,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    servers: kopf.Index,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index,
+    rolescalers: kopf.Index,
+    **_: Any,
+) -> None:
+    """An autoscaler changed a RoleScaler's spec.replicas (or it was deleted): the
+    server is applied again, its StatefulSet and topology from the new count (kopf
+    updates the index before this handler runs). Our own status writes change no
+    count: nothing is applied for those."""
+    memo.indexes.setdefault("rolescalers", rolescalers)
+    owner = _owner(namespace, labels, servers)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return
+    owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
+    role = labels.get(api.LABEL_ROLE)
+    found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
+    running = found[0].spec_replicas if found else None
+    if type == "DELETED" or scaler.replicas_of(dict(body)) != running:
+        # Deleted under External: created again, seeded at the count running now.
+        # Under Static: the apply deletes a left-over one.
+        logger.info(
+            "%s %s: replicas %s, running %s",
+            api.SCALER_KIND,
+            name,
+            body.spec.get("replicas"),
+            running,
+        )
+        apply_or_retry(owner, memo, logger)
+    _refresh(owner, memo, statefulsets, pods, nodes)
 
 
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})

@@ -100,6 +100,40 @@ class Kube:
                 return None
             raise
 
+    def create(self, obj: Obj) -> Obj | None:
+        """Create ``obj`` (a POST, not an apply: for an object whose fields the operator
+        sets once and then leaves to others, a RoleScaler's spec.replicas). None when
+        one of that name exists already (the caller reads it)."""
+        meta = obj["metadata"]
+        res = self._resource(obj["apiVersion"], obj["kind"])
+        try:
+            out = res.create(
+                body=obj,
+                namespace=meta.get("namespace"),
+                field_manager=api.FIELD_MANAGER,
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+        return out.to_dict()
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete the object if it is still the one with ``uid`` (a precondition: never
+        one someone created again under that name meanwhile); gone is not an error."""
+        res = self._resource(api_version, kind)
+        try:
+            res.delete(
+                name=name,
+                namespace=namespace,
+                body={"preconditions": {"uid": uid}},
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Obj
     ) -> None:

@@ -89,7 +89,8 @@ def feeds_pods(found: Conflict, server_name: str) -> bool:
     their peers through the headless Services ``<name>-<role>``, by name, and are
     isolated by NetworkPolicy ``<name>``. Pods must not start on someone else's
     settings or peers, or without their isolation, so their StatefulSets wait."""
-    return found.kind in ("ConfigMap", "NetworkPolicy") or (
+    # A RoleScaler sets a role's count (scaler.py): none from an object not ours.
+    return found.kind in ("ConfigMap", "NetworkPolicy", "RoleScaler") or (
         found.kind == "Service" and found.name != server_name
     )
 
@@ -100,7 +101,8 @@ def message(conflicts: Iterable[Conflict], server_name: str) -> str:
     what = "; ".join(str(c) for c in found)
     held = (
         " The StatefulSets are not applied either: the pods would read that ConfigMap, "
-        "find that Service's pods as peers, or run without their NetworkPolicy."
+        "find that Service's pods as peers, run without their NetworkPolicy, or at the "
+        "count that RoleScaler sets."
         if any(feeds_pods(c, server_name) for c in found)
         else ""
     )

@@ -137,7 +137,7 @@ def resource_needs(server: Server) -> list[tuple[str, str, int, str]]:
     spec = server.spec
     out = []
     for role in (spec.prefill, spec.decode):
-        if role.replicas and role.resources.gpus:
+        if server.replicas(role.name) and role.resources.gpus:
             out.append(
                 (
                     role.resources.gpu_resource_name,

@@ -210,7 +210,10 @@ class Publisher:
                 (
                     r
                     for r in api.ROLES
-                    if (st.get(r) or {}).get("updatedReplicas", 0) < server.spec.role(r).replicas
+                    # desiredReplicas: the RoleScaler's count under External, which
+                    # this server read alone does not carry.
+                    if (st.get(r) or {}).get("updatedReplicas", 0)
+                    < (st.get(r) or {}).get("desiredReplicas", server.replicas(r))
                 ),
                 None,
             )

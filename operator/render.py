@@ -391,7 +391,8 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
 def peer_urls(server: Server, role: str, port: int) -> list[str]:
     """Stable per-ordinal addresses through the role's headless Service."""
     svc = child_name(server, role)
-    replicas = server.spec.role(role).replicas
+    # The spec's count or, under scaling mode External, the RoleScaler's (api.Server).
+    replicas = server.replicas(role)
     return [f"http://{svc}-{i}.{svc}.{server.namespace}.svc:{port}" for i in range(replicas)]
 
 
@@ -512,7 +513,7 @@ def build_statefulset(server: Server, role: Role, ctx: Context) -> Obj:
         "metadata": meta,
         "spec": {
             "serviceName": name,
-            "replicas": role.replicas,
+            "replicas": server.replicas(role.name),
             # Engines do not depend on each other's start order.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},

@@ -20,6 +20,7 @@ from . import api, hostpaths, ownership, prerequisites
 from .api import Server
 from .prerequisites import Finding
 from .render import entry_url, selector_labels
+from .scaler import scaler_name
 
 # Condition reasons (also Event reasons).
 REASON_READY = "AllReplicasReady"
@@ -70,6 +71,7 @@ class RoleObserved:
     updated_replicas: int = 0
     current_revision: str | None = None
     update_revision: str | None = None
+    spec_replicas: int | None = None  # the StatefulSet's spec.replicas: what we applied
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def role_observed_from(sts: dict[str, Any] | None) -> RoleObserved:
         updated_replicas=int(st.get("updatedReplicas", 0)),
         current_revision=st.get("currentRevision"),
         update_revision=st.get("updateRevision"),
+        spec_replicas=(sts.get("spec") or {}).get("replicas"),
     )
 
 
@@ -270,18 +273,36 @@ def node_lost_summary(observed: Observed) -> str | None:
 
 
 def _role_status(server: Server, role: str, obs: RoleObserved) -> dict[str, Any]:
-    desired = server.spec.role(role).replicas
+    desired = server.replicas(role)
     return {
         "replicas": obs.replicas,
         "readyReplicas": obs.ready_replicas,
         "updatedReplicas": obs.updated_replicas,
         "display": f"{obs.ready_replicas}/{desired}",
         "selector": ",".join(f"{k}={v}" for k, v in selector_labels(server, role).items()),
+        "desiredReplicas": desired,
+        "scaledBy": scaled_by(server, role),
     }
 
 
+def scaled_by(server: Server, role: str) -> str:
+    """Where desiredReplicas comes from, as status.<role>.scaledBy shows it."""
+    if server.spec.role(role).scaled_externally:
+        return f"{api.SCALER_KIND} {scaler_name(server, role)}"
+    return f"spec.{role}.replicas"
+
+
+def _no_decode_message(server: Server) -> str:
+    if server.spec.decode.scaled_externally:
+        return (
+            f"RoleScaler {scaler_name(server, api.ROLE_DECODE)} has spec.replicas 0: nothing "
+            "serves requests; give its autoscaler a minimum of 1 or more"
+        )
+    return "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more"
+
+
 def _role_settled(server: Server, role: str, obs: RoleObserved) -> bool:
-    desired = server.spec.role(role).replicas
+    desired = server.replicas(role)
     return (
         obs.exists
         and obs.observed_generation >= obs.generation
@@ -318,17 +339,13 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
     not_ready = [
-        f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.spec.role(r).replicas} ready"
+        f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.replicas(r)} ready"
         for r in api.ROLES
-        if roles.get(r, RoleObserved()).ready_replicas < server.spec.role(r).replicas
+        if roles.get(r, RoleObserved()).ready_replicas < server.replicas(r)
     ]
 
-    if server.spec.decode.replicas == 0:
-        ready = (
-            "False",
-            REASON_NO_DECODE,
-            "spec.decode.replicas is 0: nothing serves requests; set it to 1 or more",
-        )
+    if server.replicas(api.ROLE_DECODE) == 0:
+        ready = ("False", REASON_NO_DECODE, _no_decode_message(server))
     elif observed.host_path_refused:
         ready = ("False", hostpaths.REASON, observed.host_path_refused)
     elif conflict:
@@ -363,7 +380,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         rolling = [
             r
             for r in api.ROLES
-            if roles[r].updated_replicas < server.spec.role(r).replicas
+            if roles[r].updated_replicas < server.replicas(r)
             or roles[r].observed_generation < roles[r].generation
         ]
         what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)

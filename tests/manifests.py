@@ -338,6 +338,13 @@ INVALID: list[Invalid] = [
         "spec.prefill.startupSeconds",
         "should be greater than or equal to 60",
     ),
+    Invalid(
+        # The HPA's word is External; "Auto" would be the tuner's (cacheTuning.mode).
+        "scaling-mode-enum",
+        _spec({"decode": {"scaling": {"mode": "Auto"}}}),
+        "spec.decode.scaling.mode",
+        'Unsupported value: "Auto"',
+    ),
     # What vLLM's CPU build cannot do (spec.engine.device: cpu).
     Invalid(
         "device-enum",

@@ -91,6 +91,8 @@ CALLS = [
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
+    Call("kopf watch: handlers.rolescalers/scaler_changed", "kvferry.io", "rolescalers",
+         ("list", "watch")),
     # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
     Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
     # Kube.apply (handlers.apply_children): every rendered child.
@@ -107,6 +109,11 @@ CALLS = [
          ("patch",)),
     Call("Kube.patch_status KVCacheStatus", "kvferry.io", "kvcachestatuses/status",
          ("patch",)),
+    Call("Kube.patch_status RoleScaler", "kvferry.io", "rolescalers/status", ("patch",)),
+    # RoleScalers (handlers.resolve_scalers): read, created once, deleted back in Static.
+    Call("Kube.get RoleScaler", "kvferry.io", "rolescalers", ("get",)),
+    Call("Kube.create RoleScaler", "kvferry.io", "rolescalers", ("create",)),
+    Call("Kube.delete RoleScaler", "kvferry.io", "rolescalers", ("delete",)),
     # Kube.get (publisher.Publisher, handlers.retry_apply).
     Call("Kube.get DisaggregatedServer", "kvferry.io", "disaggregatedservers", ("get",)),
     Call("Kube.get KVCacheStatus", "kvferry.io", "kvcachestatuses", ("get",)),
@@ -234,6 +241,17 @@ class TestRbacMatchesTheCode:
         assert want - have == set(), "missing: the operator would be forbidden"
         assert have - want == set(), "granted but never used: remove it"
 
+    def test_namespace_editors_may_scale_rolescalers_and_nothing_more(self):
+        # `kubectl scale rolescaler` by a namespace's edit/admin users; the HPA
+        # controller has */scale already. Bound to no one: aggregated by label.
+        role = one(template(), "ClusterRole", f"{RELEASE}-rolescaler-edit")
+        labels = role["metadata"]["labels"]
+        assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+        assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+        assert grants(role["rules"]) == {
+            ("kvferry.io", "rolescalers", v) for v in ("get", "list", "watch")
+        } | {("kvferry.io", "rolescalers/scale", v) for v in ("get", "update", "patch")}
+
     def test_no_wildcards_anywhere(self):
         for objs in (template(), template(*ALL_OPTIONS)):
             for role in (o for o in objs if o["kind"] in ("ClusterRole", "Role")):
@@ -351,6 +369,7 @@ def test_optional_objects_are_off_by_default_and_the_operators_policy_on():
         [
             "ClusterRole",
             "ClusterRole",
+            "ClusterRole",  # rolescaler-edit, aggregated into edit and admin
             "ClusterRoleBinding",
             "ClusterRoleBinding",
             "Deployment",

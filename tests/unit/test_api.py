@@ -170,6 +170,8 @@ FOLDED = {
     "model.source.hub.cache.hostPath.path": "model.hub.cache.host_path",
     "model.source.hub.cache.ephemeralStorage": "model.hub.cache.ephemeral_storage",
     "engine.cpu.kvCacheSpaceGiB": "engine.cpu_kv_cache_space_gib",
+    "prefill.scaling.mode": "prefill.scaling_mode",
+    "decode.scaling.mode": "decode.scaling_mode",
 }
 
 

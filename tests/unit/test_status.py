@@ -382,6 +382,9 @@ def test_role_counts_and_display():
         # For the CRD's scale subresource (HPA, KEDA, kubectl scale).
         "selector": "app.kubernetes.io/name=kvferry,app.kubernetes.io/instance=tiny,"
         "kvferry.io/role=decode",
+        # What the operator renders the role at, and where that comes from.
+        "desiredReplicas": 1,
+        "scaledBy": "spec.decode.replicas",
     }
     assert st["observedGeneration"] == 3
     assert st["endpoint"] == "http://tiny.ns.svc:8000"
