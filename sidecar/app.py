@@ -35,7 +35,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_REQUEST_ID
 
-from . import relay
+from . import httplog, relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .limits import InflightBudget
@@ -206,6 +206,9 @@ def _turn(api: Api) -> Handler:
 
 def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Application:
     """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests."""
+    sc = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
+    for reason in httplog.REASONS:
+        sc.metrics.malformed.labels(reason)
     app = web.Application(
         middlewares=[request_id_middleware, port_middleware],
         # A turn's body is read by relay.serve_turn within its own caps (limits.py);
@@ -215,9 +218,15 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
             # long after it opened or after the last answer: the head's deadline, and
             # the keep-alive idle time with it.
             "keepalive_timeout": settings.header_timeout_seconds,
+            # A malformed request is counted and one rate-limited line, not a
+            # traceback per connection; our own errors stay loud (httplog.py).
+            "logger": httplog.ServerLog(
+                logging.getLogger("aiohttp.server"),
+                lambda reason: sc.metrics.malformed.labels(reason).inc(),
+            ),
         },
     )
-    app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
+    app[SIDECAR] = sc
     app[BODY_BUDGET] = InflightBudget(settings.max_inflight_body_bytes)
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)
