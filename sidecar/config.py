@@ -171,6 +171,13 @@ def validate(settings: Settings) -> Settings:
             "internal_port must differ from listen_port (or be 0 to serve internal "
             "routes on listen_port)"
         )
+    if settings.metrics_port and settings.metrics_port in (
+        settings.listen_port,
+        settings.internal_port,
+    ):
+        raise ConfigError(
+            "metrics_port must differ from listen_port and internal_port (or be 0 for none)"
+        )
     if settings.handle_store_cap < 1:
         raise ConfigError("handle_store_cap must be >= 1")
     if settings.block_size is not None and settings.block_size < 1:

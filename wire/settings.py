@@ -69,6 +69,9 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # Peers, metrics and the residency report; 0 = serve them on listen_port too (a
     # single-port run by hand; the operator always renders both).
     internal_port: int = protocol.SIDECAR_INTERNAL_PORT
+    # GET /metrics alone (the sidecar's series and the engine's), for scrapers, who get
+    # no peer's rights; 0 = none (a run by hand; the operator renders one).
+    metrics_port: int = 0
     # The engine in this pod. The operator sets enginePort; engineUrl overrides.
     engine_url: str = f"http://127.0.0.1:{protocol.ENGINE_PORT}"
     # Prefill engines (vLLM, not sidecars), any order.
