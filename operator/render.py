@@ -216,6 +216,17 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             field_env("POD_IP", "status.podIP"),
             {"name": "KVFERRY_SERVER", "value": server.name},
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
+            # Its memory limit, as the pod has it: the body bytes it holds in flight
+            # follow it (kvferry_sidecar.limits.inflight_capacity).
+            {
+                "name": "KVFERRY_MEMORY_LIMIT_BYTES",
+                "valueFrom": {
+                    "resourceFieldRef": {
+                        "containerName": "kvferry-sidecar",
+                        "resource": "limits.memory",
+                    }
+                },
+            },
             *build_sidecar_ucx_env(spec, role),
         ],
         "ports": [

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_REQUEST_ID
 
-from . import httplog, relay
+from . import httplog, limits, relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .limits import InflightBudget
@@ -271,7 +271,7 @@ def app_factory(settings: Settings, *, clock: Clock | None = None) -> web.Applic
         },
     )
     app[SIDECAR] = sc
-    app[BODY_BUDGET] = InflightBudget(settings.max_inflight_body_bytes)
+    app[BODY_BUDGET] = InflightBudget(limits.inflight_capacity(settings))
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/healthz", healthz)

@@ -196,8 +196,11 @@ def validate(settings: Settings) -> Settings:
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{name} must be > 0")
-    for name in ("body_bytes_per_token", "max_inflight_body_bytes", "max_messages"):
+    for name in ("body_bytes_per_token", "max_messages"):
         if getattr(settings, name) < 1:
+            raise ConfigError(f"{name} must be >= 1")
+    for name in ("max_inflight_body_bytes", "memory_limit_bytes"):
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:
             raise ConfigError(f"{name} must be >= 1")
     for name in ("body_overhead_bytes", "max_media_bytes", "max_content_parts"):
         if getattr(settings, name) < 0:

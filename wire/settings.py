@@ -162,8 +162,12 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # parts: data: URLs, base64) one request may carry, beside its text.
     max_media_bytes: int = 16 * 1024 * 1024
     # Request bodies held at once across every turn in progress; past it a turn gets
-    # 503 with Retry-After.
-    max_inflight_body_bytes: int = 64 * 1024 * 1024
+    # 503 with Retry-After. None = derived from memory_limit_bytes
+    # (kvferry_sidecar.limits.inflight_capacity; 64 MiB without a limit).
+    max_inflight_body_bytes: int | None = None
+    # The sidecar container's memory limit: the operator renders it from the downward
+    # API (KVFERRY_MEMORY_LIMIT_BYTES, resourceFieldRef limits.memory). None = unknown.
+    memory_limit_bytes: int | None = None
     max_messages: int = 4096
     max_content_parts: int = 4096  # in all the messages of one request
     # A connection idle or sending an unfinished request head this long is closed

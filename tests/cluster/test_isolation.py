@@ -68,6 +68,15 @@ def test_network_policy_and_engine_hardening_survive_the_api_server(
             assert [c["securityContext"] for c in stored[kind]] == [
                 c["securityContext"] for c in template[kind]
             ]
+        # The sidecar's memory limit through the downward API (its in-flight budget
+        # follows it): stored as rendered, but for the divisor the server defaults.
+        (limit,) = [
+            e
+            for e in stored["initContainers"][0]["env"]
+            if e["name"] == "KVFERRY_MEMORY_LIMIT_BYTES"
+        ]
+        ref = limit["valueFrom"]["resourceFieldRef"]
+        assert (ref["containerName"], ref["resource"]) == ("kvferry-sidecar", "limits.memory")
         svc = kubectl.get("service", name, ns)
         assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
             (p["name"], p["port"]) for p in want[("Service", name)]["spec"]["ports"]

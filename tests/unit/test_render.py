@@ -753,6 +753,16 @@ class TestSidecar:
         assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kvferry"
         assert not any(m["name"] == "kvferry-token" for m in engine(objs, "decode")["volumeMounts"])
 
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_the_sidecar_knows_its_memory_limit(self, role):
+        """Its bytes-in-flight budget follows the limit the pod really has (downward
+        API: a LimitRange or the spec), not a constant sized for 1 Gi."""
+        sc = sidecar(rendered(server()), role)
+        (entry,) = [e for e in sc["env"] if e["name"] == "KVFERRY_MEMORY_LIMIT_BYTES"]
+        assert entry["valueFrom"] == {
+            "resourceFieldRef": {"containerName": sc["name"], "resource": "limits.memory"}
+        }
+
     def test_resources_default_from_the_crd_with_limits_equal_to_requests(self):
         # No CPU limit left the pod Burstable: no cores of its own under the static CPU
         # manager, and among the first pods the kubelet evicts.

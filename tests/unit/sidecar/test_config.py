@@ -272,7 +272,7 @@ KEPT_FIELDS = (
     "max_model_len", "body_bytes_per_token", "body_overhead_bytes", "max_media_bytes",
     "max_inflight_body_bytes", "max_messages", "max_content_parts", "header_timeout_seconds",
     "body_timeout_seconds", "owner_header", "owner_max_handles", "owner_max_pinned_tokens",
-    "metrics_port",
+    "metrics_port", "memory_limit_bytes",
 )  # fmt: skip
 
 
