@@ -13,13 +13,13 @@ from aiohttp import web
 
 from kvferry_dev.fakeengines import FakeEngine
 from kvferry_operator import api, render
-from kvferry_sidecar.app import app_factory
+from kvferry_sidecar.app import app_factory, scrape
 from kvferry_sidecar.config import Settings
 from kvferry_sidecar.session import owner
 from tests.kube import free_port
 from tests.manifests import MINIMAL
 
-from .conftest import Engines, sidecar_settings, start
+from .conftest import Engines, MakeSidecar, sidecar_of, sidecar_settings, start
 
 CHAT = "/v1/chat/completions"
 
@@ -263,3 +263,19 @@ async def test_the_rendered_startup_probe_passes_before_the_engine_runs(role: st
             assert await status("readinessProbe") == 503
     finally:
         await runner.cleanup()
+
+
+async def test_a_failed_scrape_of_the_engine_drops_its_series(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The metrics port re-serves the engine's series of the last good scrape only:
+    after a scrape that fails they are absent, not frozen at their last values."""
+    engines.decode.metrics_text = ENGINE_SERIES
+    client = await make_sidecar()
+    sc = sidecar_of(client)
+    assert await sc.scrape_engine()
+    assert b"vllm:num_requests_running" in scrape(sc).body
+    engines.decode.metrics_text = "this is { not the exposition format\n"
+    assert not await sc.scrape_engine()
+    body = scrape(sc).body
+    assert b"vllm:" not in body and b"kvferry_engine_ready" in body
