@@ -21,7 +21,7 @@ So, before any engine sees a request:
   long). Unset, it follows the container's memory limit (``inflight_capacity``): a
   turn's memory is many times its body (the body raw and parsed, each engine leg's
   copy, the prompt's token ids from ``/tokenize`` and from D's answer as Python ints:
-  the memory attack of ``bench/hostile.py`` measured ~12 bytes of RSS per body byte in
+  the memory attack of ``bench/hostile.py`` measured 10-12 bytes of RSS per body byte in
   flight), so the bodies may hold the limit less ``MEMORY_RESERVE_BYTES`` over
   ``MEMORY_PER_BODY_BYTE``: at the default 1 Gi, 37 MiB, which costs about half the
   limit. A body that would exceed it gets 503 with ``Retry-After`` at once rather
@@ -62,7 +62,7 @@ RETRY_AFTER_SECONDS: Final = 1
 # The bytes-in-flight budget from the memory limit (inflight_capacity): what the
 # sidecar holds besides bodies (its code, handles, the residency model, connections:
 # ~50 MiB idle, more with a full handle store), and the bytes of memory budgeted per
-# body byte, twice the ~12 measured under the memory attack (allocator slack, copies
+# body byte, twice the 10-12 measured under the memory attack (allocator slack, copies
 # the benchmark's shapes miss).
 MEMORY_RESERVE_BYTES: Final = 128 * 2**20
 MEMORY_PER_BODY_BYTE: Final = 24
