@@ -8,7 +8,9 @@ the same well-behaved streamed conversations and ``/healthz`` probes:
   types, surrogates, nesting, huge and many parts around the caps, header and framing
   lies, slow senders), 32 at a time;
 - **memory**: 24 concurrent chat bodies of 2.9 MiB of text (about 4 bytes a token,
-  as English), then 24 of 12 MiB ``data:`` URL media: the attack of issue 20 item 3.
+  as English), then 24 of 12 MiB ``data:`` URL media: the attack of issue 20 item 3;
+  with the sidecar's in-flight budget as its 1 Gi memory limit sets it, then (in the
+  same run, a second sidecar) at a fixed ``--compare-inflight`` budget, side by side.
 
 Per load: requests by status, the sidecar's RSS peak (VmHWM, reset between loads
 through ``/proc/PID/clear_refs``), the worst gap between two chunks of a steady
@@ -166,8 +168,10 @@ async def run(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, Any]
     d = FakeEngine("decode", "engine-d-5e2a", max_model_len=CONTEXT)
     runners = [await serve(p), await serve(d)]
     # The defaults but for the loggers (a log line per turn would be the cost measured)
-    # and the context (the tiny server says 4,096 tokens).
-    overrides = {"logLevel": "WARNING", "maxModelLen": CONTEXT}
+    # and the context (the tiny server says 4,096 tokens); the memory limit as the pod's
+    # downward API tells it (KVFERRY_MEMORY_LIMIT_BYTES), which the in-flight budget
+    # follows.
+    overrides = {"logLevel": "WARNING", "maxModelLen": CONTEXT, "memoryLimitBytes": MEMORY_LIMIT}
     sc = hostile.sidecar_for_fakes(p.url, d.url, logs, overrides)
     rows: list[dict[str, Any]] = []
     try:
@@ -185,12 +189,25 @@ async def run(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, Any]
         held = len(hostile.held_by_decode(d, [p], local_lease_s=sc.settings["localHandleSeconds"]))
     finally:
         await asyncio.to_thread(sc.stop)
-        for r in runners:
-            await r.cleanup()
     ledger = {"decodeHolds": held, "sidecarTracks": tracked}
     ledger["decodeHoldsAfterStop"] = len(
         hostile.held_by_decode(d, [p], local_lease_s=sc.settings["localHandleSeconds"])
     )
+    try:
+        if args.compare_inflight and "memory" in args.loads:
+            # Side by side, same fakes and run: the memory load against a sidecar with a
+            # fixed budget (64 MiB: the default before it followed the memory limit).
+            fixed = {**overrides, "maxInflightBodyBytes": args.compare_inflight}
+            other = hostile.sidecar_for_fakes(p.url, d.url, logs, fixed, name="fixed-budget")
+            try:
+                await asyncio.to_thread(other.start)
+                name = f"memory, {args.compare_inflight / 2**20:g} MiB budget"
+                rows.append(await load(other, name, memory_attacks(2 * 10**6), markers, 0, args))
+            finally:
+                await asyncio.to_thread(other.stop)
+    finally:
+        for r in runners:
+            await r.cleanup()
     return rows, ledger
 
 
@@ -208,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds a hostile request may wait for an answer or a close (past it: hung)",
     )
     ap.add_argument("--loads", default="quiet,mixed,memory", help="which loads, in order")
+    ap.add_argument(
+        "--compare-inflight",
+        type=int,
+        default=64 * 2**20,
+        help="then the memory load again at this fixed in-flight budget (0 = not)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     result = Result(name="hostile", settings=vars(args) | {"out": str(args.out)})

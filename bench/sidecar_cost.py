@@ -143,6 +143,7 @@ def sidecar(name: str, p_url: str, d_url: str, logs: Path, *, skip: int | None) 
             "listenHost": "127.0.0.1",
             "listenPort": port,
             "internalPort": internal,
+            "metricsPort": 0,  # no scrape-only port: a fixed one would collide here
             "engineUrl": d_url,
             "ordinal": 0,
             "blockSize": 4,

@@ -872,6 +872,8 @@ def sidecar_for_fakes(
             "listenHost": "127.0.0.1",
             "listenPort": port,
             "internalPort": internal,
+            # No scrape-only port: several harness sidecars share this machine.
+            "metricsPort": 0,
             "engineUrl": decode_url,
             "ordinal": 0,
             "blockSize": 4,

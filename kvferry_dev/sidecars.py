@@ -100,6 +100,8 @@ def sidecar_files(
             "listenHost": "127.0.0.1",
             "listenPort": port,
             "internalPort": internal_port,
+            # No scrape-only port: several harness sidecars share this machine.
+            "metricsPort": 0,
             "diagnosticHeaders": True,
             "engineUrl": d.url,
             "ordinal": 0,

@@ -11,7 +11,8 @@ For a server ``x`` in namespace ``ns``:
 - Service ``x``: the sidecar port (8000) of the decode pods, the client entry point;
 - PodDisruptionBudgets ``x-prefill`` / ``x-decode``;
 - NetworkPolicy ``x``: ingress to the pods from the server's own pods and, on the
-  client port only, from ``spec.networkPolicy.clients``;
+  client port only, from ``spec.networkPolicy.clients`` (and on the metrics port only
+  from the operator's ``metrics_clients``);
 - KVCacheStatus ``x`` (its status is written by the operator, not rendered).
 
 Every object carries the ``app.kubernetes.io/*`` labels and an owner
@@ -83,6 +84,9 @@ class Context:
     # Where sidecars push residency reports, and the CA (PEM) to trust for it.
     report_url: str = ""
     report_ca_pem: str = ""
+    # NetworkPolicy peers that may scrape every server's metrics port (Prometheus; the
+    # chart's networkPolicy.metricsClients): GET /metrics only, no peer's rights.
+    metrics_clients: tuple[Obj, ...] = ()
 
 
 # ------------------------------------------------------------ names & labels
@@ -257,6 +261,17 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             field_env("POD_IP", "status.podIP"),
             {"name": "KVFERRY_SERVER", "value": server.name},
             {"name": "KVFERRY_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/token"},
+            # Its memory limit, as the pod has it: the body bytes it holds in flight
+            # follow it (kvferry_sidecar.limits.inflight_capacity).
+            {
+                "name": "KVFERRY_MEMORY_LIMIT_BYTES",
+                "valueFrom": {
+                    "resourceFieldRef": {
+                        "containerName": "kvferry-sidecar",
+                        "resource": "limits.memory",
+                    }
+                },
+            },
             *build_sidecar_ucx_env(spec, role),
         ],
         "ports": [
@@ -264,6 +279,9 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
             # Peers' relayed turns, /metrics and /v1/residency: never behind the entry
             # Service (clients must not read other sessions' figures or pose as peers).
             {"name": "internal", "containerPort": protocol.SIDECAR_INTERNAL_PORT},
+            # GET /metrics alone (the sidecar's series and the engine's): the one port
+            # scrapers are admitted to (build_network_policy).
+            {"name": "metrics", "containerPort": protocol.SIDECAR_METRICS_PORT},
         ],
         "resources": build_sidecar_resources(role),
         "securityContext": {
@@ -428,6 +446,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
             engine_port=protocol.ENGINE_PORT,
             listen_port=protocol.SIDECAR_PORT,
             internal_port=protocol.SIDECAR_INTERNAL_PORT,
+            metrics_port=protocol.SIDECAR_METRICS_PORT,
             bidirectional=spec.kv_transfer.bidirectional,
             recompute_threshold=spec.kv_transfer.recompute_threshold,
             retention_seconds=server.decode_retention_seconds,
@@ -535,7 +554,7 @@ def build_headless_service(server: Server, role: Role) -> Obj:
             "publishNotReadyAddresses": True,
             "selector": selector_labels(server, role.name),
             # Peers call a prefill pod's engine and a decode pod's internal port; the
-            # chart's ServiceMonitor scrapes both ports of both roles through these
+            # chart's ServiceMonitor scrapes the sidecars' metrics port through these
             # Services. Nothing reaches a pod's 8000 through them (clients use Service
             # x) nor NIXL's side channel (peers learn the pod IP from the KV handle).
             # What may connect at all is the NetworkPolicy's to say, not these ports.
@@ -546,6 +565,11 @@ def build_headless_service(server: Server, role: Role) -> Obj:
                     "targetPort": "internal",
                 },
                 {"name": "engine", "port": protocol.ENGINE_PORT, "targetPort": "engine"},
+                {
+                    "name": "metrics",
+                    "port": protocol.SIDECAR_METRICS_PORT,
+                    "targetPort": "metrics",
+                },
             ],
         },
     }
@@ -592,11 +616,12 @@ def network_policy_name(server: Server) -> str:
     return server.name
 
 
-def build_network_policy(server: Server) -> Obj:
+def build_network_policy(server: Server, ctx: Context | None = None) -> Obj:
     """Ingress to the server's pods: everything from the server's own pods (engine
     HTTP, the sidecars' internal port, NIXL's side channel and UCX's data
     connections, whose TCP ports UCX picks at random: no port list can name them),
-    the client port from ``spec.networkPolicy.clients``, nothing else. Peers are
+    the client port from ``spec.networkPolicy.clients``, the sidecars' metrics port
+    (GET /metrics alone) from the operator's ``metrics_clients``, nothing else. Peers are
     told by ``kvferry.io/server``, which only the operator puts on pods. The kubelet's
     probes come from the node, which NetworkPolicy always admits. Egress stays open:
     the sidecars push reports to the operator and engines may download from the hub.
@@ -609,6 +634,14 @@ def build_network_policy(server: Server) -> Obj:
             {
                 "from": clients,
                 "ports": [{"protocol": "TCP", "port": protocol.SIDECAR_PORT}],
+            }
+        )
+    scrapers = [dict(peer) for peer in (ctx or Context()).metrics_clients]
+    if scrapers:
+        ingress.append(
+            {
+                "from": scrapers,
+                "ports": [{"protocol": "TCP", "port": protocol.SIDECAR_METRICS_PORT}],
             }
         )
     return {
@@ -648,7 +681,7 @@ def render(server: Server, ctx: Context | None = None) -> list[Obj]:
     roles = [server.spec.prefill, server.spec.decode]
     return [
         # The policy first: pods never start unisolated, even for a moment.
-        build_network_policy(server),
+        build_network_policy(server, ctx),
         build_config_map(server, ctx),
         *(build_headless_service(server, r) for r in roles),
         build_entry_service(server),

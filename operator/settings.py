@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from . import hostpaths
 from .render import DEFAULT_SIDECAR_IMAGE, Context
@@ -67,6 +69,9 @@ class Settings:
     # Node folders a server's hub cache may mount (hostPath), normalised; none by
     # default: a hostPath is the node's disk read-write in a root container.
     host_path_prefixes: tuple[str, ...] = ()
+    # NetworkPolicy peers rendered into every server's policy on the sidecars' metrics
+    # port (KVFERRY_METRICS_CLIENTS, JSON; the chart's networkPolicy.metricsClients).
+    metrics_clients: tuple[dict[str, Any], ...] = ()
 
     def render_context(self) -> Context:
         return render_context_of(self)
@@ -94,9 +99,34 @@ def from_env() -> Settings:
         metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         host_path_prefixes=hostpaths.parse_prefixes(env(hostpaths.ENV, "")),
+        metrics_clients=parse_metrics_clients(env(METRICS_CLIENTS_ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", str(RESYNC_SECONDS))),
     )
+
+
+METRICS_CLIENTS_ENV = "KVFERRY_METRICS_CLIENTS"
+_PEER_KEYS = frozenset({"ipBlock", "namespaceSelector", "podSelector"})
+
+
+def parse_metrics_clients(value: str) -> tuple[dict[str, Any], ...]:
+    """A JSON list of NetworkPolicy peers ("" = none). The API server checks each
+    peer's fields when the policy is applied; this checks the shape, so a typo stops
+    the operator at start with the variable named instead of failing every apply."""
+    if not value.strip():
+        return ()
+    try:
+        peers = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"{METRICS_CLIENTS_ENV} is not JSON ({exc}): {value!r}") from exc
+    if not isinstance(peers, list) or not all(
+        isinstance(p, dict) and p and set(p) <= _PEER_KEYS for p in peers
+    ):
+        raise ValueError(
+            f"{METRICS_CLIENTS_ENV} must be a JSON list of NetworkPolicy peers (objects "
+            f"with ipBlock, namespaceSelector or podSelector), got {value!r}"
+        )
+    return tuple(peers)
 
 
 def _read(path: str) -> str:
@@ -118,4 +148,5 @@ def render_context_of(settings: Settings) -> Context:
         sidecar_image=settings.sidecar_image or DEFAULT_SIDECAR_IMAGE,
         report_url=settings.report_url,
         report_ca_pem=_read(settings.tls_ca_file),
+        metrics_clients=settings.metrics_clients,
     )

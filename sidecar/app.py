@@ -14,12 +14,13 @@ connection opening or of the last answer (aiohttp's keep-alive deadline, which
 closes the connection: there is no request yet to answer); a body within
 ``body_timeout_seconds`` (408, ``relay.serve_turn``).
 
-Two ports. ``listen_port`` is what the entry Service exposes to clients: turns,
-models and probes. ``internal_port`` is for peers and monitoring only: ``/metrics``
-and ``/v1/residency`` answer there alone, and a turn carrying
-``X-Kvferry-Forwarded-By`` is taken as a peer's relay only there (a client sending
-that header to the public port is routed like any other). With ``internal_port: 0``
-one port serves everything (a sidecar run by hand).
+Three ports. ``listen_port`` is what the entry Service exposes to clients: turns,
+models and probes. ``internal_port`` is for peers only: ``/metrics`` and
+``/v1/residency`` answer there alone, and a turn carrying ``X-Kvferry-Forwarded-By``
+is taken as a peer's relay only there (a client sending that header to the public
+port is routed like any other). With ``internal_port: 0`` one port serves everything
+(a sidecar run by hand). ``metrics_port`` (when set) answers GET ``/metrics`` and
+nothing else, the sidecar's series and the engine's: what Prometheus is admitted to.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from aiohttp import web
 
 from kvferry_wire.protocol import DRAIN_PATH, HDR_DRAINING, HDR_REQUEST_ID
 
-from . import drain, relay
+from . import drain, httplog, limits, relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .limits import InflightBudget
+from .promtext import only_families
 from .runtime import Sidecar
 from .types import PATH_CHAT, PATH_COMPLETIONS, PATH_MODELS, PATH_RESIDENCY, Api
 from .upstream import UpstreamError
@@ -70,14 +72,56 @@ BODY_BUDGET = web.AppKey("body_budget", InflightBudget)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _local_port(request: web.Request) -> int | None:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+
+
+def on_metrics_port(request: web.Request, settings: Settings) -> bool:
+    return bool(settings.metrics_port) and _local_port(request) == settings.metrics_port
+
+
 def came_in_internally(request: web.Request, settings: Settings) -> bool:
     """True on the internal port; also when this server listens on one port only (a
-    sidecar run by hand, or a test server on an ephemeral port)."""
+    sidecar run by hand, or a test server on an ephemeral port). Never on the metrics
+    port."""
+    if on_metrics_port(request, settings):
+        return False
     if not settings.internal_port:
         return True
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
-    return port != settings.listen_port
+    return _local_port(request) != settings.listen_port
+
+
+# The engine's series the metrics port re-serves: vLLM's own. Its process_* and
+# python_* series are left out: the sidecar exports its own under those names, and a
+# family twice in one scrape makes Prometheus refuse the scrape.
+ENGINE_SERIES_PREFIX = "vllm:"
+
+
+@web.middleware
+async def metrics_port_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The metrics port answers GET /metrics and nothing else (404, 405), before any
+    other middleware or route sees the request: a scraper admitted to it gets no peer's
+    rights (relayed turns, the residency report, readiness detail, the engine)."""
+    sc = request.app[SIDECAR]
+    if not on_metrics_port(request, sc.settings):
+        return await handler(request)
+    if request.path != "/metrics":
+        raise web.HTTPNotFound(text="the metrics port serves GET /metrics only")
+    if request.method not in ("GET", "HEAD"):
+        raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+    return scrape(sc)
+
+
+def scrape(sc: Sidecar) -> web.Response:
+    """The sidecar's series and the engine's vLLM series of the sidecar's last scrape of
+    it (every probe interval). Re-served rather than fetched per scrape: a scrape never
+    makes the engine work or waits on it, and a failed scrape of the engine leaves its
+    series out (absent, not frozen) until the next good one."""
+    engine = only_families(sc.engine_metrics_text, ENGINE_SERIES_PREFIX)
+    return web.Response(
+        body=sc.metrics.render() + engine.encode(), content_type="text/plain", charset="utf-8"
+    )
 
 
 @web.middleware
@@ -274,8 +318,11 @@ def app_factory(
 ) -> web.Application:
     """The sidecar app for ``settings.role``; ``clock`` replaces the handle clock in tests;
     ``drain_on_sigterm``: SIGTERM drains before the app stops (the program's own)."""
+    sc = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
+    for reason in httplog.REASONS:
+        sc.metrics.malformed.labels(reason)
     app = web.Application(
-        middlewares=[request_id_middleware, port_middleware],
+        middlewares=[metrics_port_middleware, request_id_middleware, port_middleware],
         # A turn's body is read by relay.serve_turn within its own caps (limits.py);
         # other routes take aiohttp's default (1 MiB).
         handler_args={
@@ -283,10 +330,16 @@ def app_factory(
             # long after it opened or after the last answer: the head's deadline, and
             # the keep-alive idle time with it.
             "keepalive_timeout": settings.header_timeout_seconds,
+            # A malformed request is counted and one rate-limited line, not a
+            # traceback per connection; our own errors stay loud (httplog.py).
+            "logger": httplog.ServerLog(
+                logging.getLogger("aiohttp.server"),
+                lambda reason: sc.metrics.malformed.labels(reason).inc(),
+            ),
         },
     )
-    app[SIDECAR] = Sidecar(settings) if clock is None else Sidecar(settings, clock=clock)
-    app[BODY_BUDGET] = InflightBudget(settings.max_inflight_body_bytes)
+    app[SIDECAR] = sc
+    app[BODY_BUDGET] = InflightBudget(limits.inflight_capacity(settings))
     app[DRAIN_ON_SIGTERM] = drain_on_sigterm
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)

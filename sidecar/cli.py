@@ -29,6 +29,7 @@ _HELP = {
     "settings_path": "settings file (JSON or YAML)",
     "topology_path": "topology file, re-read live",
     "internal_port": "peers, /metrics, /v1/residency (0 = --port)",
+    "metrics_port": "GET /metrics only, for scrapers (0 = none)",
     "engine_url": "the vLLM server in this pod",
     "prefill_engines": "comma-separated prefill engine URLs",
     "decode_sidecars": "comma-separated decode sidecar URLs, by ordinal",
@@ -94,17 +95,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     logging.getLogger(__name__).info(
-        "starting role=%s port=%s internal_port=%s engine=%s prefill_engines=%s "
-        "decode_ring=%s ordinal=%s",
+        "starting role=%s port=%s internal_port=%s metrics_port=%s engine=%s "
+        "prefill_engines=%s decode_ring=%s ordinal=%s",
         settings.role,
         settings.listen_port,
         settings.internal_port,
+        settings.metrics_port,
         settings.engine_url,
         len(settings.prefill_engines),
         len(settings.decode_sidecars),
         settings.ordinal,
     )
-    ports = [settings.listen_port] + ([settings.internal_port] if settings.internal_port else [])
+    ports = [settings.listen_port] + [
+        p for p in (settings.internal_port, settings.metrics_port) if p
+    ]
     try:
         socks = [socket.create_server((settings.listen_host, port)) for port in ports]
     except OSError as exc:

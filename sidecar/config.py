@@ -171,6 +171,13 @@ def validate(settings: Settings) -> Settings:
             "internal_port must differ from listen_port (or be 0 to serve internal "
             "routes on listen_port)"
         )
+    if settings.metrics_port and settings.metrics_port in (
+        settings.listen_port,
+        settings.internal_port,
+    ):
+        raise ConfigError(
+            "metrics_port must differ from listen_port and internal_port (or be 0 for none)"
+        )
     if settings.handle_store_cap < 1:
         raise ConfigError("handle_store_cap must be >= 1")
     if settings.block_size is not None and settings.block_size < 1:
@@ -189,8 +196,11 @@ def validate(settings: Settings) -> Settings:
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{name} must be > 0")
-    for name in ("body_bytes_per_token", "max_inflight_body_bytes", "max_messages"):
+    for name in ("body_bytes_per_token", "max_messages"):
         if getattr(settings, name) < 1:
+            raise ConfigError(f"{name} must be >= 1")
+    for name in ("max_inflight_body_bytes", "memory_limit_bytes"):
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:
             raise ConfigError(f"{name} must be >= 1")
     for name in ("body_overhead_bytes", "max_media_bytes", "max_content_parts"):
         if getattr(settings, name) < 0:

@@ -18,7 +18,13 @@ So, before any engine sees a request:
   each costs Python objects far beyond its bytes.
 - **Bytes in flight.** Every body held by a turn in progress counts against
   ``max_inflight_body_bytes`` until the turn is over (its parsed body lives that
-  long). A body that would exceed it gets 503 with ``Retry-After`` at once rather
+  long). Unset, it follows the container's memory limit (``inflight_capacity``): a
+  turn's memory is many times its body (the body raw and parsed, each engine leg's
+  copy, the prompt's token ids from ``/tokenize`` and from D's answer as Python ints:
+  the memory attack of ``bench/hostile.py`` measured 10-12 bytes of RSS per body byte in
+  flight), so the bodies may hold the limit less ``MEMORY_RESERVE_BYTES`` over
+  ``MEMORY_PER_BODY_BYTE``: at the default 1 Gi, 37 MiB, which costs about half the
+  limit. A body that would exceed it gets 503 with ``Retry-After`` at once rather
   than a wait: a waiting request still holds its connection and adds its wait to
   every request behind it, and clients and gateways retry a 503 with backoff anyway
   (the operator's report endpoint answers its own excess the same way).
@@ -53,6 +59,17 @@ UNKNOWN_MAX_MODEL_LEN: Final = 131072
 PARSE_IN_THREAD_BYTES: Final = 256 * 1024
 # The Retry-After of a 503 for bytes in flight: turns end in seconds.
 RETRY_AFTER_SECONDS: Final = 1
+# The bytes-in-flight budget from the memory limit (inflight_capacity): what the
+# sidecar holds besides bodies (its code, handles, the residency model, connections:
+# ~50 MiB idle, more with a full handle store), and the bytes of memory budgeted per
+# body byte, twice the 10-12 measured under the memory attack (allocator slack, copies
+# the benchmark's shapes miss).
+MEMORY_RESERVE_BYTES: Final = 128 * 2**20
+MEMORY_PER_BODY_BYTE: Final = 24
+# Never less: a limit below the reserve still serves small turns.
+MIN_INFLIGHT_BODY_BYTES: Final = 2**20
+# Without a known memory limit (a sidecar run by hand).
+FALLBACK_INFLIGHT_BODY_BYTES: Final = 64 * 2**20
 
 
 def key(name: str) -> str:
@@ -220,6 +237,17 @@ def parse_body(raw: bytes, caps: BodyCaps) -> dict[str, Any] | Refusal:
     if not isinstance(body, dict):
         return NOT_AN_OBJECT
     return check_body(body, len(raw), caps) or body
+
+
+def inflight_capacity(settings: SidecarSettings) -> int:
+    """The bytes of request body every turn in progress may hold together: the setting,
+    else what the memory limit affords (module docstring), else the fallback."""
+    if settings.max_inflight_body_bytes is not None:
+        return settings.max_inflight_body_bytes
+    if settings.memory_limit_bytes is None:
+        return FALLBACK_INFLIGHT_BODY_BYTES
+    affordable = (settings.memory_limit_bytes - MEMORY_RESERVE_BYTES) // MEMORY_PER_BODY_BYTE
+    return max(MIN_INFLIGHT_BODY_BYTES, affordable)
 
 
 class InflightBudget:

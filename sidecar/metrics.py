@@ -117,6 +117,15 @@ class Metrics:
         )
         for result in ("ok", "error"):
             self.report_pushes.labels(result)
+        # Counted instead of logged: aiohttp would log a traceback per connection
+        # (httplog.py; its reasons are a fixed set, labelled there).
+        self.malformed = Counter(
+            "kvferry_malformed_requests",
+            "HTTP requests refused (400) before routing because they were not HTTP: a bad "
+            "request line or method, an invalid or oversized header, ..., by reason.",
+            ["reason"],
+            registry=r,
+        )
         for outcome in Outcome:
             for route in Route:
                 self.turns.labels(outcome.value, route.value)

@@ -1,7 +1,8 @@
 """Prometheus text exposition -> samples: kvferry's one parser (prometheus_client's).
 
 ``enginemetrics`` reads the local engine's figures through it; the dev harness
-(``kvferry_dev``) reads engines' and sidecars' ``/metrics`` with ``Scrape``.
+(``kvferry_dev``) reads engines' and sidecars' ``/metrics`` with ``Scrape``;
+``only_families`` keeps the engine's own series for the sidecar's metrics port.
 """
 
 from __future__ import annotations
@@ -48,3 +49,25 @@ class Scrape:
             and not math.isnan(s.value)
             and all(s.labels.get(k) == v for k, v in labels.items())
         )
+
+
+def _family_of(line: str) -> str | None:
+    """The metric name a line of the text format belongs to (None: another comment)."""
+    if line.startswith("# HELP ") or line.startswith("# TYPE "):
+        parts = line.split(" ", 3)
+        return parts[2] if len(parts) > 2 else None
+    if line.startswith("#") or not line.strip():
+        return None
+    end = len(line)
+    for stop in ("{", " "):
+        i = line.find(stop)
+        if i != -1:
+            end = min(end, i)
+    return line[:end]
+
+
+def only_families(text: str, prefix: str) -> str:
+    """The lines of ``text`` (the text format) whose metric name starts with ``prefix``,
+    HELP and TYPE lines included; one pass, no parse (the text is the engine's own)."""
+    kept = [line for line in text.splitlines() if (_family_of(line) or "").startswith(prefix)]
+    return "\n".join(kept) + "\n" if kept else ""

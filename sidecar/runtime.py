@@ -81,6 +81,8 @@ class Sidecar:
         self.drainer = drain.Drainer()
         self._drain_task: asyncio.Task[drain.Result] | None = None
         self._released_on_drain = False
+        # The engine's /metrics text of the last good scrape ("" after a failed one).
+        self.engine_metrics_text = ""
         # Handles pinned on D that no turn will read, and how they are let go.
         self.releaser = Releaser(
             send=self._send_release,
@@ -341,17 +343,21 @@ class Sidecar:
     async def scrape_engine(self) -> bool:
         """Read the local engine's /metrics into the residency model."""
         if not self.local.ready:
+            self.engine_metrics_text = ""
             return False
         try:
             status, body, _ = await self.local.client.get(PATH_METRICS)
         except UpstreamError as exc:
             log.debug("engine metrics scrape failed err=%s", exc)
+            self.engine_metrics_text = ""
             return False
-        figures = (
-            enginemetrics.parse_or_none(body.decode("utf-8", "replace")) if status == 200 else None
-        )
+        text = body.decode("utf-8", "replace") if status == 200 else ""
+        figures = enginemetrics.parse_or_none(text) if text else None
         if figures is None:
+            self.engine_metrics_text = ""
             return False
+        # Re-served on the metrics port until the next scrape (app.py).
+        self.engine_metrics_text = text
         if self.local.observe_identity(figures.started_at):
             self.engine_restarted()
         self.residency.observe_engine(figures)

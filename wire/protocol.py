@@ -14,6 +14,10 @@ SIDECAR_PORT: Final = 8000
 # residency report (/v1/residency). The entry Service never exposes it, so clients
 # cannot read another session's figures or pose as a peer.
 SIDECAR_INTERNAL_PORT: Final = 8001
+# The sidecar's metrics port: GET /metrics only (the sidecar's kvferry_* series and
+# the engine's vllm:* ones), so a scraper is admitted without a peer's rights (8001
+# takes relayed turns, 8200 is the raw engine).
+SIDECAR_METRICS_PORT: Final = 8002
 ENGINE_PORT: Final = 8200
 NIXL_SIDE_CHANNEL_PORT: Final = 5600
 # The engine's KV-event PUB socket and its replay ROUTER socket.

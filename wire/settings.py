@@ -69,6 +69,9 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # Peers, metrics and the residency report; 0 = serve them on listen_port too (a
     # single-port run by hand; the operator always renders both).
     internal_port: int = protocol.SIDECAR_INTERNAL_PORT
+    # GET /metrics alone (the sidecar's series and the engine's), for scrapers, who get
+    # no peer's rights; 0 = none (a run by hand; the operator renders one).
+    metrics_port: int = 0
     # The engine in this pod. The operator sets enginePort; engineUrl overrides.
     engine_url: str = f"http://127.0.0.1:{protocol.ENGINE_PORT}"
     # Prefill engines (vLLM, not sidecars), any order.
@@ -164,8 +167,12 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # parts: data: URLs, base64) one request may carry, beside its text.
     max_media_bytes: int = 16 * 1024 * 1024
     # Request bodies held at once across every turn in progress; past it a turn gets
-    # 503 with Retry-After.
-    max_inflight_body_bytes: int = 64 * 1024 * 1024
+    # 503 with Retry-After. None = derived from memory_limit_bytes
+    # (kvferry_sidecar.limits.inflight_capacity; 64 MiB without a limit).
+    max_inflight_body_bytes: int | None = None
+    # The sidecar container's memory limit: the operator renders it from the downward
+    # API (KVFERRY_MEMORY_LIMIT_BYTES, resourceFieldRef limits.memory). None = unknown.
+    memory_limit_bytes: int | None = None
     max_messages: int = 4096
     max_content_parts: int = 4096  # in all the messages of one request
     # A connection idle or sending an unfinished request head this long is closed

@@ -198,6 +198,7 @@ def rendered_sidecar(
         KVFERRY_LISTEN_HOST="127.0.0.1",
         KVFERRY_LISTEN_PORT=str(port),
         KVFERRY_INTERNAL_PORT=str(internal_port),
+        KVFERRY_METRICS_PORT="0",  # 8002 as rendered would collide on this machine
         KVFERRY_KV_EVENTS="",
         KVFERRY_KV_EVENTS_REPLAY="",
         KVFERRY_SKIP_PREFILL_BELOW_TOKENS="0",

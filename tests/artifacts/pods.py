@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvferry_operator import api
 from tests.manifests import ROOT
 
 IMAGES_SH = ROOT / "hack" / "images.sh"
@@ -79,6 +80,12 @@ def from_pod_spec(
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = str(e["value"])
+        elif "resourceFieldRef" in e["valueFrom"]:
+            # As the kubelet resolves it (divisor 1): the container's own limit, in bytes.
+            ref = e["valueFrom"]["resourceFieldRef"]
+            kind, _, resource = ref["resource"].partition(".")
+            quantity = container["resources"][kind][resource]
+            env[e["name"]] = str(api.memory_bytes(quantity))
         else:
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
     pod_sec = pod_spec.get("securityContext", {})

@@ -102,6 +102,7 @@ def decode_sidecar(kubectl: Kubectl, ns: str, folder: Path, token: str) -> Itera
         "--host=127.0.0.1",
         f"--port={port}",
         f"--internal-port={internal}",
+        f"--metrics-port={free_port()}",  # the rendered 8002 would collide on this machine
         f"--engine-url=http://127.0.0.1:{free_port()}",
     ]
     try:

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from kvferry_operator import api, hostpaths, render
+from kvferry_wire import protocol
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.kube import wait_for_event
 from tests.manifests import DELETE, server
@@ -67,6 +68,15 @@ def test_network_policy_and_engine_hardening_survive_the_api_server(
             assert [c["securityContext"] for c in stored[kind]] == [
                 c["securityContext"] for c in template[kind]
             ]
+        # The sidecar's memory limit through the downward API (its in-flight budget
+        # follows it): stored as rendered, but for the divisor the server defaults.
+        (limit,) = [
+            e
+            for e in stored["initContainers"][0]["env"]
+            if e["name"] == "KVFERRY_MEMORY_LIMIT_BYTES"
+        ]
+        ref = limit["valueFrom"]["resourceFieldRef"]
+        assert (ref["containerName"], ref["resource"]) == ("kvferry-sidecar", "limits.memory")
         svc = kubectl.get("service", name, ns)
         assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
             (p["name"], p["port"]) for p in want[("Service", name)]["spec"]["ports"]
@@ -80,6 +90,53 @@ def test_network_policy_and_engine_hardening_survive_the_api_server(
             "seccompProfile": {"type": "RuntimeDefault"},
         }
         assert pod["metadata"]["labels"][api.LABEL_SERVER] == "iso"
+
+
+# Prometheus as the chart's networkPolicy.metricsClients names it.
+SCRAPERS = [
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+]
+
+
+def test_metrics_clients_reach_the_metrics_port_only_on_the_api_server(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """The operator's KVFERRY_METRICS_CLIENTS (the chart's metricsClients) become a rule
+    on the sidecars' scrape-only port in every server's policy, stored as rendered;
+    the peers' ports (8001, 8200) stay the server's own."""
+    before = dict(operator.extra_env)
+    operator.stop()
+    operator.extra_env = {**before, "KVFERRY_METRICS_CLIENTS": json.dumps(SCRAPERS)}
+    operator.start()
+    try:
+        kubectl.apply(server({}, name="scraped", namespace=ns), "--server-side")
+        policy = wait_until(
+            lambda: kubectl.get("networkpolicy", "scraped", ns), 60, "NetworkPolicy scraped"
+        )
+        stored = api.parse_server(kubectl.get("dserver", "scraped", ns))
+        ctx = render.Context(metrics_clients=tuple(SCRAPERS))
+        assert policy["spec"] == render.build_network_policy(stored, ctx)["spec"]
+        own, _clients, scrapers = policy["spec"]["ingress"]
+        assert own == {"from": [{"podSelector": {"matchLabels": {api.LABEL_SERVER: "scraped"}}}]}
+        assert scrapers == {
+            "from": SCRAPERS,
+            "ports": [{"protocol": "TCP", "port": protocol.SIDECAR_METRICS_PORT}],
+        }
+        # The port scrapers reach is the one the sidecars listen on, by name.
+        sts = wait_until(
+            lambda: kubectl.get("statefulset", "scraped-decode", ns), 60, "scraped-decode"
+        )
+        (sidecar,) = sts["spec"]["template"]["spec"]["initContainers"]
+        assert {"name": "metrics", "containerPort": protocol.SIDECAR_METRICS_PORT} in [
+            {k: p[k] for k in ("name", "containerPort")} for p in sidecar["ports"]
+        ]
+    finally:
+        operator.stop()
+        operator.extra_env = before
+        operator.start()
 
 
 def hub_cache_on_the_node(ns: str, path: str) -> dict[str, Any]:

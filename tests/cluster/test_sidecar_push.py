@@ -42,6 +42,8 @@ def sidecar_process(
         *("--host", "127.0.0.1"),
         *("--port", str(free_port())),
         *("--internal-port", str(free_port())),
+        # The rendered 8002 would collide on this machine.
+        *("--metrics-port", str(free_port())),
         *("--engine-url", f"http://127.0.0.1:{free_port()}"),
     ]
     with sidecar_running(folder / "sidecar.json", folder / "sidecar.log", env, flags=flags) as proc:

@@ -271,6 +271,7 @@ def _files(
     local = (
         "listenPort",
         "internalPort",
+        "metricsPort",
         "enginePort",
         "engineUrl",
         "kvEvents",

@@ -452,6 +452,7 @@ class TestOperatorDeployment:
             "KVFERRY_REPORT_STALE_SECONDS": "45",
             "KVFERRY_PUBLISH_SECONDS": "5",
             "KVFERRY_HOST_PATH_PREFIXES": "/var/cache/kvferry:/mnt/models",
+            "KVFERRY_METRICS_CLIENTS": "[]",
             "KVFERRY_METRICS_PORT": "8080",
         }
         assert c["ports"] == [
@@ -535,18 +536,13 @@ class TestOptionalObjects:
         assert sorted(picked) == sorted(
             s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") == "None"
         )
-        assert all(
-            "internal" in [p["name"] for p in s["spec"]["ports"]]
-            for s in services
-            if s["metadata"]["name"] in picked
-        )
-        # The sidecar's /metrics answer on its internal port only.
+        # The sidecars' scrape-only port (their series and their engines'): a scraper
+        # needs no peer's port (internal 8001, engine 8200).
         assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [
-            ("internal", "/metrics"),
-            ("engine", "/metrics"),
+            ("metrics", "/metrics"),
         ]
         assert all(
-            {"internal", "engine"} <= {p["name"] for p in s["spec"]["ports"]}
+            "metrics" in {p["name"] for p in s["spec"]["ports"]}
             for s in services
             if s["metadata"]["name"] in picked
         )
@@ -580,10 +576,8 @@ class TestOptionalObjects:
             containers = pod["spec"]["containers"] + pod["spec"]["initContainers"]
             ports = {p["name"]: p["containerPort"] for c in containers for p in c["ports"]}
             endpoints = pm["spec"]["podMetricsEndpoints"]
-            assert [ports[e["port"]] for e in endpoints] == [
-                protocol.SIDECAR_INTERNAL_PORT,
-                protocol.ENGINE_PORT,
-            ]
+            # The sidecar's scrape-only port serves the engine's series too.
+            assert [ports[e["port"]] for e in endpoints] == [protocol.SIDECAR_METRICS_PORT]
             # The dashboard's server and role labels come from labels the pods carry.
             for e in endpoints:
                 sources = {r["sourceLabels"][0]: r["targetLabel"] for r in e["relabelings"]}
@@ -617,6 +611,19 @@ class TestOptionalObjects:
         monitoring = [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
         _, metrics = one(objs, "NetworkPolicy", RELEASE)["spec"]["ingress"]
         assert metrics == {"from": monitoring, "ports": [{"port": "metrics", "protocol": "TCP"}]}
+
+    @pytest.mark.parametrize("enabled", ["true", "false"])
+    def test_metrics_clients_reach_the_operator_for_every_servers_policy(self, enabled):
+        """The operator renders them into each server's NetworkPolicy, on the sidecars'
+        metrics port, whether or not the chart's own policy is on."""
+        objs = template(
+            f"networkPolicy.enabled={enabled}",
+            "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
+        )
+        env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
+        assert json.loads(env["KVFERRY_METRICS_CLIENTS"]) == [
+            {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+        ]
 
     def test_the_chart_renders_no_policy_for_server_pods(self):
         """The operator renders one per server (render.build_network_policy): a chart

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvferry_operator import api, render
+from kvferry_operator import settings as operator_settings
 from tests.helm import CHART, RELEASE, one, template
 from tests.manifests import EXAMPLES, ROOT, load_example
 
@@ -127,7 +128,8 @@ def prose(path: Path) -> str:
 
 def scraped_ports() -> dict[str, tuple[str, int]]:
     """What the chart's PodMonitor scrapes on a server pod the operator renders, by
-    container ("sidecar" or "engine"): (port name, port number)."""
+    container: (port name, port number). Only the sidecar's metrics port: it serves
+    the engine's series too, so no scraper needs the engine's own port."""
     pm = one(template("podMonitor.enabled=true"), "PodMonitor", f"{RELEASE}-servers")
     (pod, *_) = pod_templates(rendered(EXAMPLES[0]))
     out = {}
@@ -139,7 +141,7 @@ def scraped_ports() -> dict[str, tuple[str, int]]:
                         port["name"],
                         port["containerPort"],
                     )
-    assert set(out) == {"sidecar", "engine"}, out
+    assert set(out) == {"sidecar"}, out
     return out
 
 
@@ -170,9 +172,15 @@ def test_the_chart_docs_name_the_scraped_ports():
 def test_a_port_the_chart_docs_name_for_scraping_is_the_one_the_pod_monitor_scrapes(
     doc: str, container: str, port: str
 ):
-    """The PodMonitor scrapes the sidecar's `internal` port (its /metrics is not on the
-    client port `http`) and the engine's `engine` port, as the operator names them."""
-    name, number = scraped_ports()[container]
+    """The PodMonitor scrapes the sidecar's `metrics` port (not the client port `http`,
+    nor the peers' `internal` port), as the operator names it; the engine's series are
+    served there too, so a doc naming an engine port for scraping is wrong."""
+    scraped = scraped_ports()
+    assert container in scraped, (
+        f"{doc} names the {container}'s port {port} for scraping; the chart's PodMonitor "
+        f"scrapes the engine's series on the sidecar's port {scraped['sidecar']}"
+    )
+    name, number = scraped[container]
     assert port in (name, str(number)), (
         f"{doc} says the {container}'s metrics are on port {port}; the chart's PodMonitor "
         f"scrapes {name} ({number})"
@@ -197,7 +205,8 @@ def test_the_server_ports_to_admit_prometheus_to_are_the_scraped_ones():
 
 def metrics_client_ports() -> set[int]:
     """The ports a networkPolicy.metricsClients peer may reach, in every NetworkPolicy
-    the chart renders with one set (named ports resolved on the operator's pod)."""
+    the chart renders with one set (named ports resolved on the operator's pod) and in
+    the one the operator renders for a server from the variable the chart sets."""
     peer = {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
     objs = template(
         "networkPolicy.enabled=true",
@@ -208,8 +217,20 @@ def metrics_client_ports() -> set[int]:
         for c in one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
         for p in c.get("ports", [])
     }
+    # The operator renders the chart's metricsClients into every server's policy.
+    env = {
+        e["name"]: e.get("value", "")
+        for c in one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+    }
+    ctx = render.Context(
+        metrics_clients=operator_settings.parse_metrics_clients(
+            env[operator_settings.METRICS_CLIENTS_ENV]
+        )
+    )
+    server = render.build_network_policy(api.parse_server(load_example(EXAMPLES[0])), ctx)
     ports = set()
-    for policy in (o for o in objs if o["kind"] == "NetworkPolicy"):
+    for policy in [*(o for o in objs if o["kind"] == "NetworkPolicy"), server]:
         for rule in policy["spec"]["ingress"]:
             if rule.get("from") == [peer]:
                 ports |= {named.get(p["port"], p["port"]) for p in rule["ports"]}

@@ -91,9 +91,9 @@ def hub_server(cache: dict | None = None) -> dict:
     return manifest
 
 
-def rendered(manifest: dict) -> list[dict]:
+def rendered(manifest: dict, ctx: render.Context | None = None) -> list[dict]:
     manifest = {**manifest, "metadata": {**manifest["metadata"], "uid": UID}}
-    return render.render(api.parse_server(manifest))
+    return render.render(api.parse_server(manifest), ctx)
 
 
 def by_kind(objs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -490,6 +490,27 @@ class TestNetworkPolicy:
         _, clients = self.policy({"networkPolicy": {"clients": [gateway]}})["spec"]["ingress"]
         assert clients == {"from": [gateway], "ports": self.CLIENT_PORT}
 
+    def test_metrics_clients_reach_the_metrics_port_only(self):
+        """The operator's metricsClients (the chart's networkPolicy.metricsClients) may
+        scrape the sidecar's metrics port: GET /metrics alone, no peer's rights (8001
+        takes relayed turns, 8200 is the raw engine)."""
+        prometheus = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+        ctx = render.Context(metrics_clients=(prometheus,))
+        objs = rendered(server(), ctx)
+        own, clients, scrapers = by_kind(objs, "NetworkPolicy", "tiny")["spec"]["ingress"]
+        assert own == {"from": [self.OWN]}
+        assert clients["ports"] == self.CLIENT_PORT
+        assert scrapers == {
+            "from": [prometheus],
+            "ports": [{"protocol": "TCP", "port": protocol.SIDECAR_METRICS_PORT}],
+        }
+
+    def test_no_metrics_clients_no_scrape_rule(self):
+        assert len(self.policy()["spec"]["ingress"]) == 2
+
     def test_no_clients_leaves_only_the_servers_own_pods(self):
         (own,) = self.policy({"networkPolicy": {"clients": []}})["spec"]["ingress"]
         assert own == {"from": [self.OWN]}
@@ -515,6 +536,7 @@ class TestNetworkPolicy:
             }
             assert ports - open_to_clients == {
                 protocol.SIDECAR_INTERNAL_PORT,
+                protocol.SIDECAR_METRICS_PORT,
                 protocol.ENGINE_PORT,
                 protocol.NIXL_SIDE_CHANNEL_PORT,
             }
@@ -748,6 +770,16 @@ class TestSidecar:
         token = next(v for v in pod["volumes"] if v["name"] == "kvferry-token")
         assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kvferry"
         assert not any(m["name"] == "kvferry-token" for m in engine(objs, "decode")["volumeMounts"])
+
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_the_sidecar_knows_its_memory_limit(self, role):
+        """Its bytes-in-flight budget follows the limit the pod really has (downward
+        API: a LimitRange or the spec), not a constant sized for 1 Gi."""
+        sc = sidecar(rendered(server()), role)
+        (entry,) = [e for e in sc["env"] if e["name"] == "KVFERRY_MEMORY_LIMIT_BYTES"]
+        assert entry["valueFrom"] == {
+            "resourceFieldRef": {"containerName": sc["name"], "resource": "limits.memory"}
+        }
 
     def test_resources_default_from_the_crd_with_limits_equal_to_requests(self):
         # No CPU limit left the pod Burstable: no cores of its own under the static CPU
@@ -1127,14 +1159,28 @@ class TestServices:
 
     @pytest.mark.parametrize("role", api.ROLES)
     def test_headless_services_publish_only_what_peers_and_scrapers_use(self, role):
-        """Issue 20 item 2: peers call P's engine and D's internal port (the chart's
-        ServiceMonitor scrapes both on both roles); the client port and NIXL's side
-        channel are never reached through these Services."""
+        """Issue 20 item 2: peers call P's engine and D's internal port, the chart's
+        ServiceMonitor scrapes the sidecars' metrics port; the client port and NIXL's
+        side channel are never reached through these Services."""
         svc = by_kind(rendered(server()), "Service", f"tiny-{role}")
         assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
             ("internal", protocol.SIDECAR_INTERNAL_PORT),
             ("engine", protocol.ENGINE_PORT),
+            ("metrics", protocol.SIDECAR_METRICS_PORT),
         ]
+
+    @pytest.mark.parametrize("role", api.ROLES)
+    def test_the_sidecar_listens_on_the_metrics_port(self, role):
+        """The sidecar is told the port the pod names: what scrapers are admitted to."""
+        objs = rendered(server())
+        sidecar = pod_spec(objs, role)["initContainers"][0]
+        assert {"name": "metrics", "containerPort": protocol.SIDECAR_METRICS_PORT} in sidecar[
+            "ports"
+        ]
+        cm = by_kind(objs, "ConfigMap")
+        assert json.loads(cm["data"]["sidecar.json"])["metricsPort"] == (
+            protocol.SIDECAR_METRICS_PORT
+        )
 
     def test_diagnostic_headers_are_off_unless_asked_for(self):
         def settings(spec: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -25,3 +26,26 @@ def test_the_defaults_need_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     ours = settings.from_env()
     assert (ours.resync_seconds, ours.report_port) == (300.0, 8443)
+
+
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+
+
+def test_metrics_clients_reach_every_servers_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFERRY_METRICS_CLIENTS (the chart's networkPolicy.metricsClients, as JSON) is
+    rendered into every server's NetworkPolicy, on the metrics port."""
+    monkeypatch.setenv("KVFERRY_METRICS_CLIENTS", json.dumps([PROMETHEUS]))
+    ours = settings.from_env()
+    assert ours.render_context().metrics_clients == (PROMETHEUS,)
+
+
+def test_no_metrics_clients_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFERRY_METRICS_CLIENTS", raising=False)
+    assert settings.from_env().render_context().metrics_clients == ()
+
+
+@pytest.mark.parametrize("value", ["{", '{"a": 1}', "[1]", '[{"podSelector": 1}, 2]'])
+def test_bad_metrics_clients_name_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("KVFERRY_METRICS_CLIENTS", value)
+    with pytest.raises(ValueError, match="KVFERRY_METRICS_CLIENTS"):
+        settings.from_env()

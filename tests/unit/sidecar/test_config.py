@@ -98,6 +98,13 @@ def test_config_error_names_the_field(tmp_path: Path) -> None:
         config.build({"settings_path": str(path)}, env={})
 
 
+@pytest.mark.parametrize("port", [8000, 8001])
+def test_the_metrics_port_is_a_port_of_its_own(port: int) -> None:
+    """A scraper admitted to the metrics port must not land on a port with more rights."""
+    with pytest.raises(ConfigError, match="metrics_port"):
+        config.build({"metrics_port": port}, env={})
+
+
 def test_config_rejects_unknown_role() -> None:
     with pytest.raises(ConfigError, match="role"):
         config.build({"role": "router"}, env={})
@@ -265,6 +272,7 @@ KEPT_FIELDS = (
     "max_model_len", "body_bytes_per_token", "body_overhead_bytes", "max_media_bytes",
     "max_inflight_body_bytes", "max_messages", "max_content_parts", "header_timeout_seconds",
     "body_timeout_seconds", "owner_header", "owner_max_handles", "owner_max_pinned_tokens",
+    "metrics_port", "memory_limit_bytes",
 )  # fmt: skip
 
 

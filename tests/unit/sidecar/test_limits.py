@@ -299,6 +299,56 @@ async def test_a_body_larger_than_the_whole_budget_is_a_413_naming_it(
     nothing_reached_an_engine(engines)
 
 
+# A sidecar's memory for a turn is many times its body (parsed, copied per leg, the
+# prompt's token ids as Python ints): the budget follows the container's memory limit.
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("limit", "capacity"),
+    [
+        (1024 * MiB, (1024 * MiB - limits.MEMORY_RESERVE_BYTES) // limits.MEMORY_PER_BODY_BYTE),
+        (4096 * MiB, (4096 * MiB - limits.MEMORY_RESERVE_BYTES) // limits.MEMORY_PER_BODY_BYTE),
+        # Below the reserve: still the floor, never 0 (every turn a 413).
+        (64 * MiB, limits.MIN_INFLIGHT_BODY_BYTES),
+    ],
+)
+def test_the_in_flight_budget_follows_the_memory_limit(limit: int, capacity: int) -> None:
+    assert limits.inflight_capacity(build({"memory_limit_bytes": limit}, env={})) == capacity
+
+
+def test_the_budget_under_the_default_limit_leaves_half_of_it() -> None:
+    """At the CRD's default 1 Gi the bodies in flight may cost at most about half of it
+    (the memory attack measured 10-12 bytes of RSS per body byte: docs/performance.md)."""
+    capacity = limits.inflight_capacity(build({"memory_limit_bytes": 1024 * MiB}, env={}))
+    assert capacity * 12 <= 512 * MiB
+
+
+def test_a_set_budget_wins_over_the_memory_limit() -> None:
+    settings = build({"memory_limit_bytes": 1024 * MiB, "max_inflight_body_bytes": 5}, env={})
+    assert limits.inflight_capacity(settings) == 5
+
+
+def test_without_a_memory_limit_the_budget_is_the_fallback() -> None:
+    assert limits.inflight_capacity(build({}, env={})) == limits.FALLBACK_INFLIGHT_BODY_BYTES
+
+
+async def test_the_sidecar_holds_no_more_body_bytes_than_its_memory_allows(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """The bound the code guarantees: a body past the budget derived from the memory
+    limit is a 413 naming the setting; one within it is served."""
+    limit = limits.MEMORY_RESERVE_BYTES + limits.MEMORY_PER_BODY_BYTE * 2 * MiB
+    client = await make_sidecar(memory_limit_bytes=limit, max_model_len=10**6)
+    assert client.app[BODY_BUDGET].capacity == 2 * MiB
+    big = chat(" ".join(["word"] * (3 * MiB // 5)))
+    error = await refusal(await client.post(CHAT, json=big), 413)
+    assert "maxInflightBodyBytes" in error["message"] and str(2 * MiB) in error["message"]
+    nothing_reached_an_engine(engines)
+    resp = await client.post(CHAT, json=chat(" ".join(["word"] * (MiB // 5))))
+    assert resp.status == 200, await resp.text()
+
+
 # ------------------------------------------------------------------ slow senders
 
 
