@@ -326,7 +326,33 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
         pod["priorityClassName"] = role.priority_class_name
     if spec.engine.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
+    spread = build_topology_spread(server, role)
+    if spread:
+        pod["topologySpreadConstraints"] = spread
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}
+
+
+# The node label a default spread is over: one node's failure, drain or full GPUs
+# must not hold every session.
+SPREAD_TOPOLOGY_KEY = "kubernetes.io/hostname"
+
+
+def build_topology_spread(server: Server, role: Role) -> list[Obj]:
+    """Decode pods hold the sessions' KV and serve the clients: spread over nodes, so a
+    node lost or drained takes a share of the sessions, not all. ``ScheduleAnyway``: a
+    preference the scheduler scores, never a reason to leave a pod Pending (one GPU
+    node, or fewer nodes than replicas, still schedules). Prefill pods hold nothing
+    between turns."""
+    if role.name != api.ROLE_DECODE:
+        return []
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": SPREAD_TOPOLOGY_KEY,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(server, role.name)},
+        }
+    ]
 
 
 # ------------------------------------------------------------ objects

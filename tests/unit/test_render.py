@@ -1129,3 +1129,27 @@ class TestReportWiring:
     def test_no_endpoint_means_no_push_settings(self):
         settings = json.loads(by_kind(rendered(server()), "ConfigMap")["data"]["sidecar.json"])
         assert "operatorUrl" not in settings and "operatorCaFile" not in settings
+
+
+SPREAD = {
+    "maxSkew": 1,
+    "topologyKey": "kubernetes.io/hostname",
+    "whenUnsatisfiable": "ScheduleAnyway",
+    "labelSelector": {
+        "matchLabels": {
+            api.LABEL_NAME: "kvferry",
+            api.LABEL_INSTANCE: "tiny",
+            api.LABEL_ROLE: api.ROLE_DECODE,
+        }
+    },
+}
+
+
+class TestPlacement:
+    def test_decode_pods_spread_over_nodes_by_default(self):
+        # One node must not hold every session: a lost or drained node takes a share.
+        assert pod_spec(rendered(server()), "decode")["topologySpreadConstraints"] == [SPREAD]
+
+    def test_prefill_pods_are_not_spread(self):
+        # They hold nothing between turns; the scheduler packs them as it likes.
+        assert "topologySpreadConstraints" not in pod_spec(rendered(server()), "prefill")
