@@ -22,6 +22,8 @@ import yaml
 from kvferry_wire.protocol import ROLE_DECODE, ROLE_PREFILL
 from kvferry_wire.protocol import ROLES as ROLES
 
+from . import podtemplate
+
 GROUP = "kvferry.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -265,6 +267,9 @@ class Role:
     sidecar_resources: SidecarResources
     # The engine's startup budget (spec.<role>.startupSeconds); None = by model source.
     startup_seconds: int | None = None
+    # spec.<role>.podTemplate: a strategic-merge patch of the role's pod template,
+    # applied last (podtemplate.py); None = none.
+    pod_template: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -447,6 +452,12 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
                 f"spec.{name}.{path} is {value!r}: not a CPU quantity; "
                 'write whole or milli CPUs, e.g. "4" or "3500m"'
             ) from None
+    overlay = raw.get("podTemplate")
+    if overlay is not None:
+        try:
+            podtemplate.check(name, overlay)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
     return Role(
         name=name,
         replicas=raw["replicas"],
@@ -473,6 +484,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
             requests=_amounts(sidecar["requests"]), limits=_amounts(sidecar["limits"])
         ),
         startup_seconds=raw.get("startupSeconds"),
+        pod_template=copy.deepcopy(overlay),
     )
 
 

@@ -7,7 +7,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from . import hostpaths
+from . import hostpaths, podtemplate
+from .api import ROLES, Server
 from .render import DEFAULT_SIDECAR_IMAGE, Context
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,18 @@ class Settings:
     # Node folders a server's hub cache may mount (hostPath), normalised; none by
     # default: a hostPath is the node's disk read-write in a root container.
     host_path_prefixes: tuple[str, ...] = ()
+    # What a server's spec.<role>.podTemplate may set beyond the default (podtemplate.py):
+    # privileged, hostNamespaces, capabilities; none by default, each is the node's root.
+    pod_template_allow: frozenset[str] = frozenset()
+
+    def pod_template_refusal(self, server: Server) -> str | None:
+        """Why the server's pod templates are refused under these settings, or None."""
+        return podtemplate.refusal(
+            {role: server.spec.role(role).pod_template for role in ROLES},
+            self.pod_template_allow,
+            self.host_path_prefixes,
+            lambda path: hostpaths.allowed(path, self.host_path_prefixes),
+        )
 
     def render_context(self) -> Context:
         return render_context_of(self)
@@ -94,6 +107,7 @@ def from_env() -> Settings:
         metrics_port=int(env("KVFERRY_METRICS_PORT", "8080")),
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         host_path_prefixes=hostpaths.parse_prefixes(env(hostpaths.ENV, "")),
+        pod_template_allow=podtemplate.parse_allow(env(podtemplate.ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", str(RESYNC_SECONDS))),
     )

@@ -911,6 +911,76 @@ INVALID: list[Invalid] = [
 ]
 
 
+# spec.<role>.podTemplate: what the overlay may not change (podtemplate.py).
+def _overlay(role: str, template: dict[str, Any]) -> dict[str, Any]:
+    return _spec({role: {"podTemplate": template}})
+
+
+INVALID += [
+    Invalid(
+        "pod-template-operator-label",
+        _overlay("decode", {"metadata": {"labels": {"kvferry.io/server": "other"}}}),
+        "spec.decode.podTemplate.metadata.labels",
+        "podTemplate labels may not be app.kubernetes.io/* or kvferry.io/*",
+    ),
+    Invalid(
+        "pod-template-operator-annotation",
+        _overlay("prefill", {"metadata": {"annotations": {"kvferry.io/config-hash": "x"}}}),
+        "spec.prefill.podTemplate.metadata.annotations",
+        "podTemplate annotations may not be kvferry.io/*",
+    ),
+    Invalid(
+        "pod-template-sidecar",
+        _overlay("decode", {"spec": {"containers": [{"name": "kvferry-sidecar", "image": "x"}]}}),
+        "spec.decode.podTemplate.spec.containers",
+        "the kvferry-sidecar container is kvferry's",
+    ),
+    Invalid(
+        "pod-template-sidecar-init",
+        _overlay("prefill", {"spec": {"initContainers": [{"name": "kvferry-sidecar"}]}}),
+        "spec.prefill.podTemplate.spec.initContainers",
+        "the kvferry-sidecar container is kvferry's",
+    ),
+    Invalid(
+        "pod-template-engine-ports",
+        _overlay("decode", {"spec": {"containers": [{"name": "engine", "ports": []}]}}),
+        "spec.decode.podTemplate.spec.containers",
+        "the engine's ports, command, args, env, image and resources are kvferry's",
+    ),
+    Invalid(
+        "pod-template-engine-args",
+        _overlay("prefill", {"spec": {"containers": [{"name": "engine", "args": ["--port"]}]}}),
+        "spec.prefill.podTemplate.spec.containers",
+        "the engine's ports, command, args, env, image and resources are kvferry's",
+    ),
+    Invalid(
+        "pod-template-kvferry-volume",
+        _overlay("decode", {"spec": {"volumes": [{"name": "dshm", "hostPath": {"path": "/"}}]}}),
+        "spec.decode.podTemplate.spec.volumes",
+        "are kvferry's volumes",
+    ),
+    Invalid(
+        "pod-template-spread-when",
+        _overlay(
+            "decode",
+            {
+                "spec": {
+                    "topologySpreadConstraints": [{"topologyKey": "x", "whenUnsatisfiable": "No"}]
+                }
+            },
+        ),
+        "spec.decode.podTemplate.spec.topologySpreadConstraints[0].whenUnsatisfiable",
+        "Unsupported value",
+    ),
+    Invalid(
+        "pod-template-service-account",
+        _overlay("decode", {"spec": {"serviceAccountName": "Not_A_Name"}}),
+        "spec.decode.podTemplate.spec.serviceAccountName",
+        "should match",
+    ),
+]
+
+
 # A required field of the core/v1 types in a role, left out: (case, role patch, path).
 _NODE_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 _TERM = {"topologyKey": "kubernetes.io/hostname"}

@@ -25,3 +25,13 @@ def test_the_defaults_need_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     ours = settings.from_env()
     assert (ours.resync_seconds, ours.report_port) == (300.0, 8443)
+
+
+def test_the_pod_template_allow_list_is_read_and_none_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Default refuse: each name gives a server author's pods the node.
+    monkeypatch.delenv("KVFERRY_POD_TEMPLATE_ALLOW", raising=False)
+    assert settings.from_env().pod_template_allow == frozenset()
+    monkeypatch.setenv("KVFERRY_POD_TEMPLATE_ALLOW", "capabilities,privileged")
+    assert settings.from_env().pod_template_allow == {"capabilities", "privileged"}
