@@ -1227,3 +1227,18 @@ class TestPodTemplate:
         objs = rendered(server({"decode": {"podTemplate": IDENTITY}}))
         sts = by_kind(objs, "StatefulSet", "tiny-decode")
         kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+
+
+class TestRDMAExample:
+    """examples/rdma.yaml on 8-GPU, 8-HCA nodes: each rank's KV through its own NIC."""
+
+    def test_each_rank_picks_its_own_nic(self):
+        # One UCX_NET_DEVICES for the pod would put all eight ranks' KV through one
+        # HCA. vLLM's workers set it per rank from the GPU -> NIC map (vllm_net_devices).
+        objs = rendered(load_example(EXAMPLES_BY_NAME["rdma.yaml"]))
+        for role in api.ROLES:
+            env = env_of(engine(objs, role))
+            assert "UCX_NET_DEVICES" not in env, role
+            assert env["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1"
+            pairs = env["VLLM_GPU_NIC_PCIE_MAPPING"].split(",")
+            assert len(pairs) == 8 and len({p.split("=")[1] for p in pairs}) == 8, role
