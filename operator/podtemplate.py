@@ -25,10 +25,10 @@ them (each rule has a test in ``tests/unit/test_podtemplate.py``):
   terms, capabilities ...) replaces ours whole, as in Kubernetes, whose types
   declare no merge key for them.
 
-:func:`check` refuses, naming the field, what cannot be merged: an item of a keyed
-list without its key, any other directive (``$patch: replace`` on a map or list,
-``$setElementOrder``, ``$retainKeys``, ``$deleteFromPrimitiveList``: write the value
-whole instead).
+:func:`check` refuses, naming the field, what cannot be merged (an item of a keyed
+list without its key; the CRD refuses it first), and :func:`forbidden` any other
+directive (``$patch: replace`` on a map or list, ``$setElementOrder``,
+``$retainKeys``, ``$deleteFromPrimitiveList``: write the value whole instead).
 
 **What the overlay may not change.** The CRD's rules refuse, naming the field: the
 engine's ports, command, args, env, image and resources (the typed fields set them),
@@ -86,8 +86,10 @@ RETAIN_KEYS = {"volumes"}
 ENGINE_CONTAINER = "engine"
 SIDECAR_CONTAINER = "kvferry-sidecar"
 KVFERRY_VOLUMES = ("dshm", "sidecar-config", "kvferry-token", "models", "hf-cache")
-# Why an entry of forbidden() is refused when no setting allows it.
+# Why an entry of forbidden() is refused whatever the settings: it removes what is
+# kvferry's, or is a strategic-merge directive the merge does not take.
 KVFERRY_OWN = "kvferry"
+DIRECTIVE = "directive"
 
 # The operator's installer allows these (KVFERRY_POD_TEMPLATE_ALLOW, the chart's
 # settings.podTemplateAllow); none by default.
@@ -185,9 +187,11 @@ def _strip(value: Any) -> Any:
 
 def check(role: str, overlay: Any) -> None:
     """Raise ValueError naming the field (api.parse_spec makes it a SpecError) when the
-    overlay cannot be merged: not a map, a list item without its merge key, a
-    directive this merge does not take. The CRD types most of it; this holds for
-    objects stored before it did and for offline render."""
+    overlay cannot be merged: not a map, a list item that is no map or lacks its merge
+    key. The CRD refuses each of these first (every keyed list is typed, its key
+    required); this holds for objects stored before it did. A directive the merge does
+    not take is forbidden()'s: CEL cannot see ``$`` keys, so the API server stores them
+    and the operator refuses them in status rather than in a parse error."""
     where = field(role)
     if not isinstance(overlay, dict):
         raise ValueError(f"{where} must be a pod template (metadata, spec), not {overlay!r}")
@@ -201,16 +205,9 @@ def check(role: str, overlay: Any) -> None:
     _check_map(overlay.get("spec") or {}, f"{where}.spec", POD_LISTS)
 
 
-def _check_map(value: Obj, where: str, lists: dict[str, Any], item_key: str = "") -> None:
+def _check_map(value: Obj, where: str, lists: dict[str, Any]) -> None:
     for key, sub in value.items():
         path = f"{where}.{key}"
-        if key == PATCH and item_key and sub == "delete":
-            continue  # an item of a keyed list, removed by its key
-        if key.startswith("$"):
-            raise ValueError(
-                f"{path}: only $patch: delete on an item of a list merged by key is "
-                "supported (e.g. a topologySpreadConstraints entry); write the value whole"
-            )
         if isinstance(sub, dict):
             _check_map(sub, path, {})
         elif isinstance(sub, list) and key in lists:
@@ -222,7 +219,25 @@ def _check_map(value: Obj, where: str, lists: dict[str, Any], item_key: str = ""
                         f"{item_path} has no {merge_key}: {key} merge by {merge_key} (an item "
                         f"of the same {merge_key} merges into kvferry's, others are added)"
                     )
-                _check_map(item, item_path, inner, merge_key)
+                _check_map(item, item_path, inner)
+
+
+def _directives(value: Obj, where: str, lists: dict[str, Any], in_item: bool = False) -> list[str]:
+    """Where the overlay holds a directive the merge does not take: any ``$`` key but
+    ``$patch: delete`` in an item of a keyed list."""
+    out = []
+    for key, sub in value.items():
+        path = f"{where}.{key}"
+        if key.startswith("$") and not (key == PATCH and in_item and sub == "delete"):
+            out.append(path)
+        elif isinstance(sub, dict):
+            out += _directives(sub, path, {})
+        elif isinstance(sub, list) and key in lists:
+            inner = _list_rule(lists[key])[1]
+            for n, item in enumerate(sub):
+                if isinstance(item, dict):
+                    out += _directives(item, f"{path}[{n}]", inner, True)
+    return out
 
 
 # ------------------------------------------------------------------ refusals
@@ -259,7 +274,11 @@ def forbidden(
     hostpaths.py's), so every one the pods would get is written in the overlay."""
     spec = overlay.get("spec") or {}
     where = f"{field(role)}.spec"
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str]] = [
+        (path, DIRECTIVE)
+        for path in _directives(overlay.get("metadata") or {}, f"{field(role)}.metadata", {})
+        + _directives(spec, where, POD_LISTS)
+    ]
     for name in ("containers", "initContainers", "volumes"):
         if name in spec and spec[name] is None:
             out.append((f"{where}.{name}", KVFERRY_OWN))
@@ -326,6 +345,13 @@ def refusal(
     ]
     if not found:
         return None
+    directives = [path for path, why in found if why == DIRECTIVE]
+    if directives:
+        return (
+            f"{', '.join(directives)}: only $patch: delete on an item of a list merged by "
+            "key is supported (e.g. a topologySpreadConstraints entry): the StatefulSets "
+            "are not applied. Write the value whole instead"
+        )
     own = [path for path, why in found if why == KVFERRY_OWN]
     if own:
         return (

@@ -981,6 +981,51 @@ INVALID += [
 ]
 
 
+# Every keyed list of a pod template requires its merge key (podtemplate.POD_LISTS),
+# so what the API server stores the operator can merge: (case, overlay spec, path).
+_MERGE_KEYS: list[tuple[str, dict[str, Any], str]] = [
+    ("container-name", {"containers": [{"image": "x"}]}, "containers[0].name"),
+    (
+        "env-name",
+        {"containers": [{"name": "logs", "env": [{"value": "1"}]}]},
+        "containers[0].env[0].name",
+    ),
+    (
+        "port-container-port",
+        {"containers": [{"name": "logs", "ports": [{"name": "p"}]}]},
+        "containers[0].ports[0].containerPort",
+    ),
+    (
+        "mount-path",
+        {"initContainers": [{"name": "setup", "volumeMounts": [{"name": "v"}]}]},
+        "initContainers[0].volumeMounts[0].mountPath",
+    ),
+    (
+        "device-path",
+        {"containers": [{"name": "logs", "volumeDevices": [{"name": "v"}]}]},
+        "containers[0].volumeDevices[0].devicePath",
+    ),
+    ("volume-name", {"volumes": [{"emptyDir": {}}]}, "volumes[0].name"),
+    ("pull-secret-name", {"imagePullSecrets": [{}]}, "imagePullSecrets[0].name"),
+    ("host-alias-ip", {"hostAliases": [{"hostnames": ["a"]}]}, "hostAliases[0].ip"),
+    (
+        "spread-topology-key",
+        {"topologySpreadConstraints": [{"maxSkew": 1}]},
+        "topologySpreadConstraints[0].topologyKey",
+    ),
+]
+INVALID += [
+    Invalid(
+        f"pod-template-{case}-required",
+        _overlay(role, {"spec": patch}),
+        f"spec.{role}.podTemplate.spec.{path}",
+        "Required value",
+    )
+    for i, (case, patch, path) in enumerate(_MERGE_KEYS)
+    for role in ["prefill" if i % 2 else "decode"]
+]
+
+
 # A required field of the core/v1 types in a role, left out: (case, role patch, path).
 _NODE_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 _TERM = {"topologyKey": "kubernetes.io/hostname"}

@@ -136,3 +136,39 @@ def test_what_the_api_server_refuses_after_the_merge_is_apply_failed_naming_the_
     wait_for_event(kubectl, ns, "never", REASON_APPLY_FAILED)
     # The other role applied: one refused child does not hold the rest.
     assert kubectl.get("statefulset", "never-prefill", ns)
+
+
+def test_a_patch_delete_survives_the_api_server_and_removes_the_spread(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    # `$patch` is no field of the typed items: the CRD must keep it, not prune it.
+    gone = {"topologyKey": "kubernetes.io/hostname", "$patch": "delete"}
+    overlay = {"spec": {"topologySpreadConstraints": [gone]}}
+    kubectl.apply(
+        server({"decode": {"podTemplate": overlay}}, name="packed", namespace=ns),
+        "--server-side",
+    )
+    stored = kubectl.get("dserver", "packed", ns)
+    assert stored["spec"]["decode"]["podTemplate"] == overlay
+    sts = wait_until(lambda: kubectl.get("statefulset", "packed-decode", ns), 60, "packed-decode")
+    assert not sts["spec"]["template"]["spec"].get("topologySpreadConstraints")
+
+
+def test_a_misspelt_field_is_apply_failed_naming_it(kubectl: Kubectl, operator: Operator, ns: str):
+    # The CRD keeps unknown PodSpec fields; the operator's server-side apply of the
+    # StatefulSet is where a typo is refused (never dropped in silence).
+    overlay = {"spec": {"nodeSelecter": {"pool": "h200"}}}
+    kubectl.apply(
+        server({"decode": {"podTemplate": overlay}}, name="typo", namespace=ns), "--server-side"
+    )
+    degraded = wait_until(
+        lambda: (
+            (c := condition(kubectl, ns, "typo", "Degraded")).get("reason") == REASON_APPLY_FAILED
+            and c
+        ),
+        60,
+        f"Degraded, reason {REASON_APPLY_FAILED}",
+    )
+    assert "StatefulSet typo-decode" in degraded["message"]
+    assert ".spec.template.spec.nodeSelecter: field not declared in schema" in degraded["message"]
+    assert kubectl.get("statefulset", "typo-decode", ns) is None

@@ -167,14 +167,6 @@ def test_no_overlay_is_the_base():
             {"spec": {"containers": [{"name": "engine", "env": [{"value": "1"}]}]}},
             "spec.decode.podTemplate.spec.containers[0].env[0] has no name",
         ),
-        (
-            {"spec": {"tolerations": [], "$patch": "replace"}},
-            "spec.decode.podTemplate.spec.$patch: only $patch: delete",
-        ),
-        (
-            {"spec": {"$setElementOrder/containers": [{"name": "engine"}]}},
-            "spec.decode.podTemplate.spec.$setElementOrder/containers: only $patch: delete",
-        ),
     ],
 )
 def test_what_cannot_be_merged_is_refused_naming_the_field(overlay, fragment):
@@ -271,6 +263,32 @@ def test_deleting_or_nulling_what_is_kvferrys_is_refused_whatever_the_settings()
     ]
     # A container of the user's own may be deleted (it is not in kvferry's template).
     assert forbidden({"containers": [{"name": "logs", "$patch": "delete"}]}) == []
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({"tolerations": [], "$patch": "replace"}, "spec.$patch"),
+        ({"$setElementOrder/containers": [{"name": "engine"}]}, "spec.$setElementOrder/containers"),
+        ({"volumes": [{"$patch": "replace", "name": "v"}]}, "spec.volumes[0].$patch"),
+        ({"affinity": {"$patch": "delete"}}, "spec.affinity.$patch"),
+    ],
+)
+def test_a_directive_the_merge_does_not_take_is_refused_whatever_the_settings(spec, where):
+    # CEL cannot see `$` keys: the API server stores them, the operator refuses them.
+    every = frozenset(podtemplate.ALLOWS)
+    assert forbidden(spec, every) == [(f"spec.decode.podTemplate.{where}", "directive")]
+    why = podtemplate.refusal({"decode": {"spec": spec}}, every, (), lambda p: True)
+    assert why == (
+        f"spec.decode.podTemplate.{where}: only $patch: delete on an item of a list merged "
+        "by key is supported (e.g. a topologySpreadConstraints entry): the StatefulSets are "
+        "not applied. Write the value whole instead"
+    )
+
+
+def test_patch_delete_on_an_item_of_a_keyed_list_is_no_directive_refused():
+    spread = {"topologySpreadConstraints": [{"topologyKey": "x", "$patch": "delete"}]}
+    assert forbidden(spread) == []
 
 
 def test_the_refusal_names_every_field_and_the_setting_that_allows_it():
