@@ -261,8 +261,11 @@ up() {
   if [[ ${KVFERRY_CP_CRDS:-1} == 1 && -d $here/../crds ]]; then
     "$kubectl" --kubeconfig "$state/kubeconfig" apply --server-side -f "$here/../crds" >/dev/null \
       || fail_with_logs "applying crds/ failed"
-    "$kubectl" --kubeconfig "$state/kubeconfig" wait --for condition=Established --timeout 30s \
-      -f "$here/../crds" >/dev/null || fail_with_logs "crds/ not established"
+    # kubectl wait fails at once, not after its timeout, when it reads a CRD whose
+    # status has no conditions yet (".status.conditions accessor error"), which a
+    # loaded machine sees right after the apply: ask again until the deadline.
+    wait_for 60 "crds/ Established" "$kubectl" --kubeconfig "$state/kubeconfig" wait \
+      --for condition=Established --timeout 10s -f "$here/../crds"
   fi
   start kube-controller-manager "$bin/kube-controller-manager" --kubeconfig "$state/kubeconfig" \
     --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \

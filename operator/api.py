@@ -22,6 +22,8 @@ import yaml
 from kvferry_wire.protocol import ROLE_DECODE, ROLE_PREFILL
 from kvferry_wire.protocol import ROLES as ROLES
 
+from . import podtemplate
+
 GROUP = "kvferry.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -284,6 +286,10 @@ class Role:
     def scaled_externally(self) -> bool:
         return self.scaling_mode == SCALING_EXTERNAL
 
+    # spec.<role>.podTemplate: a strategic-merge patch of the role's pod template,
+    # applied last (podtemplate.py); None = none.
+    pod_template: dict[str, Any] | None = None
+
 
 @dataclass(frozen=True)
 class KVTransfer:
@@ -477,6 +483,12 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
                 f"spec.{name}.{path} is {value!r}: not a CPU quantity; "
                 'write whole or milli CPUs, e.g. "4" or "3500m"'
             ) from None
+    overlay = raw.get("podTemplate")
+    if overlay is not None:
+        try:
+            podtemplate.check(name, overlay)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
     return Role(
         name=name,
         replicas=raw["replicas"],
@@ -505,6 +517,7 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
         startup_seconds=raw.get("startupSeconds"),
         drain_seconds=raw.get("drainSeconds"),
         scaling_mode=raw["scaling"]["mode"],
+        pod_template=copy.deepcopy(overlay),
     )
 
 

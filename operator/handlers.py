@@ -377,7 +377,9 @@ def apply_children(
         warn(EVENT_APPLY_FAILED, why)
         refusals.append(why)
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
-    refused = hostpaths.refusal(server, settings.host_path_prefixes)
+    refused = hostpaths.refusal(server, settings.host_path_prefixes) or (
+        settings.pod_template_refusal(server)
+    )
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
     for child in render.render(server, settings.render_context()):
@@ -398,8 +400,8 @@ def apply_children(
             logger.warning("not applied, a role's RoleScaler count is not known: %s", key)
             continue
         if child["kind"] == "StatefulSet" and (refused or not isolated):
-            # The status says why (refresh_status): HostPathNotAllowed, or the
-            # NetworkPolicy's ApplyFailed Event.
+            # The status says why (refresh_status): HostPathNotAllowed,
+            # PodTemplateNotAllowed, or the NetworkPolicy's ApplyFailed Event.
             logger.warning("not applied: %s %s", key, refused or "its NetworkPolicy did not land")
             # A refusal stays until the spec or the operator's settings change; the
             # NetworkPolicy's failure already set ok.
@@ -649,6 +651,7 @@ def refresh_status(
             host_path_refused=hostpaths.refusal(server, settings.host_path_prefixes)
             if settings
             else None,
+            pod_template_refused=settings.pod_template_refusal(server) if settings else None,
         )
         new, changes = status.compute_status(server, observed, old, api.iso_time())
         patch = status.status_patch(old, new)

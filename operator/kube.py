@@ -39,6 +39,12 @@ def is_transient(exc: BaseException) -> bool:
     """The API server is down, restarting or overloaded: try again later (the resync
     loop and the next watch event do), and say so in one line, not a traceback."""
     if isinstance(exc, ApiException):
+        # Server-side apply answers a field its schema lacks (a misspelt field in a
+        # pod template) with a 500 "failed to create typed patch object": the same
+        # object fails the same way, so it is a refusal, not an outage.
+        body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+        if "failed to create typed patch object" in (body or ""):
+            return False
         return exc.status in (0, 408, 429) or (exc.status or 0) >= 500
     return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
 

@@ -29,7 +29,7 @@ from typing import Any
 from kvferry_wire import protocol
 from kvferry_wire import settings as wire_settings
 
-from . import api
+from . import api, podtemplate
 from .api import Role, Server, ServerSpec
 from .engine_config import (
     HF_CACHE_MOUNT,
@@ -400,7 +400,42 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
         pod["priorityClassName"] = role.priority_class_name
     if spec.engine.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
-    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}
+    spread = build_topology_spread(server, role)
+    if spread:
+        pod["topologySpreadConstraints"] = spread
+    template = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}
+    # The user's overlay last (spec.<role>.podTemplate; the CRD refuses what it may not
+    # change). Our labels and annotations once more after it: the selector, the peers'
+    # NetworkPolicy and the rollout hashes depend on them, and an object stored before
+    # the CRD's rules is not validated again.
+    merged = podtemplate.merge(template, role.pod_template)
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
+    merged["metadata"].setdefault("annotations", {}).update(annotations)
+    return merged
+
+
+# The node label a default spread is over: one node's failure, drain or full GPUs
+# must not hold every session.
+SPREAD_TOPOLOGY_KEY = "kubernetes.io/hostname"
+
+
+def build_topology_spread(server: Server, role: Role) -> list[Obj]:
+    """Decode pods hold the sessions' KV and serve the clients: spread over nodes, so a
+    node lost or drained takes a share of the sessions, not all. ``ScheduleAnyway``: a
+    preference the scheduler scores, never a reason to leave a pod Pending (one GPU
+    node, or fewer nodes than replicas, still schedules). Prefill pods hold nothing
+    between turns. spec.decode.podTemplate replaces it (an entry of the same
+    topologyKey merges into it; ``$patch: delete`` removes it)."""
+    if role.name != api.ROLE_DECODE:
+        return []
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": SPREAD_TOPOLOGY_KEY,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(server, role.name)},
+        }
+    ]
 
 
 # ------------------------------------------------------------ objects

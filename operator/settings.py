@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import hostpaths
+from . import hostpaths, podtemplate
+from .api import ROLES, Server
 from .render import DEFAULT_SIDECAR_IMAGE, Context
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,18 @@ class Settings:
     # NetworkPolicy peers rendered into every server's policy on the sidecars' metrics
     # port (KVFERRY_METRICS_CLIENTS, JSON; the chart's networkPolicy.metricsClients).
     metrics_clients: tuple[dict[str, Any], ...] = ()
+    # What a server's spec.<role>.podTemplate may set beyond the default (podtemplate.py):
+    # privileged, hostNamespaces, capabilities; none by default, each is the node's root.
+    pod_template_allow: frozenset[str] = frozenset()
+
+    def pod_template_refusal(self, server: Server) -> str | None:
+        """Why the server's pod templates are refused under these settings, or None."""
+        return podtemplate.refusal(
+            {role: server.spec.role(role).pod_template for role in ROLES},
+            self.pod_template_allow,
+            self.host_path_prefixes,
+            lambda path: hostpaths.allowed(path, self.host_path_prefixes),
+        )
 
     def render_context(self) -> Context:
         return render_context_of(self)
@@ -100,6 +113,7 @@ def from_env() -> Settings:
         metrics_host=env("KVFERRY_METRICS_HOST", "0.0.0.0"),
         host_path_prefixes=hostpaths.parse_prefixes(env(hostpaths.ENV, "")),
         metrics_clients=parse_metrics_clients(env(METRICS_CLIENTS_ENV, "")),
+        pod_template_allow=podtemplate.parse_allow(env(podtemplate.ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", str(RESYNC_SECONDS))),
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvferry_wire.report import TRANSPORT_NONE, TRANSPORT_TCP_FALLBACK, TRANSPORT_UNKNOWN
 
-from . import api, hostpaths, ownership, prerequisites
+from . import api, hostpaths, ownership, podtemplate, prerequisites
 from .api import Server
 from .prerequisites import Finding
 from .render import entry_url, selector_labels
@@ -92,6 +92,8 @@ class Observed:
     last_apply: ownership.ApplyOutcome | None = None
     # Why the spec's hostPath is refused (hostpaths.refusal): no StatefulSets then.
     host_path_refused: str | None = None
+    # Why a role's podTemplate is refused (podtemplate.refusal): no StatefulSets then.
+    pod_template_refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,14 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     refused = apply_failure(server, observed.last_apply)
     settled = all(_role_settled(server, r, roles.get(r, RoleObserved())) for r in api.ROLES)
     prereqs = prerequisites_condition(server, observed)
+    # A spec the operator's settings refuse (a hostPath, a pod template): no StatefulSets.
+    held: tuple[str, str] | None = (
+        (hostpaths.REASON, observed.host_path_refused)
+        if observed.host_path_refused
+        else (podtemplate.REASON, observed.pod_template_refused)
+        if observed.pod_template_refused
+        else None
+    )
     not_ready = [
         f"{r} {roles.get(r, RoleObserved()).ready_replicas}/{server.replicas(r)} ready"
         for r in api.ROLES
@@ -346,8 +356,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
 
     if server.replicas(api.ROLE_DECODE) == 0:
         ready = ("False", REASON_NO_DECODE, _no_decode_message(server))
-    elif observed.host_path_refused:
-        ready = ("False", hostpaths.REASON, observed.host_path_refused)
+    elif held:
+        ready = ("False", *held)
     elif conflict:
         # Pods may run, but some child (the entry Service, say) is someone else's.
         ready = ("False", REASON_CHILD_CONFLICT, conflict)
@@ -368,8 +378,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
     # the pods may be ready, but on the previous generation, so never "Complete".
     if refused:
         progressing = ("False", REASON_APPLY_FAILED, refused)
-    elif observed.host_path_refused:
-        progressing = ("False", hostpaths.REASON, observed.host_path_refused)
+    elif held:
+        progressing = ("False", *held)
     elif conflict:
         progressing = ("False", REASON_CHILD_CONFLICT, conflict)
     elif settled:
@@ -386,8 +396,8 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         what = f"rolling out {', '.join(rolling)}" if rolling else "; ".join(not_ready)
         progressing = ("True", REASON_ROLLING, what or "waiting for StatefulSets")
 
-    if observed.host_path_refused:
-        degraded = ("True", hostpaths.REASON, observed.host_path_refused)
+    if held:
+        degraded = ("True", *held)
     elif conflict:
         degraded = ("True", REASON_CHILD_CONFLICT, conflict)
     elif refused:

@@ -945,6 +945,121 @@ INVALID: list[Invalid] = [
 ]
 
 
+# spec.<role>.podTemplate: what the overlay may not change (podtemplate.py).
+def _overlay(role: str, template: dict[str, Any]) -> dict[str, Any]:
+    return _spec({role: {"podTemplate": template}})
+
+
+INVALID += [
+    Invalid(
+        "pod-template-operator-label",
+        _overlay("decode", {"metadata": {"labels": {"kvferry.io/server": "other"}}}),
+        "spec.decode.podTemplate.metadata.labels",
+        "podTemplate labels may not be app.kubernetes.io/* or kvferry.io/*",
+    ),
+    Invalid(
+        "pod-template-operator-annotation",
+        _overlay("prefill", {"metadata": {"annotations": {"kvferry.io/config-hash": "x"}}}),
+        "spec.prefill.podTemplate.metadata.annotations",
+        "podTemplate annotations may not be kvferry.io/*",
+    ),
+    Invalid(
+        "pod-template-sidecar",
+        _overlay("decode", {"spec": {"containers": [{"name": "kvferry-sidecar", "image": "x"}]}}),
+        "spec.decode.podTemplate.spec.containers",
+        "the kvferry-sidecar container is kvferry's",
+    ),
+    Invalid(
+        "pod-template-sidecar-init",
+        _overlay("prefill", {"spec": {"initContainers": [{"name": "kvferry-sidecar"}]}}),
+        "spec.prefill.podTemplate.spec.initContainers",
+        "the kvferry-sidecar container is kvferry's",
+    ),
+    Invalid(
+        "pod-template-engine-ports",
+        _overlay("decode", {"spec": {"containers": [{"name": "engine", "ports": []}]}}),
+        "spec.decode.podTemplate.spec.containers",
+        "the engine's ports, command, args, env, image and resources are kvferry's",
+    ),
+    Invalid(
+        "pod-template-engine-args",
+        _overlay("prefill", {"spec": {"containers": [{"name": "engine", "args": ["--port"]}]}}),
+        "spec.prefill.podTemplate.spec.containers",
+        "the engine's ports, command, args, env, image and resources are kvferry's",
+    ),
+    Invalid(
+        "pod-template-kvferry-volume",
+        _overlay("decode", {"spec": {"volumes": [{"name": "dshm", "hostPath": {"path": "/"}}]}}),
+        "spec.decode.podTemplate.spec.volumes",
+        "are kvferry's volumes",
+    ),
+    Invalid(
+        "pod-template-spread-when",
+        _overlay(
+            "decode",
+            {
+                "spec": {
+                    "topologySpreadConstraints": [{"topologyKey": "x", "whenUnsatisfiable": "No"}]
+                }
+            },
+        ),
+        "spec.decode.podTemplate.spec.topologySpreadConstraints[0].whenUnsatisfiable",
+        "Unsupported value",
+    ),
+    Invalid(
+        "pod-template-service-account",
+        _overlay("decode", {"spec": {"serviceAccountName": "Not_A_Name"}}),
+        "spec.decode.podTemplate.spec.serviceAccountName",
+        "should match",
+    ),
+]
+
+
+# Every keyed list of a pod template requires its merge key (podtemplate.POD_LISTS),
+# so what the API server stores the operator can merge: (case, overlay spec, path).
+_MERGE_KEYS: list[tuple[str, dict[str, Any], str]] = [
+    ("container-name", {"containers": [{"image": "x"}]}, "containers[0].name"),
+    (
+        "env-name",
+        {"containers": [{"name": "logs", "env": [{"value": "1"}]}]},
+        "containers[0].env[0].name",
+    ),
+    (
+        "port-container-port",
+        {"containers": [{"name": "logs", "ports": [{"name": "p"}]}]},
+        "containers[0].ports[0].containerPort",
+    ),
+    (
+        "mount-path",
+        {"initContainers": [{"name": "setup", "volumeMounts": [{"name": "v"}]}]},
+        "initContainers[0].volumeMounts[0].mountPath",
+    ),
+    (
+        "device-path",
+        {"containers": [{"name": "logs", "volumeDevices": [{"name": "v"}]}]},
+        "containers[0].volumeDevices[0].devicePath",
+    ),
+    ("volume-name", {"volumes": [{"emptyDir": {}}]}, "volumes[0].name"),
+    ("pull-secret-name", {"imagePullSecrets": [{}]}, "imagePullSecrets[0].name"),
+    ("host-alias-ip", {"hostAliases": [{"hostnames": ["a"]}]}, "hostAliases[0].ip"),
+    (
+        "spread-topology-key",
+        {"topologySpreadConstraints": [{"maxSkew": 1}]},
+        "topologySpreadConstraints[0].topologyKey",
+    ),
+]
+INVALID += [
+    Invalid(
+        f"pod-template-{case}-required",
+        _overlay(role, {"spec": patch}),
+        f"spec.{role}.podTemplate.spec.{path}",
+        "Required value",
+    )
+    for i, (case, patch, path) in enumerate(_MERGE_KEYS)
+    for role in ["prefill" if i % 2 else "decode"]
+]
+
+
 # A required field of the core/v1 types in a role, left out: (case, role patch, path).
 _NODE_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 _TERM = {"topologyKey": "kubernetes.io/hostname"}

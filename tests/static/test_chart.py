@@ -46,6 +46,7 @@ ALL_OPTIONS = [
     "grafanaDashboard.enabled=true",
     "networkPolicy.enabled=true",
     "settings.hostPathPrefixes={/var/cache/kvferry}",
+    "settings.podTemplateAllow={privileged}",
     "networkPolicy.metricsClients[0].namespaceSelector.matchLabels.team=monitoring",
 ]
 
@@ -336,6 +337,7 @@ def test_every_value_is_used_by_a_template():
         # A relative folder, or one with ':' (the variable's separator).
         (["settings.hostPathPrefixes={var/cache}"], "/settings/hostPathPrefixes/0"),
         (["settings.hostPathPrefixes={/a:/b}"], "/settings/hostPathPrefixes/0"),
+        (["settings.podTemplateAllow={hostPath}"], "/settings/podTemplateAllow/0"),
     ],
     ids=[
         "replicas-not-1",
@@ -345,6 +347,7 @@ def test_every_value_is_used_by_a_template():
         "bad-enum",
         "host-path-prefix-relative",
         "host-path-prefix-colon",
+        "pod-template-allow-unknown",
     ],
 )
 def test_values_schema_rejects(sets: list[str], message: str):
@@ -438,6 +441,7 @@ class TestOperatorDeployment:
                 "settings.reportStaleSeconds=45",
                 "settings.publishSeconds=5",
                 "settings.hostPathPrefixes={/var/cache/kvferry,/mnt/models}",
+                "settings.podTemplateAllow={capabilities,privileged}",
             )
         )
         env = {e["name"]: e["value"] for e in c["env"]}
@@ -453,6 +457,7 @@ class TestOperatorDeployment:
             "KVFERRY_PUBLISH_SECONDS": "5",
             "KVFERRY_HOST_PATH_PREFIXES": "/var/cache/kvferry:/mnt/models",
             "KVFERRY_METRICS_CLIENTS": "[]",
+            "KVFERRY_POD_TEMPLATE_ALLOW": "capabilities,privileged",
             "KVFERRY_METRICS_PORT": "8080",
         }
         assert c["ports"] == [

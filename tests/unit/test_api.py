@@ -142,8 +142,9 @@ def test_nested_defaults_apply_under_a_defaulted_parent():
     assert out["network"]["rdma"]["networks"] == []
 
 
-# core/v1 types the typed spec keeps whole (a dict passed to the pods as it is).
-CORE_TYPES = {"prefill.affinity", "decode.affinity"}
+# core/v1 types the typed spec keeps whole (a dict passed to the pods as it is, or
+# merged into them: podTemplate).
+CORE_TYPES = {"prefill.affinity", "decode.affinity", "prefill.podTemplate", "decode.podTemplate"}
 
 
 def _schema_leaf_paths(schema, path=""):

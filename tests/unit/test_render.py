@@ -1282,3 +1282,116 @@ class TestReportWiring:
     def test_no_endpoint_means_no_push_settings(self):
         settings = json.loads(by_kind(rendered(server()), "ConfigMap")["data"]["sidecar.json"])
         assert "operatorUrl" not in settings and "operatorCaFile" not in settings
+
+
+SPREAD = {
+    "maxSkew": 1,
+    "topologyKey": "kubernetes.io/hostname",
+    "whenUnsatisfiable": "ScheduleAnyway",
+    "labelSelector": {
+        "matchLabels": {
+            api.LABEL_NAME: "kvferry",
+            api.LABEL_INSTANCE: "tiny",
+            api.LABEL_ROLE: api.ROLE_DECODE,
+        }
+    },
+}
+
+
+class TestPlacement:
+    def test_decode_pods_spread_over_nodes_by_default(self):
+        # One node must not hold every session: a lost or drained node takes a share.
+        assert pod_spec(rendered(server()), "decode")["topologySpreadConstraints"] == [SPREAD]
+
+    def test_prefill_pods_are_not_spread(self):
+        # They hold nothing between turns; the scheduler packs them as it likes.
+        assert "topologySpreadConstraints" not in pod_spec(rendered(server()), "prefill")
+
+    def test_the_overlay_merges_into_the_spread_by_topology_key(self):
+        strict = {"topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+        zone = {"topologyKey": "topology.kubernetes.io/zone", "maxSkew": 1}
+        spec = {"decode": {"podTemplate": {"spec": {"topologySpreadConstraints": [strict, zone]}}}}
+        got = pod_spec(rendered(server(spec)), "decode")["topologySpreadConstraints"]
+        assert got == [{**SPREAD, "whenUnsatisfiable": "DoNotSchedule"}, zone]
+
+    def test_the_overlay_can_delete_the_spread(self):
+        gone = {"topologyKey": "kubernetes.io/hostname", "$patch": "delete"}
+        spec = {"decode": {"podTemplate": {"spec": {"topologySpreadConstraints": [gone]}}}}
+        assert pod_spec(rendered(server(spec)), "decode")["topologySpreadConstraints"] == []
+
+
+IDENTITY = {
+    "metadata": {"labels": {"team": "llm"}, "annotations": {"example.com/owner": "a"}},
+    "spec": {
+        "serviceAccountName": "vllm-irsa",
+        "runtimeClassName": "nvidia",
+        "schedulerName": "volcano",
+        "securityContext": {"fsGroup": 1000},
+        "volumes": [{"name": "nvme", "emptyDir": {}}],
+        "containers": [
+            {"name": "engine", "volumeMounts": [{"name": "nvme", "mountPath": "/scratch"}]},
+            {"name": "logs", "image": "fluent/fluent-bit:3.2"},
+        ],
+    },
+}
+
+
+class TestPodTemplate:
+    def test_the_overlay_is_applied_last(self):
+        objs = rendered(server({"decode": {"podTemplate": IDENTITY}}))
+        pod = pod_spec(objs, "decode")
+        assert (pod["serviceAccountName"], pod["runtimeClassName"], pod["schedulerName"]) == (
+            "vllm-irsa",
+            "nvidia",
+            "volcano",
+        )
+        assert pod["securityContext"] == {"fsGroup": 1000}
+        assert pod["volumes"][-1] == {"name": "nvme", "emptyDir": {}}
+        assert engine(objs, "decode")["volumeMounts"][-1] == {
+            "name": "nvme",
+            "mountPath": "/scratch",
+        }
+        assert [c["name"] for c in pod["containers"]] == ["engine", "logs"]
+        # What kvferry set is kept.
+        assert engine(objs, "decode")["args"] == engine(rendered(server()), "decode")["args"]
+        meta = by_kind(objs, "StatefulSet", "tiny-decode")["spec"]["template"]["metadata"]
+        assert meta["labels"]["team"] == "llm"
+        assert meta["annotations"]["example.com/owner"] == "a"
+
+    def test_one_roles_overlay_leaves_the_other_alone(self):
+        objs = rendered(server({"decode": {"podTemplate": IDENTITY}}))
+        assert pod_spec(objs, "prefill") == pod_spec(rendered(server()), "prefill")
+
+    def test_kvferrys_labels_and_annotations_win_over_the_overlay(self):
+        # The CRD refuses them; an object stored before its rules is not validated again.
+        overlay = {
+            "metadata": {
+                "labels": {api.LABEL_SERVER: "other", api.LABEL_INSTANCE: "other"},
+                "annotations": {api.ANNOTATION_CONFIG_HASH: "x"},
+            }
+        }
+        manifest = server({"decode": {"podTemplate": overlay}})
+        meta = by_kind(rendered(manifest), "StatefulSet", "tiny-decode")["spec"]["template"]
+        plain = by_kind(rendered(server()), "StatefulSet", "tiny-decode")["spec"]["template"]
+        assert meta["metadata"]["labels"] == plain["metadata"]["labels"]
+        assert meta["metadata"]["annotations"] == plain["metadata"]["annotations"]
+
+    def test_the_merged_statefulset_is_a_valid_one(self):
+        objs = rendered(server({"decode": {"podTemplate": IDENTITY}}))
+        sts = by_kind(objs, "StatefulSet", "tiny-decode")
+        kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+
+
+class TestRDMAExample:
+    """examples/rdma.yaml on 8-GPU, 8-HCA nodes: each rank's KV through its own NIC."""
+
+    def test_each_rank_picks_its_own_nic(self):
+        # One UCX_NET_DEVICES for the pod would put all eight ranks' KV through one
+        # HCA. vLLM's workers set it per rank from the GPU -> NIC map (vllm_net_devices).
+        objs = rendered(load_example(EXAMPLES_BY_NAME["rdma.yaml"]))
+        for role in api.ROLES:
+            env = env_of(engine(objs, role))
+            assert "UCX_NET_DEVICES" not in env, role
+            assert env["VLLM_NIC_SELECTION_VARS"] == "UCX_NET_DEVICES:1"
+            pairs = env["VLLM_GPU_NIC_PCIE_MAPPING"].split(",")
+            assert len(pairs) == 8 and len({p.split("=")[1] for p in pairs}) == 8, role

@@ -4,6 +4,7 @@ the handler path that starts it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import kopf
@@ -212,3 +213,26 @@ def test_a_failure_after_the_loop_closed_starts_nothing():
     loop.close()
     retries.failed("ns", "tiny")  # no RuntimeError from a closed loop
     assert retries.tasks == {}
+
+
+def _refusal(status: int, message: str) -> Exception:
+    from kubernetes.client.exceptions import ApiException
+
+    exc = ApiException(status=status, reason="x")
+    exc.body = json.dumps({"kind": "Status", "message": message})
+    return exc
+
+
+def test_a_field_the_api_server_does_not_know_is_a_refusal_not_an_outage():
+    # Server-side apply answers a misspelt field (a pod template's nodeSelecter) with a
+    # 500; retrying it every 30 s would repeat the same ApplyFailed Warning forever.
+    from kvferry_operator.kube import is_transient
+
+    typo = _refusal(
+        500,
+        "failed to create typed patch object (ns/x-decode; apps/v1, Kind=StatefulSet): "
+        ".spec.template.spec.nodeSelecter: field not declared in schema",
+    )
+    assert not is_transient(typo)
+    assert is_transient(_refusal(500, "etcdserver: request timed out"))
+    assert is_transient(_refusal(503, "the server is currently unable to handle the request"))

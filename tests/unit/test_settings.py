@@ -49,3 +49,13 @@ def test_bad_metrics_clients_name_the_variable(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("KVFERRY_METRICS_CLIENTS", value)
     with pytest.raises(ValueError, match="KVFERRY_METRICS_CLIENTS"):
         settings.from_env()
+
+
+def test_the_pod_template_allow_list_is_read_and_none_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Default refuse: each name gives a server author's pods the node.
+    monkeypatch.delenv("KVFERRY_POD_TEMPLATE_ALLOW", raising=False)
+    assert settings.from_env().pod_template_allow == frozenset()
+    monkeypatch.setenv("KVFERRY_POD_TEMPLATE_ALLOW", "capabilities,privileged")
+    assert settings.from_env().pod_template_allow == {"capabilities", "privileged"}

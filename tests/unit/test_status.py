@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import api, hostpaths, ownership, prerequisites, status
+from kvferry_operator import api, hostpaths, ownership, podtemplate, prerequisites, status
 from kvferry_operator.status import Observed, PodState, RoleObserved
 from tests.manifests import server
 from tests.unit.observed import SETTLED
@@ -276,6 +276,14 @@ def test_a_refused_host_path_degrades_with_its_message():
     why = "spec.model.source.hub.cache.hostPath.path '/etc' is a node folder, ..."
     c = cond(status.compute_conditions(SERVER, observed(host_path_refused=why)), api.COND_DEGRADED)
     assert (c["status"], c["reason"], c["message"]) == ("True", hostpaths.REASON, why)
+
+
+@pytest.mark.parametrize("ctype", [api.COND_READY, api.COND_PROGRESSING, api.COND_DEGRADED])
+def test_a_refused_pod_template_holds_the_generation_with_its_message(ctype):
+    why = "spec.decode.podTemplate.spec.hostNetwork: not allowed by the operator's settings"
+    c = cond(status.compute_conditions(SERVER, observed(pod_template_refused=why)), ctype)
+    assert (c["reason"], c["message"]) == (podtemplate.REASON, why)
+    assert c["status"] == ("True" if ctype == api.COND_DEGRADED else "False")
 
 
 def test_crashing_containers_degrade():

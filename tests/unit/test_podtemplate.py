@@ -1,0 +1,369 @@
+"""spec.<role>.podTemplate: the strategic merge, its shape checks and what the operator's
+settings refuse (kvferry_operator.podtemplate, one test per rule of its docstring)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvferry_operator import api, hostpaths, podtemplate, render
+from kvferry_operator.settings import Settings
+from tests.manifests import merge, server
+
+BASE = {
+    "metadata": {"labels": {"a": "1"}, "annotations": {"x": "1"}},
+    "spec": {
+        "enableServiceLinks": False,
+        "containers": [
+            {
+                "name": "engine",
+                "image": "vllm",
+                "env": [{"name": "A", "value": "1"}],
+                "ports": [{"name": "engine", "containerPort": 8200}],
+                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
+            }
+        ],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "A"}
+        ],
+    },
+}
+
+
+def merged(overlay):
+    return podtemplate.merge(BASE, overlay)
+
+
+def engine(template):
+    return template["spec"]["containers"][0]
+
+
+# ------------------------------------------------------------------ the merge
+
+
+def test_maps_merge_key_by_key():
+    out = merged({"metadata": {"labels": {"b": "2"}}, "spec": {"serviceAccountName": "sa"}})
+    assert out["metadata"]["labels"] == {"a": "1", "b": "2"}
+    assert out["spec"]["serviceAccountName"] == "sa"
+    assert out["spec"]["enableServiceLinks"] is False
+
+
+def test_a_null_removes_the_key():
+    out = merged({"spec": {"enableServiceLinks": None}, "metadata": {"annotations": {"x": None}}})
+    assert "enableServiceLinks" not in out["spec"]
+    assert out["metadata"]["annotations"] == {}
+
+
+def test_containers_merge_by_name_and_their_mounts_by_mount_path():
+    out = merged(
+        {
+            "spec": {
+                "containers": [
+                    {"name": "engine", "volumeMounts": [{"name": "cache", "mountPath": "/c"}]},
+                    {"name": "logs", "image": "fluent-bit"},
+                ]
+            }
+        }
+    )
+    assert [c["name"] for c in out["spec"]["containers"]] == ["engine", "logs"]
+    assert engine(out)["image"] == "vllm"  # kept
+    assert engine(out)["volumeMounts"] == [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": "/c"},
+    ]
+
+
+def test_env_merges_by_name_and_ports_by_container_port():
+    out = merged(
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "engine",
+                        "env": [{"name": "A", "value": "2"}, {"name": "B", "value": "3"}],
+                        "ports": [{"containerPort": 8200, "protocol": "TCP"}],
+                    }
+                ]
+            }
+        }
+    )
+    assert engine(out)["env"] == [{"name": "A", "value": "2"}, {"name": "B", "value": "3"}]
+    assert engine(out)["ports"] == [{"name": "engine", "containerPort": 8200, "protocol": "TCP"}]
+
+
+def test_a_volume_replaces_its_namesake_whole():
+    # core/v1 volumes are retainKeys: two sources in one volume would be refused.
+    out = merged({"spec": {"volumes": [{"name": "dshm", "hostPath": {"path": "/x"}}]}})
+    assert out["spec"]["volumes"] == [{"name": "dshm", "hostPath": {"path": "/x"}}]
+
+
+def test_new_volumes_are_appended_in_the_overlays_order():
+    out = merged({"spec": {"volumes": [{"name": "b", "emptyDir": {}}, {"name": "a"}]}})
+    assert [v["name"] for v in out["spec"]["volumes"]] == ["dshm", "b", "a"]
+
+
+def test_a_spread_of_the_same_topology_key_merges_into_ours():
+    spread = {"topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+    out = merged({"spec": {"topologySpreadConstraints": [spread]}})
+    assert out["spec"]["topologySpreadConstraints"] == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+        }
+    ]
+
+
+def test_patch_delete_removes_our_item_of_that_key():
+    gone = {"topologyKey": "kubernetes.io/hostname", "$patch": "delete"}
+    out = merged({"spec": {"topologySpreadConstraints": [gone]}})
+    assert out["spec"]["topologySpreadConstraints"] == []
+
+
+def test_lists_without_a_merge_key_replace_ours():
+    out = merged(
+        {
+            "spec": {
+                "tolerations": [{"key": "other", "operator": "Exists"}],
+                "containers": [
+                    {"name": "engine", "securityContext": {"capabilities": {"add": ["SYS_NICE"]}}}
+                ],
+            }
+        }
+    )
+    assert out["spec"]["tolerations"] == [{"key": "other", "operator": "Exists"}]
+    assert engine(out)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_NICE"]}
+
+
+def test_neither_input_changes():
+    base, overlay = copy.deepcopy(BASE), {"spec": {"containers": [{"name": "engine", "a": 1}]}}
+    kept = copy.deepcopy(overlay)
+    podtemplate.merge(base, overlay)
+    assert base == BASE and overlay == kept
+
+
+def test_no_overlay_is_the_base():
+    assert podtemplate.merge(BASE, None) == BASE
+
+
+# ------------------------------------------------------------------ shape
+
+
+@pytest.mark.parametrize(
+    "overlay, fragment",
+    [
+        ([], "must be a pod template"),
+        ({"kind": "Pod"}, "takes metadata and spec only"),
+        ({"spec": []}, "spec.decode.podTemplate.spec must be a map"),
+        (
+            {"spec": {"volumes": [{"emptyDir": {}}]}},
+            "spec.decode.podTemplate.spec.volumes[0] has no name",
+        ),
+        (
+            {"spec": {"containers": [{"name": "engine", "env": [{"value": "1"}]}]}},
+            "spec.decode.podTemplate.spec.containers[0].env[0] has no name",
+        ),
+    ],
+)
+def test_what_cannot_be_merged_is_refused_naming_the_field(overlay, fragment):
+    with pytest.raises(ValueError) as err:
+        podtemplate.check("decode", overlay)
+    assert fragment in str(err.value)
+
+
+def test_parse_spec_makes_a_shape_error_a_spec_error():
+    bad = server({"prefill": {"podTemplate": {"spec": {"volumes": [{}]}}}})
+    with pytest.raises(api.SpecError, match=r"spec\.prefill\.podTemplate\.spec\.volumes\[0\]"):
+        api.parse_server(bad)
+
+
+# ------------------------------------------------------------------ refusals
+
+NONE = frozenset()
+
+
+def forbidden(spec, allow=NONE, prefixes=()):
+    return podtemplate.forbidden(
+        "decode", {"spec": spec}, allow, lambda p: hostpaths.allowed(p, prefixes)
+    )
+
+
+@pytest.mark.parametrize("name", ["hostNetwork", "hostPID", "hostIPC"])
+def test_a_host_namespace_is_refused_unless_allowed(name):
+    assert forbidden({name: True}) == [(f"spec.decode.podTemplate.spec.{name}", "hostNamespaces")]
+    assert forbidden({name: True}, frozenset({"hostNamespaces"})) == []
+    assert forbidden({name: False}) == []
+
+
+def test_a_host_port_is_refused_unless_host_namespaces_are_allowed():
+    spec = {"containers": [{"name": "exporter", "ports": [{"containerPort": 9, "hostPort": 9}]}]}
+    assert forbidden(spec) == [
+        (
+            "spec.decode.podTemplate.spec.containers[name=exporter].ports[0].hostPort",
+            "hostNamespaces",
+        )
+    ]
+    assert forbidden(spec, frozenset({"hostNamespaces"})) == []
+
+
+@pytest.mark.parametrize("name", ["privileged", "allowPrivilegeEscalation"])
+def test_privileged_is_refused_unless_allowed(name):
+    spec = {"initContainers": [{"name": "setup", "securityContext": {name: True}}]}
+    where = f"spec.decode.podTemplate.spec.initContainers[name=setup].securityContext.{name}"
+    assert forbidden(spec) == [(where, "privileged")]
+    assert forbidden(spec, frozenset({"privileged"})) == []
+
+
+def test_capabilities_beyond_ipc_lock_are_refused_unless_allowed():
+    rdma = {
+        "containers": [
+            {"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}
+        ]
+    }
+    admin = {
+        "containers": [
+            {"name": "engine", "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}
+        ]
+    }
+    assert forbidden(rdma) == []
+    assert forbidden(admin) == [
+        (
+            "spec.decode.podTemplate.spec.containers[name=engine].securityContext.capabilities.add",
+            "capabilities",
+        )
+    ]
+    assert forbidden(admin, frozenset({"capabilities"})) == []
+
+
+def test_a_host_path_volume_is_refused_outside_the_allowed_prefixes():
+    spec = {"volumes": [{"name": "nvme", "hostPath": {"path": "/mnt/nvme/cache"}}]}
+    where = "spec.decode.podTemplate.spec.volumes[name=nvme].hostPath.path"
+    assert forbidden(spec) == [(where, "prefixes")]
+    assert forbidden(spec, prefixes=("/mnt/nvme",)) == []
+    assert forbidden(
+        {"volumes": [{"name": "x", "hostPath": {"path": "/mnt/nvme/../../etc"}}]},
+        prefixes=("/mnt/nvme",),
+    )
+
+
+def test_deleting_or_nulling_what_is_kvferrys_is_refused_whatever_the_settings():
+    every = frozenset(podtemplate.ALLOWS)
+    assert forbidden({"containers": [{"name": "engine", "$patch": "delete"}]}, every) == [
+        ("spec.decode.podTemplate.spec.containers[0].$patch", "kvferry")
+    ]
+    assert forbidden({"containers": [{"name": "engine", "securityContext": None}]}, every) == [
+        ("spec.decode.podTemplate.spec.containers[0].securityContext", "kvferry")
+    ]
+    assert forbidden({"volumes": None}, every) == [
+        ("spec.decode.podTemplate.spec.volumes", "kvferry")
+    ]
+    # A container of the user's own may be deleted (it is not in kvferry's template).
+    assert forbidden({"containers": [{"name": "logs", "$patch": "delete"}]}) == []
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({"tolerations": [], "$patch": "replace"}, "spec.$patch"),
+        ({"$setElementOrder/containers": [{"name": "engine"}]}, "spec.$setElementOrder/containers"),
+        ({"volumes": [{"$patch": "replace", "name": "v"}]}, "spec.volumes[0].$patch"),
+        ({"affinity": {"$patch": "delete"}}, "spec.affinity.$patch"),
+    ],
+)
+def test_a_directive_the_merge_does_not_take_is_refused_whatever_the_settings(spec, where):
+    # CEL cannot see `$` keys: the API server stores them, the operator refuses them.
+    every = frozenset(podtemplate.ALLOWS)
+    assert forbidden(spec, every) == [(f"spec.decode.podTemplate.{where}", "directive")]
+    why = podtemplate.refusal({"decode": {"spec": spec}}, every, (), lambda p: True)
+    assert why == (
+        f"spec.decode.podTemplate.{where}: only $patch: delete on an item of a list merged "
+        "by key is supported (e.g. a topologySpreadConstraints entry): the StatefulSets are "
+        "not applied. Write the value whole instead"
+    )
+
+
+def test_patch_delete_on_an_item_of_a_keyed_list_is_no_directive_refused():
+    spread = {"topologySpreadConstraints": [{"topologyKey": "x", "$patch": "delete"}]}
+    assert forbidden(spread) == []
+
+
+def test_the_refusal_names_every_field_and_the_setting_that_allows_it():
+    why = podtemplate.refusal(
+        {
+            "prefill": {"spec": {"hostNetwork": True}},
+            "decode": {"spec": {"volumes": [{"name": "v", "hostPath": {"path": "/etc"}}]}},
+        },
+        NONE,
+        (),
+        lambda p: False,
+    )
+    assert why is not None
+    assert why.startswith(
+        "spec.prefill.podTemplate.spec.hostNetwork, "
+        "spec.decode.podTemplate.spec.volumes[name=v].hostPath.path: not allowed by the "
+        "operator's settings"
+    )
+    assert "the StatefulSets are not applied" in why
+    assert "settings.podTemplateAllow: [hostNamespaces] in the chart" in why
+    assert "KVFERRY_POD_TEMPLATE_ALLOW" in why
+    assert "settings.hostPathPrefixes (KVFERRY_HOST_PATH_PREFIXES); allowed now: none" in why
+
+
+def test_no_overlay_is_never_refused():
+    assert podtemplate.refusal({"prefill": None, "decode": {}}, NONE, (), lambda p: False) is None
+
+
+def test_settings_refuse_through_the_servers_overlays():
+    spec = {"decode": {"podTemplate": {"spec": {"hostPID": True}}}}
+    parsed = api.parse_server(server(spec))
+    plain = Settings(sidecar_image="", resync_seconds=60)
+    allowing = Settings(
+        sidecar_image="", resync_seconds=60, pod_template_allow=frozenset({"hostNamespaces"})
+    )
+    assert "spec.decode.podTemplate.spec.hostPID" in (plain.pod_template_refusal(parsed) or "")
+    assert allowing.pod_template_refusal(parsed) is None
+
+
+@pytest.mark.parametrize(
+    "text, allowed",
+    [("", frozenset()), ("privileged, capabilities", frozenset({"privileged", "capabilities"}))],
+)
+def test_the_allow_setting_parses_names(text, allowed):
+    assert podtemplate.parse_allow(text) == allowed
+
+
+def test_an_unknown_allow_name_is_a_startup_error_naming_the_variable():
+    with pytest.raises(ValueError, match=r"KVFERRY_POD_TEMPLATE_ALLOW: hostpath is not one of"):
+        podtemplate.parse_allow("hostpath")
+
+
+# ------------------------------------------------------------------ names kept in step
+
+
+def test_kvferrys_names_are_those_render_uses():
+    hub = {"model": {"source": {"hub": {}}}}
+    objects = render.render(api.parse_server(merge(server(), {"spec": hub})))
+    pvc = render.render(api.parse_server(server()))
+    pods = [o["spec"]["template"]["spec"] for o in objects + pvc if o["kind"] == "StatefulSet"]
+    volumes = {v["name"] for p in pods for v in p["volumes"]}
+    assert volumes == set(podtemplate.KVFERRY_VOLUMES)
+    assert {c["name"] for p in pods for c in p["containers"]} == {podtemplate.ENGINE_CONTAINER}
+    assert {c["name"] for p in pods for c in p["initContainers"]} == {podtemplate.SIDECAR_CONTAINER}
+
+
+def test_the_crd_rules_name_kvferrys_volumes():
+    rules = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]["properties"]["decode"]
+    spec_rules = rules["properties"]["podTemplate"]["properties"]["spec"][
+        "x-kubernetes-validations"
+    ]
+    volume_rule = next(r["rule"] for r in spec_rules if "self.volumes" in r["rule"])
+    for name in podtemplate.KVFERRY_VOLUMES:
+        assert f"'{name}'" in volume_rule
+
+
+def test_the_host_path_setting_named_is_hostpaths():
+    assert f"{hostpaths.CHART_VALUE} ({hostpaths.ENV})" == podtemplate.HOST_PATH_SETTING
