@@ -1345,7 +1345,11 @@ class TestPodTemplate:
             "nvidia",
             "volcano",
         )
-        assert pod["securityContext"] == {"fsGroup": 1000}
+        # Maps merge: the overlay's fsGroup joins kvferry's pod-level seccomp profile.
+        assert pod["securityContext"] == {
+            "seccompProfile": {"type": "RuntimeDefault"},
+            "fsGroup": 1000,
+        }
         assert pod["volumes"][-1] == {"name": "nvme", "emptyDir": {}}
         assert engine(objs, "decode")["volumeMounts"][-1] == {
             "name": "nvme",
