@@ -8,6 +8,7 @@ Writes into OUT_DIR:
                            hidden 512, float32, vocab 8192, 4096 positions)
   tokenizer.json           byte-level BPE trained here on Python stdlib source
   tokenizer_config.json    PreTrainedTokenizerFast + bos/eos/pad + a ChatML chat template
+                           that renders tools, documents and reasoning effort
   special_tokens_map.json
   generation_config.json
   model.safetensors        seeded random weights (134 MB float32), see below
@@ -52,8 +53,36 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START]  # ids 0..3, matching config.json
 # ChatML. bos comes from the template (vLLM tokenizes a rendered chat prompt without
 # adding special tokens); plain completion prompts get bos from the post-processor.
 # Content given as OpenAI parts is joined from its text parts.
+#
+# The request options that change the prompt render the way real templates render
+# them, so the engine tier can prove a turn carrying them does not reuse KV computed
+# for another prompt (sidecar/allowlist.py): a system block first, when any is set,
+# with the reasoning effort (gpt-oss: "Reasoning: high"), the tools as JSON lines in
+# <tools> (Qwen3) and the documents (Command-R, Granite); and Qwen3's empty think
+# block after the generation prompt when enable_thinking is false (vLLM sets it from
+# reasoning_effort). vLLM passes the template only the variables it names, from
+# chat_template_kwargs, the top-level documents / reasoning_effort and the tools. A
+# request without them renders exactly as the plain ChatML template did.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% set effort = reasoning_effort if reasoning_effort is defined else none %}"
+    "{% if tools or documents or effort %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if effort %}{{ 'Reasoning: ' + effort|string + '\\n' }}{% endif %}"
+    "{% if tools %}"
+    "{{ '# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + tool|tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n' }}"
+    "{% endif %}"
+    "{% if documents %}"
+    "{{ '# Documents\\n' }}"
+    "{% for doc in documents %}"
+    "{{ 'Document: ' + loop.index0|string + '\\n' }}"
+    "{% for key, value in doc.items() %}{{ key + ': ' + value|string + '\\n' }}{% endfor %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -64,7 +93,11 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}"
+    "{% endif %}"
 )
 
 # Stdlib modules used as training text: long-lived, plain-text heavy. Missing ones are

@@ -42,6 +42,18 @@ def _attempt(fn: Callable[..., T], *args: Any) -> tuple[T, None] | tuple[None, s
 # Timings for the README and for whoever wonders why a run is slow.
 TIMINGS: dict[str, float] = {}
 
+# Tool calling as a server that offers it is started, so turns can carry tools
+# (test_prompt_options.py): tool_choice "auto" (vLLM's default with tools) needs a
+# parser (pythonic: it needs no special tokens in the tiny vocabulary), and
+# --exclude-tools-when-tool-choice-none makes "none" drop the tools from the prompt.
+# Requests without tools are served as without these flags.
+ENGINE_ARGS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "pythonic",
+    "--exclude-tools-when-tool-choice-none",
+]
+
 
 @pytest.fixture(scope="session")
 def engine_python() -> Path:
@@ -85,7 +97,9 @@ def engine_pair(
     """P (core 0, kv_producer) and D (core 1, kv_consumer), bidirectional, short TTL."""
     t0 = time.monotonic()
     pair, err = _attempt(
-        lambda: start_pair(engine_python, tiny_model, engine_log_dir, server=server)
+        lambda: start_pair(
+            engine_python, tiny_model, engine_log_dir, server=server, extra_args=ENGINE_ARGS
+        )
     )
     if err:
         pytest.fail(f"engines did not start: {err}", pytrace=False)

@@ -121,3 +121,23 @@ def assert_recomputed(turn: Turn) -> None:
     assert turn.reply.reused_tokens == 0, turn.why()
     assert turn.p.pulled_tokens == 0 and turn.p.pull_bytes == 0, turn.why()
     assert turn.p.computed_tokens == turn.prompt, turn.why()
+
+
+def second_turn(
+    sidecar: SidecarProcess,
+    sidecar_off: SidecarProcess,
+    prefill: Engine,
+    session: str,
+    seed: int,
+    first: dict[str, Any],
+    second: dict[str, Any],
+) -> tuple[Turn, Turn, Turn, list[dict[str, Any]]]:
+    """Turn 1 with request fields ``first``, turn 2 with ``second``; turn 2 also through
+    the reuse-off sidecar. Returns (turn 1, turn 2, turn 2 with reuse off, its messages)."""
+    messages = [user_message(seed, 0)]
+    t1 = send(sidecar, prefill, messages, session, **first)
+    assert t1.reply.outcome == "no-handle", t1.why()
+    messages += [assistant(t1.reply), user_message(seed, 1)]
+    t2 = send(sidecar, prefill, messages, session, **second)
+    off = send(sidecar_off, prefill, messages, f"{session}-off", **second)
+    return t1, t2, off, messages

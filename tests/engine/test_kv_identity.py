@@ -11,8 +11,6 @@ client and to the sidecar they are two models.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from kvferry_dev.configs import SERVED_MODEL_ALIAS, SERVED_MODEL_NAME
@@ -24,31 +22,12 @@ from tests.engine.helpers import (
     assert_recomputed,
     assistant,
     reference,
+    second_turn,
     send,
     user_message,
 )
 
 pytestmark = pytest.mark.engine
-
-
-def second_turn(
-    sidecar: SidecarProcess,
-    sidecar_off: SidecarProcess,
-    prefill: Engine,
-    session: str,
-    seed: int,
-    first: dict[str, Any],
-    second: dict[str, Any],
-) -> tuple[Turn, Turn, list[dict[str, Any]]]:
-    """Turn 1 with request fields ``first``, turn 2 with ``second``; turn 2 also through
-    the reuse-off sidecar. Returns (turn 2, turn 2 with reuse off, its messages)."""
-    messages = [user_message(seed, 0)]
-    t1 = send(sidecar, prefill, messages, session, **first)
-    assert t1.reply.outcome == "no-handle", t1.why()
-    messages += [assistant(t1.reply), user_message(seed, 1)]
-    t2 = send(sidecar, prefill, messages, session, **second)
-    off = send(sidecar_off, prefill, messages, f"{session}-off", **second)
-    return t2, off, messages
 
 
 def assert_not_reused(t2: Turn, off: Turn) -> None:
@@ -61,7 +40,7 @@ def test_switching_model_never_pulls_the_old_handle(
     sidecar: SidecarProcess, sidecar_off: SidecarProcess, prefill: Engine
 ) -> None:
     """Turn 2 names another model (an adapter, to the client): same ids, other KV."""
-    t2, off, messages = second_turn(
+    _, t2, off, messages = second_turn(
         sidecar,
         sidecar_off,
         prefill,
@@ -100,7 +79,7 @@ def test_truncating_turn_neither_pulls_nor_keeps_a_handle(
 ) -> None:
     """``truncate_prompt_tokens`` lets the engine cut the prompt's head, so positions
     are not the ids': the handle is not pulled, and the turn keeps none."""
-    t2, off, messages = second_turn(
+    _, t2, off, messages = second_turn(
         sidecar,
         sidecar_off,
         prefill,
