@@ -345,7 +345,8 @@ def test_an_unknown_allow_name_is_a_startup_error_naming_the_variable():
 
 
 def test_kvferrys_names_are_those_render_uses():
-    hub = {"model": {"source": {"hub": {}}}}
+    # With a token Secret: its volume is kvferry's too.
+    hub = {"model": {"source": {"hub": {"tokenSecret": {"name": "hf", "key": "token"}}}}}
     objects = render.render(api.parse_server(merge(server(), {"spec": hub})))
     pvc = render.render(api.parse_server(server()))
     pods = [o["spec"]["template"]["spec"] for o in objects + pvc if o["kind"] == "StatefulSet"]
