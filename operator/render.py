@@ -411,6 +411,15 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
     merged = podtemplate.merge(template, role.pod_template)
     merged.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
     merged["metadata"].setdefault("annotations", {}).update(annotations)
+    # What the overlay may not take away without a word: a shorter grace would SIGKILL
+    # the engine in the middle of the drain spec.<role>.drainSeconds promises (a
+    # longer one is kept), and Service links bring back the VLLM_PORT crash above.
+    grace = pod["terminationGracePeriodSeconds"]
+    merged_spec = merged.setdefault("spec", {})
+    overlay_grace = merged_spec.get("terminationGracePeriodSeconds")
+    if not isinstance(overlay_grace, int) or overlay_grace < grace:
+        merged_spec["terminationGracePeriodSeconds"] = grace
+    merged_spec["enableServiceLinks"] = False
     return merged
 
 

@@ -1366,6 +1366,15 @@ class TestPodTemplate:
         objs = rendered(server({"decode": {"podTemplate": IDENTITY}}))
         assert pod_spec(objs, "prefill") == pod_spec(rendered(server()), "prefill")
 
+    @pytest.mark.parametrize("grace, kept", [(5, 1860), (None, 1860), (4000, 4000)])
+    def test_the_overlay_cannot_cut_the_drain_or_bring_back_service_links(self, grace, kept):
+        """A grace shorter than the drain would SIGKILL the engine mid-drain; Service
+        links set VLLM_PORT, which vLLM reads as its own setting."""
+        overlay = {"spec": {"terminationGracePeriodSeconds": grace, "enableServiceLinks": True}}
+        pod = pod_spec(rendered(server({"decode": {"podTemplate": overlay}})), "decode")
+        assert pod["terminationGracePeriodSeconds"] == kept
+        assert pod["enableServiceLinks"] is False
+
     def test_kvferrys_labels_and_annotations_win_over_the_overlay(self):
         # The CRD refuses them; an object stored before its rules is not validated again.
         overlay = {
