@@ -399,7 +399,9 @@ def apply_children(
             # rules: they keep what they run (the refusal or conflict says why).
             logger.warning("not applied, a role's RoleScaler count is not known: %s", key)
             continue
-        if child["kind"] == "StatefulSet" and (refused or not isolated):
+        if child["kind"] in ("StatefulSet", "ConfigMap") and (refused or not isolated):
+            # The ConfigMap too: its topology is read by the pods that run, and a new
+            # count in it (a scale in the same edit) would name peers that never come.
             # The status says why (refresh_status): HostPathNotAllowed,
             # PodTemplateNotAllowed, or the NetworkPolicy's ApplyFailed Event.
             logger.warning("not applied: %s %s", key, refused or "its NetworkPolicy did not land")

@@ -52,9 +52,10 @@ def test_a_host_path_outside_the_allowed_folders_gets_no_statefulset_and_says_wh
     kube = ClusterKube()
     obj = host_path_chat()
     assert handlers.apply_children(obj, kube, NONE_ALLOWED, LOG) is handlers.Applied.NEVER
-    assert "StatefulSet" not in kinds(kube.applied)
-    # Everything else lands (the entry Service, the policy, the status object).
-    assert {"NetworkPolicy", "Service", "ConfigMap", api.STATUS_KIND} <= kinds(kube.applied)
+    # Nor their ConfigMap (the running pods keep the topology they run with);
+    # everything else lands (the entry Service, the policy, the status object).
+    assert not {"StatefulSet", "ConfigMap"} & kinds(kube.applied)
+    assert {"NetworkPolicy", "Service", api.STATUS_KIND} <= kinds(kube.applied)
     handlers.refresh_status(obj, kube, {}, {}, settings=NONE_ALLOWED)
     got = conditions(kube)
     for ctype, value in ((api.COND_READY, "False"), (api.COND_DEGRADED, "True")):
@@ -86,8 +87,8 @@ class RefusingPolicies(ClusterKube):
 def test_pods_never_start_without_their_network_policy():
     kube = RefusingPolicies()
     assert not handlers.apply_children(chat(), kube, NONE_ALLOWED, LOG)
-    assert "StatefulSet" not in kinds(kube.applied)
-    assert {"Service", "ConfigMap", "PodDisruptionBudget"} <= kinds(kube.applied)
+    assert not {"StatefulSet", "ConfigMap"} & kinds(kube.applied)
+    assert {"Service", "PodDisruptionBudget"} <= kinds(kube.applied)
 
 
 def test_one_statefulset_reapplied_never_comes_back_without_its_network_policy():
