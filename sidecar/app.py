@@ -185,8 +185,13 @@ def _drain_then_exit(sc: Sidecar) -> None:
         raise web.GracefulExit()
 
     async def run() -> None:
-        await sc.drain()
-        asyncio.get_running_loop().call_soon(graceful_exit)
+        try:
+            await sc.drain()
+        except Exception:
+            # A stop that cannot drain still stops: the kubelet's SIGKILL would be worse.
+            log.exception("drain failed; stopping anyway")
+        finally:
+            asyncio.get_running_loop().call_soon(graceful_exit)
 
     task = asyncio.ensure_future(run())
     _SIGNAL_TASKS.add(task)

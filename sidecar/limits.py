@@ -70,6 +70,9 @@ MEMORY_PER_BODY_BYTE: Final = 24
 MIN_INFLIGHT_BODY_BYTES: Final = 2**20
 # Without a known memory limit (a sidecar run by hand).
 FALLBACK_INFLIGHT_BODY_BYTES: Final = 64 * 2**20
+# Never more: a container without a memory limit gets the node's allocatable memory
+# from the downward API (2 TiB would afford ~85 GiB of bodies).
+MAX_INFLIGHT_BODY_BYTES: Final = 2**30
 
 
 def key(name: str) -> str:
@@ -247,7 +250,7 @@ def inflight_capacity(settings: SidecarSettings) -> int:
     if settings.memory_limit_bytes is None:
         return FALLBACK_INFLIGHT_BODY_BYTES
     affordable = (settings.memory_limit_bytes - MEMORY_RESERVE_BYTES) // MEMORY_PER_BODY_BYTE
-    return max(MIN_INFLIGHT_BODY_BYTES, affordable)
+    return min(MAX_INFLIGHT_BODY_BYTES, max(MIN_INFLIGHT_BODY_BYTES, affordable))
 
 
 class InflightBudget:

@@ -23,10 +23,12 @@ import aiohttp
 
 from kvferry_wire import protocol, report
 
-from . import config, drain, enginemetrics, owners, plan, transport
+from . import config, enginemetrics, owners, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
+from .drain import Drainer
+from .drain import Result as DrainResult
 from .handles import Clock, HandleStore
 from .identity import plain_text
 from .kvsubscriber import Subscriber
@@ -78,8 +80,8 @@ class Sidecar:
             self._topology.last = (settings.prefill_engines, settings.decode_sidecars)
         self.kv_index = BlockIndex()
         # The turns in flight and the drain that waits for them when the pod stops.
-        self.drainer = drain.Drainer()
-        self._drain_task: asyncio.Task[drain.Result] | None = None
+        self.drainer = Drainer()
+        self._drain_task: asyncio.Task[DrainResult] | None = None
         self._released_on_drain = False
         # The engine's /metrics text of the last good scrape ("" after a failed one).
         self.engine_metrics_text = ""
@@ -256,14 +258,14 @@ class Sidecar:
 
     # ------------------------------------------------------------ stopping
 
-    async def drain(self) -> drain.Result:
+    async def drain(self) -> DrainResult:
         """Stop taking turns, wait for those in flight (``drain_seconds`` at most), then
         release the handles held while the engine still runs: after the engine stops,
         P's empty pull for them would only fail. Every caller (the preStop hook, the
         sidecar's own SIGTERM, a retried hook) joins the one drain."""
         return await asyncio.shield(self.begin_drain())
 
-    def begin_drain(self) -> asyncio.Task[drain.Result]:
+    def begin_drain(self) -> asyncio.Task[DrainResult]:
         """Start the drain (or find the one under way): from now on no turn is taken."""
         if self._drain_task is None:
             self.drainer.begin(self.settings.drain_seconds)
@@ -275,7 +277,7 @@ class Sidecar:
             self._drain_task = asyncio.ensure_future(self._drain())
         return self._drain_task
 
-    async def _drain(self) -> drain.Result:
+    async def _drain(self) -> DrainResult:
         generation = self.drainer.generation
         result = await self.drainer.wait()
         if result.left:

@@ -121,7 +121,10 @@ async def test_stream_in_flight_when_drain_starts_completes_whole(
     assert first.startswith(b"data: ")
     drain = asyncio.ensure_future(client.get("/drain"))
     draining = sc.begin_drain()
-    assert sc.drainer.inflight == 1 and not draining.done()
+    # Let the drain task and the /drain request run as far as they can: both wait.
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert sc.drainer.inflight == 1 and not draining.done() and not drain.done()
     engines.decode.hold_after_finish.set()
     raw = first.decode() + (await resp.read()).decode()
     assert streamed_text(raw) == "fine thanks "

@@ -311,6 +311,8 @@ MiB = 2**20
         (4096 * MiB, (4096 * MiB - limits.MEMORY_RESERVE_BYTES) // limits.MEMORY_PER_BODY_BYTE),
         # Below the reserve: still the floor, never 0 (every turn a 413).
         (64 * MiB, limits.MIN_INFLIGHT_BODY_BYTES),
+        # No limit on the container: the downward API gives the node's memory.
+        (2 * 2**40, limits.MAX_INFLIGHT_BODY_BYTES),
     ],
 )
 def test_the_in_flight_budget_follows_the_memory_limit(limit: int, capacity: int) -> None:

@@ -137,6 +137,8 @@ async def test_the_metrics_port_serves_the_sidecars_and_the_engines_series(
         ("POST", CHAT, 404),
         ("POST", "/v1/completions", 404),
         ("GET", "/metrics/", 404),
+        # The engine's preStop: only the internal port drains the pod.
+        ("GET", "/drain", 404),
         ("POST", "/metrics", 405),
         ("DELETE", "/metrics", 405),
     ],
