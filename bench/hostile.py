@@ -277,7 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for example in r["ruleBreakExamples"]:
             print(f"    rule break: {example}")
     print(f"D's pinned handles: {ledger}")
-    worst = max(rows, key=lambda r: r["rssPeakMiB"])
+    # The targets judge the sidecar as shipped, not the fixed-budget comparison row.
+    shipped = [r for r in rows if "MiB budget" not in r["load"]]
+    worst = max(shipped, key=lambda r: r["rssPeakMiB"])
     result.targets = [
         Target(
             "RSS peak under the default 1 Gi limit",
@@ -287,9 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "MiB",
         ),
         Target(
-            "/healthz worst under attack", max(r["healthzWorstMs"] for r in rows), "<=", 1000, "ms"
+            "/healthz worst under attack",
+            max(r["healthzWorstMs"] for r in shipped),
+            "<=",
+            1000,
+            "ms",
         ),
-        Target("no rule breaks", sum(r["ruleBreaks"] for r in rows), "<=", 0, ""),
+        Target("no rule breaks", sum(r["ruleBreaks"] for r in shipped), "<=", 0, ""),
     ]
     result.print_targets()
     path = result.write(args.out)
