@@ -53,20 +53,44 @@ def _low_uid(pod: Obj, c: Obj) -> bool:
     return (_effective(pod, c, "runAsUser") or 0) < HIGH_UID
 
 
-def _any(test: Callable[[Obj, Obj], bool]) -> Callable[[Obj, bool], bool]:
-    return lambda pod, _cpu: any(test(pod, c) for c in _containers(pod))
+# The containers kvferry renders; the tag and pull-policy reasons name their images.
+OURS = frozenset({"engine", "kvferry-sidecar"})
+
+
+def _ours_only(test: Callable[[Obj, Obj], bool]) -> Callable[[Obj, bool], bool]:
+    """Applies when some container fails ``test`` and each that does is kvferry's: an
+    overlay's own container (``spec.<role>.podTemplate``) failing it fails the scan."""
+
+    def applies(pod: Obj, _cpu: bool) -> bool:
+        failing = {c["name"] for c in _containers(pod) if test(pod, c)}
+        return bool(failing) and failing <= OURS
+
+    return applies
+
+
+def _locked_down(c: Obj) -> bool:
+    """All capabilities dropped and no escalation, as render sets them (an overlay may
+    change the engine's security context)."""
+    ctx = c.get("securityContext", {})
+    drop = [d.upper() for d in ctx.get("capabilities", {}).get("drop", [])]
+    return "ALL" in drop and ctx.get("allowPrivilegeEscalation") is False
 
 
 def _engine_only(
-    test: Callable[[Obj, Obj], bool], cpu: bool = False
+    test: Callable[[Obj, Obj], bool], cpu: bool = False, locked: bool = False
 ) -> Callable[[Obj, bool], bool]:
     """Applies when the engine, and no other container, fails ``test`` (on a CPU server
-    only, with ``cpu``): the reason is the engine's, so another container failing the
-    check (an overlay's, a sidecar change) fails the scan."""
+    only, with ``cpu``; with ``locked``, only while the engine drops every capability
+    and cannot escalate, which the reason says): the reason is the engine's, so another
+    container failing the check (an overlay's, a sidecar change) fails the scan."""
 
     def applies(pod: Obj, on_cpu: bool) -> bool:
         failing = [c["name"] for c in _containers(pod) if test(pod, c)]
-        return failing == ["engine"] and (on_cpu or not cpu)
+        return (
+            failing == ["engine"]
+            and (on_cpu or not cpu)
+            and (not locked or _locked_down(_engine(pod)))
+        )
 
     return applies
 
@@ -83,13 +107,13 @@ def _adds_capabilities(_pod: Obj, c: Obj) -> bool:
 RULES: tuple[tuple[str, Callable[[Obj, bool], bool], str], ...] = (
     (
         "CKV_K8S_43",
-        _any(lambda _pod, c: "@" not in c.get("image", "")),
+        _ours_only(lambda _pod, c: "@" not in c.get("image", "")),
         "images named by tag: spec.engine.image and the operator's sidecar image (the chart's "
         "sidecarImage); name them by digest (image@sha256:...) to pin them",
     ),
     (
         "CKV_K8S_15",
-        _any(lambda _pod, c: c.get("imagePullPolicy") != "Always"),
+        _ours_only(lambda _pod, c: c.get("imagePullPolicy") != "Always"),
         "IfNotPresent: a pod starts from the node's copy of its multi-GB engine image while the "
         "registry is slow or down; spec.engine.imagePullPolicy Always pulls the engine each start",
     ),
@@ -103,13 +127,13 @@ RULES: tuple[tuple[str, Callable[[Obj, bool], bool], str], ...] = (
     ),
     (
         "CKV_K8S_23",
-        _engine_only(_runs_as_root),
+        _engine_only(_runs_as_root, locked=True),
         "the engine keeps its image's user and vLLM's images run as root; it has no "
         "capabilities and cannot escalate; the sidecar runs as 65532",
     ),
     (
         "CKV_K8S_40",
-        _engine_only(_low_uid),
+        _engine_only(_low_uid, locked=True),
         "the engine keeps its image's user and vLLM's images run as root; it has no "
         "capabilities and cannot escalate; the sidecar runs as 65532",
     ),

@@ -79,6 +79,23 @@ def test_another_root_container_gets_no_skip():
     }
 
 
+def test_an_overlay_container_by_tag_gets_no_tag_or_pull_policy_skip():
+    # The reasons name kvferry's images: a container of the podTemplate's by tag and
+    # IfNotPresent must fail the scan.
+    pod = copy.deepcopy(statefulsets(GPU)[0]["spec"]["template"]["spec"])
+    pod["containers"].append({"name": "logs", "image": "busybox:1"})
+    notes = scanskips.build_scanner_skips(pod, on_cpu=False)
+    assert not {"CKV_K8S_43", "CKV_K8S_15"} & {v.split("=")[0] for v in notes.values()}
+
+
+def test_an_engine_that_keeps_capabilities_gets_no_root_skip():
+    # The reason says the root engine has no capabilities and cannot escalate.
+    pod = copy.deepcopy(statefulsets(GPU)[0]["spec"]["template"]["spec"])
+    pod["containers"][0]["securityContext"]["capabilities"] = {"drop": []}
+    notes = scanskips.build_scanner_skips(pod, on_cpu=False)
+    assert not {"CKV_K8S_23", "CKV_K8S_40"} & {v.split("=")[0] for v in notes.values()}
+
+
 def test_a_non_root_engine_drops_the_root_skips():
     pod = copy.deepcopy(statefulsets(GPU)[0]["spec"]["template"]["spec"])
     pod["containers"][0]["securityContext"] |= {"runAsNonRoot": True, "runAsUser": 10001}
