@@ -68,14 +68,14 @@ async def test_a_thousand_hostile_requests_beside_steady_streams(
     await asyncio.to_thread(sc.start)
     try:
         attacks = hostile.Generator(CAPS, seed=20, slow_s=1.0).attacks(ATTACKS)
-        stop = asyncio.Event()
-        steady = asyncio.create_task(hostile.steady_streams(sc.url, 4, stop))
-        probes = asyncio.create_task(hostile.healthz_worst(sc.url, stop))
+        # The well-behaved clients in a process of their own: in this one, whose loop
+        # also runs the fake engines and the attacks, a starved client was itself the
+        # slow sender the sidecar's body deadline cuts (seen under load).
+        watcher = await asyncio.to_thread(hostile.Watcher, sc.url, 4)
         answers = await hostile.run_attacks(
             "127.0.0.1", sc.port, attacks, concurrency=32, deadline=DEADLINE_S
         )
-        stop.set()
-        flowing, (healthz_s, _) = await steady, await probes
+        flowing, healthz_s, _ = await asyncio.to_thread(watcher.stop)
         assert sc.proc is not None
         peak = hostile.rss_peak_bytes(sc.proc.pid)
         markers = hostile.leak_markers([p, d])
