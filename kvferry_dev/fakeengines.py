@@ -170,6 +170,8 @@ class FakeEngine:
     _count: int = 0
     # Set on every abort; waiters clear it before they wait again.
     _aborts: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # Set on every completion request received (as _aborts).
+    _received: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def restart(self) -> None:
         """A new engine process on the same port (its pinned blocks are gone)."""
@@ -182,6 +184,12 @@ class FakeEngine:
 
     def last(self) -> Seen:
         return self.completions()[-1]
+
+    async def wait_received(self, count: int = 1) -> None:
+        """Return once `count` completion requests have arrived (their bodies read)."""
+        while self._count < count:
+            self._received.clear()
+            await self._received.wait()
 
     async def wait_aborted(self, count: int = 1) -> None:
         """Return once `count` requests have been aborted by their caller."""
@@ -257,6 +265,7 @@ class FakeEngine:
         body = await request.json()
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
         self._count += 1
+        self._received.set()
         if self.delay:
             await asyncio.sleep(self.delay)
         reanchor = isinstance(body.get("prompt"), list) and body.get("max_tokens") == 1
