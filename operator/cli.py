@@ -31,8 +31,14 @@ def dump_yaml(objects: list[dict[str, Any]], out: TextIO) -> None:
 
 def render_documents(stream: TextIO) -> tuple[list[dict[str, Any]], list[str]]:
     """Children of every DisaggregatedServer in ``stream``, and the errors found."""
-    from . import render, validation  # the operator extra: checked in main()
+    from . import hostpaths, render, validation  # the operator extra: checked in main()
+    from . import settings as operator_settings
 
+    # The operator's own refusals too (a hostPath, what a podTemplate may not set),
+    # under the settings it reads (KVFERRY_HOST_PATH_PREFIXES,
+    # KVFERRY_POD_TEMPLATE_ALLOW; none allowed when unset): what this prints, the
+    # operator applies.
+    ours = operator_settings.from_env()
     out: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, doc in enumerate(yaml.safe_load_all(stream)):
@@ -51,7 +57,14 @@ def render_documents(stream: TextIO) -> tuple[list[dict[str, Any]], list[str]]:
         if problems:
             errors += [f"{api.SERVER_KIND} {name}: {p}" for p in problems]
             continue
-        out += render.render(api.parse_server(doc))
+        server = api.parse_server(doc)
+        refused = hostpaths.refusal(server, ours.host_path_prefixes) or (
+            ours.pod_template_refusal(server)
+        )
+        if refused:
+            errors.append(f"{api.SERVER_KIND} {name}: {refused}")
+            continue
+        out += render.render(server)
     return out, errors
 
 

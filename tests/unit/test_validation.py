@@ -177,6 +177,21 @@ def test_a_null_the_api_server_drops_is_dropped_before_validating_and_rendering(
     assert "team" not in sts["spec"]["template"]["metadata"]["labels"]
 
 
+def test_render_refuses_what_the_operators_settings_refuse(monkeypatch: Any) -> None:
+    """Offline render prints only what the operator would apply: a podTemplate host
+    namespace is an error naming the field and the setting, unless the settings the
+    operator reads allow it."""
+    obj = server({"decode": {"podTemplate": {"spec": {"hostNetwork": True}}}})
+    monkeypatch.delenv("KVFERRY_POD_TEMPLATE_ALLOW", raising=False)
+    objects, errors = cli.render_documents(io.StringIO(yaml.safe_dump(obj)))
+    assert objects == [] and len(errors) == 1
+    assert "spec.decode.podTemplate.spec.hostNetwork" in errors[0]
+    assert "settings.podTemplateAllow" in errors[0]
+    monkeypatch.setenv("KVFERRY_POD_TEMPLATE_ALLOW", "hostNamespaces")
+    objects, errors = cli.render_documents(io.StringIO(yaml.safe_dump(obj)))
+    assert errors == [] and objects
+
+
 def _extra_arg_rules() -> list[dict[str, Any]]:
     spec = SPEC_SCHEMA["properties"]["spec"]["properties"]
     lists = [spec["model"], spec["prefill"], spec["decode"]]
