@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import kopf
 
@@ -23,6 +24,7 @@ def run(namespaces: list[str], standalone: bool) -> int:
     memo = kopf.Memo(settings=settings, namespaces=list(namespaces))
     asyncio.run(
         kopf.operator(
+            identity=identity(),
             standalone=standalone,
             namespaces=namespaces,
             clusterwide=not namespaces,
@@ -30,3 +32,10 @@ def run(namespaces: list[str], standalone: bool) -> int:
         )
     )
     return 0
+
+
+def identity() -> str:
+    """kopf's identity for this process, without kopf's default lookup: that one asks
+    ``getpass.getuser()``, which raises in a container whose uid has no passwd entry
+    (the kubelet adds none, podman does: the artifact tier runs with ``--passwd=false``)."""
+    return f"kvferry-operator@{socket.gethostname()}"

@@ -125,7 +125,11 @@ def own_files(folder: Path, uid: int | None, gid: int | None, mode: int = 0o440)
 
 def podman_argv(c: Container, image: str, name: str) -> list[str]:
     """``hack/images.sh run ...`` (podman with this machine's flags) for ``c``."""
-    argv = ["bash", str(IMAGES_SH), "run", "--rm", "--name", name, "--network", "host"]
+    # --passwd=false: podman adds a passwd entry for --user, the kubelet does not.
+    argv = [
+        *("bash", str(IMAGES_SH), "run", "--rm", "--passwd=false"),
+        *("--name", name, "--network", "host"),
+    ]
     if c.user is not None:
         argv += ["--user", f"{c.user}:{c.group if c.group is not None else c.user}"]
     if c.read_only_root:

@@ -49,7 +49,8 @@ from tests.manifests import server
 def python_in(image: str, code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
-            *("bash", str(IMAGES_SH), "run", "--rm", "--read-only", "--user", "65532:65532"),
+            *("bash", str(IMAGES_SH), "run", "--rm", "--passwd=false", "--read-only"),
+            *("--user", "65532:65532"),
             *("--entrypoint", "/opt/kvferry/bin/python", image, "-c", code),
         ],
         capture_output=True,
