@@ -19,17 +19,28 @@ same value: a lease-bounded handle is worth less as its lease runs out.
 where c is the chance that a session continues at all and F the distribution of its
 gaps. F is the posterior predictive of a Dirichlet process whose base measure is the
 server's gap distribution: ``F(x) = (#own gaps <= x + K F_server(x)) / (n_own + K)``
-with K = ``Limits.prior_weight`` pseudo-gaps. Why this estimator: a session with no
-history behaves like the server's sessions; each gap of its own moves it towards its
-own pattern (agent tool loops seconds apart, a human minutes apart), with no fitted
-shape (gaps are multi-modal: tool calls and a human's pause in one session); it needs
-only counts, so it is cheap per handle. The session keeps its last ``OWN_GAPS`` gaps (its
-pattern may change). The server's distribution is a ``kvferry_wire.report.Histogram`` on
-the report's ``GAP_BOUNDS`` (linear within a bucket), the same one the operator
-merges from every pod; before any gap is seen it is uniform over the ceiling (keep until
-the ceiling, lowest value first). c is Laplace's estimate from the server's gaps and
-its ended sessions (a session with no turn for a whole ceiling ended):
-``(gaps + 1) / (gaps + ended + 2)``.
+with K pseudo-gaps. Why this estimator: a session with no history behaves like the
+server's sessions; each gap of its own moves it towards its own pattern (agent tool
+loops seconds apart, a human minutes apart), with no fitted shape (gaps are
+multi-modal: tool calls and a human's pause in one session); it needs only counts, so
+it is cheap per handle. The session keeps its last ``OWN_GAPS`` gaps (its pattern may
+change).
+
+K is how far a session's own few gaps are to be trusted, so it is estimated from how
+much sessions differ: Buhlmann-Straub credibility on the log-gaps, K = (the variance
+within a session) / (the variance of the sessions' means), over the sessions with at
+least two gaps, refreshed every ``K_EVERY_TURNS`` turns. Sessions all alike (every
+chat drawing from one distribution) give a large K: a session's own gaps are noise
+and the server's distribution decides; agents beside people give a small K: a
+session's own gaps decide. ``Limits.prior_weight`` fixes K instead; before
+``K_MIN_SESSIONS`` sessions have two gaps it is ``K_DEFAULT``.
+
+The server's distribution is a ``kvferry_wire.report.Histogram`` on the report's
+``GAP_BOUNDS`` (linear within a bucket), the same one the operator merges from every
+pod, plus ``PRIOR_GAPS`` pseudo-gap log-uniform over [1 s, ceiling], so that a handful
+of gaps does not yet say that none comes later. c is Laplace's estimate from the
+server's gaps and its ended sessions (a session with no turn for a whole ceiling
+ended): ``(gaps + 1) / (gaps + ended + 2)``.
 
 **Rules** (each has a test named after it, ``tests/unit/sidecar/test_retention.py``):
 
@@ -75,6 +86,12 @@ REASONS = (
 
 # Pseudo-gaps, log-uniform over [1 s, ceiling], in the server's distribution.
 PRIOR_GAPS = 1.0
+# Buhlmann-Straub K: refreshed this often, from this many sessions with two gaps on,
+# within these bounds (a session's own gaps never count for nothing, nor for all).
+K_EVERY_TURNS = 32
+K_MIN_SESSIONS = 3
+K_DEFAULT = 2.0
+K_BOUNDS = (0.5, 1000.0)
 # A session's own gaps kept: enough to learn its pattern, few enough to follow a change.
 OWN_GAPS = 16
 
@@ -111,7 +128,9 @@ class Limits:
     handle_cap: int = 10_000
     kv_high_water: float = 0.90  # D's KV usage above this share is pressure
     min_hit: float = 0.01  # the floor: this chance of a hit over the whole ceiling
-    prior_weight: float = 2.0  # K: the server's distribution counts as K gaps of a session
+    # K: the server's distribution counts as K gaps of a session; None: estimated
+    # from how much the sessions differ (module docstring).
+    prior_weight: float | None = None
     # Without pressure no handle goes for usefulness before this (the server's
     # decodeRetentionSeconds): the policy then never keeps less than that fixed TTL would.
     min_retention_s: float = 0.0
@@ -121,7 +140,7 @@ class Limits:
             raise ValueError("limits: max_retention_s > 0 and handle_cap >= 1")
         if not 0 < self.kv_high_water <= 1 or not 0 < self.min_hit < 1:
             raise ValueError("limits: kv_high_water in (0, 1], min_hit in (0, 1)")
-        if self.prior_weight <= 0:
+        if self.prior_weight is not None and self.prior_weight <= 0:
             raise ValueError("limits: prior_weight > 0")
         if not 0 <= self.min_retention_s <= self.max_retention_s:
             raise ValueError("limits: 0 <= min_retention_s <= max_retention_s")
@@ -184,6 +203,8 @@ class RetentionPolicy:
         self._held: dict[str, Held] = {}
         self._cum: list[int] = []
         self._cum_total = -1
+        self._k = limits.prior_weight if limits.prior_weight is not None else K_DEFAULT
+        self._turns = 0
         ceiling = limits.max_retention_s
         self._floor = limits.min_hit * costs.saving_per_token / (costs.bytes_per_token * ceiling)
         # Candidate horizons: where the server's CDF bends (its pieces are linear, so the
@@ -211,6 +232,9 @@ class RetentionPolicy:
             self.server_gaps.observe(gap)
             s.last_t = t
         self._sessions[session] = s
+        self._turns += 1
+        if self.limits.prior_weight is None and self._turns % K_EVERY_TURNS == 0:
+            self._k = self._estimate_k()
         if tokens > 0:
             end = t + self.limits.max_retention_s
             by_lease = lease_s is not None and t + lease_s < end
@@ -291,8 +315,37 @@ class RetentionPolicy:
         return (gaps + 1) / (gaps + self.ended + 2)
 
     # ------------------------------------------------------------------ internals
+    @property
+    def prior_weight(self) -> float:
+        """K as used now (fixed, or the sessions' credibility estimate)."""
+        return self._k
+
+    def _estimate_k(self) -> float:
+        """Buhlmann-Straub: within-session variance over the variance of the means, on
+        log-gaps; K_DEFAULT until K_MIN_SESSIONS sessions have two gaps."""
+        groups = [
+            [math.log(max(g, 0.1)) for g in s.gaps]
+            for s in self._sessions.values()
+            if len(s.gaps) >= 2
+        ]
+        if len(groups) < K_MIN_SESSIONS:
+            return K_DEFAULT
+        n = [len(g) for g in groups]
+        total = sum(n)
+        means = [sum(g) / len(g) for g in groups]
+        within = sum((x - m) ** 2 for g, m in zip(groups, means, strict=True) for x in g) / (
+            total - len(groups)
+        )
+        grand = sum(ni * m for ni, m in zip(n, means, strict=True)) / total
+        spread = sum(ni * (m - grand) ** 2 for ni, m in zip(n, means, strict=True))
+        between = (spread - (len(groups) - 1) * within) / (total - sum(ni * ni for ni in n) / total)
+        lo, hi = K_BOUNDS
+        if between <= 0:
+            return hi
+        return min(hi, max(lo, within / between))
+
     def _cdf(self, own: list[float], x: float) -> float:
-        k = self.limits.prior_weight
+        k = self._k
         return (bisect_right(own, x) + k * self._server_cdf(x)) / (len(own) + k)
 
     def _server_cdf(self, x: float) -> float:

@@ -258,3 +258,25 @@ def test_bad_costs_are_refused_with_the_field() -> None:
         r.Costs(1, 0, 1, 0)
     assert COSTS.blocks(33) == 2 and COSTS.pinned_bytes(33) == 64 * 16_531
     assert math.isclose(COSTS.saving_per_token, 2.017e-3 - 5.6e-5)
+
+
+def test_k_follows_how_much_sessions_differ() -> None:
+    """Buhlmann-Straub credibility: sessions all alike make a session's own gaps noise
+    (large K); agents beside people make them the evidence (small K)."""
+    alike, apart = policy(), policy()
+    for i in range(8):
+        # the same two gaps, 30 s and 120 s, in every session
+        feed(alike, f"c{i}", [i * 1000 + t for t in (0, 30, 150, 180, 300)])
+        gap = 2.0 if i % 2 else 120.0  # every other session an agent
+        feed(apart, f"m{i}", [i * 1000 + gap * k * (1 + 0.1 * (k % 2)) for k in range(5)])
+    # 40 turns each: K was refreshed at the 32nd (r.K_EVERY_TURNS), from 6 sessions
+    assert alike.prior_weight == r.K_BOUNDS[1]
+    assert apart.prior_weight < 1.0
+
+
+def test_k_is_the_default_until_sessions_have_gaps() -> None:
+    pol = policy()
+    for i in range(r.K_EVERY_TURNS):  # one session's gaps only: nothing to compare
+        pol.observe_turn("a", 5.0 * i, 100)
+    assert pol.prior_weight == r.K_DEFAULT
+    assert policy(prior_weight=7.0).prior_weight == 7.0
