@@ -52,7 +52,10 @@ ended): ``(gaps + 1) / (gaps + ended + 2)``.
   falls below the floor: ``Limits.min_hit`` (1 %) of a hit spread over the whole ceiling,
   ``min_hit x (recompute - pull) / (bytes per token x ceiling)``. A handle whose session
   has no chance left of a turn before its end (past every gap seen) goes; a heavy tail
-  keeps it;
+  keeps it; never before ``Limits.min_retention_s`` (the server's
+  ``decodeRetentionSeconds``), so without pressure it keeps at least what that fixed
+  TTL would;
+- K follows how much sessions differ (credibility), the default until they have gaps;
 - nothing outlives its end: the ceiling, or the lease of a turn D prefilled alone;
 - single use: the turn that reads a handle takes it (``observe_turn`` returns it) and
   leaves its own;
@@ -207,8 +210,8 @@ class RetentionPolicy:
         self._turns = 0
         ceiling = limits.max_retention_s
         self._floor = limits.min_hit * costs.saving_per_token / (costs.bytes_per_token * ceiling)
-        # Candidate horizons: where the server's CDF bends (its pieces are linear, so the
-        # best ratio over a piece is at one of its ends).
+        # Candidate horizons: where the server's CDF bends (its pieces are linear but for
+        # the small log-uniform share, so the best ratio over a piece is at one of its ends).
         self._bounds = [b for b in self.server_gaps.bounds if b < ceiling]
 
     # ------------------------------------------------------------------ the interface
@@ -283,8 +286,8 @@ class RetentionPolicy:
 
     def expected_hold(self, session: str, a: float, horizon: float) -> float:
         """E[min(gap, horizon) - a | gap > a]: the seconds a handle at elapsed ``a``
-        stays pinned if kept (the integral of the survival; midpoints are exact: the
-        CDF is linear between its points)."""
+        stays pinned if kept (the integral of the survival by midpoints, exact but for
+        the log-uniform share: the CDF is otherwise linear between its points)."""
         s = self._sessions.get(session)
         own = s.sorted_gaps if s else []
         c = self.continues()
