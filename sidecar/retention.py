@@ -1,0 +1,448 @@
+"""Per-session, value-based retention of decode KV handles. Pure; not wired yet.
+
+The decode sidecar keeps one handle per session: the KV of its last turn, pinned in D
+until the next turn reads it. This module decides how long each handle stays and which
+goes first when D needs the room (issue 24, item 2). The sidecar does not call it yet
+(``handles.py`` still evicts the least recently stored); ``bench/eviction.py`` replays
+traces through it against fixed TTLs and the offline bound.
+
+**Value.** A handle of n tokens saves, if the session's next turn reads it,
+``n x (recompute - pull)`` seconds of prefill (``Costs``), and pins
+``blocks(n) x block bytes``. Its value at elapsed time a since the turn is that saving
+x P(the next turn arrives in (a, end] | none by a) / pinned bytes, where ``end`` is
+when the handle must go anyway: the ceiling (``maxRetentionSeconds``, D's
+``decoder_kv_blocks_ttl`` less the expiry margin) or, for a turn D prefilled alone, D's
+lease (``observe_turn(lease_s=...)``). Both bounds are in the same structure and the
+same value: a lease-bounded handle is worth less as its lease runs out.
+
+**The chance of a next turn.** ``P(gap in (a, T] | gap > a) = c (F(T) - F(a)) / (1 - c F(a))``
+where c is the chance that a session continues at all and F the distribution of its
+gaps. F is the posterior predictive of a Dirichlet process whose base measure is the
+server's gap distribution: ``F(x) = (#own gaps <= x + K F_server(x)) / (n_own + K)``
+with K pseudo-gaps. Why this estimator: a session with no history behaves like the
+server's sessions; each gap of its own moves it towards its own pattern (agent tool
+loops seconds apart, a human minutes apart), with no fitted shape (gaps are
+multi-modal: tool calls and a human's pause in one session); it needs only counts, so
+it is cheap per handle. The session keeps its last ``OWN_GAPS`` gaps (its pattern may
+change).
+
+K is how far a session's own few gaps are to be trusted, so it is estimated from how
+much sessions differ: Buhlmann-Straub credibility on the log-gaps, K = (the variance
+within a session) / (the variance of the sessions' means), over the sessions with at
+least two gaps, refreshed every ``K_EVERY_TURNS`` turns. Sessions all alike (every
+chat drawing from one distribution) give a large K: a session's own gaps are noise
+and the server's distribution decides; agents beside people give a small K: a
+session's own gaps decide. ``Limits.prior_weight`` fixes K instead; before
+``K_MIN_SESSIONS`` sessions have two gaps it is ``K_DEFAULT``.
+
+The server's distribution is a ``kvferry_wire.report.Histogram`` on the report's
+``GAP_BOUNDS`` (linear within a bucket), the same one the operator merges from every
+pod, plus ``PRIOR_GAPS`` pseudo-gap log-uniform over [1 s, ceiling], so that a handful
+of gaps does not yet say that none comes later. c is Laplace's estimate from the
+server's gaps and its ended sessions (a session with no turn for a whole ceiling
+ended): ``(gaps + 1) / (gaps + ended + 2)``.
+
+**Rules** (each has a test named after it, ``tests/unit/sidecar/test_retention.py``):
+
+- under pressure the lowest value goes first: when D's KV usage is above
+  ``Limits.kv_high_water`` (the blocks above it), per preemption, or over the handle cap,
+  handles are released in order of value until the need is met;
+- usefulness ends: without pressure a handle is released when the best expected saving
+  per pinned byte-second of keeping it any longer, ``max_T saving x P(a, T) / (bytes x (T - a))``,
+  falls below the floor: ``Limits.min_hit`` (1 %) of a hit spread over the whole ceiling,
+  ``min_hit x (recompute - pull) / (bytes per token x ceiling)``. A handle whose session
+  has no chance left of a turn before its end (past every gap seen) goes; a heavy tail
+  keeps it; never before ``Limits.min_retention_s`` (the server's
+  ``decodeRetentionSeconds``), so without pressure it keeps at least what that fixed
+  TTL would;
+- K follows how much sessions differ (credibility), the default until they have gaps;
+- nothing outlives its end: the ceiling, or the lease of a turn D prefilled alone;
+- single use: the turn that reads a handle takes it (``observe_turn`` returns it) and
+  leaves its own;
+- every release names its reason (``REASON_*``).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right, insort
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from kvferry_wire.report import GAP_BOUNDS, Histogram
+
+REASON_CEILING = "ceiling"  # maxRetentionSeconds reached
+REASON_LEASE = "lease"  # D's lease of a turn it prefilled alone ran out
+REASON_USELESS = "usefulness"  # expected saving per byte-second below the floor
+REASON_PRESSURE = "pressure"  # D's KV usage above the high-water mark
+REASON_PREEMPTION = "preemption"  # D preempted a request
+REASON_CAP = "cap"  # more handles than the cap
+REASONS = (
+    REASON_CEILING,
+    REASON_LEASE,
+    REASON_USELESS,
+    REASON_PRESSURE,
+    REASON_PREEMPTION,
+    REASON_CAP,
+)
+
+# Pseudo-gaps, log-uniform over [1 s, ceiling], in the server's distribution.
+PRIOR_GAPS = 1.0
+# Buhlmann-Straub K: refreshed this often, from this many sessions with two gaps on,
+# within these bounds (a session's own gaps never count for nothing, nor for all).
+K_EVERY_TURNS = 32
+K_MIN_SESSIONS = 3
+K_DEFAULT = 2.0
+K_BOUNDS = (0.5, 1000.0)
+# A session's own gaps kept: enough to learn its pattern, few enough to follow a change.
+OWN_GAPS = 16
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a token costs: to recompute on P, to pull from D, and to pin in D."""
+
+    recompute_s_per_token: float
+    pull_s_per_token: float
+    bytes_per_token: float
+    block_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.recompute_s_per_token <= 0 or self.pull_s_per_token < 0:
+            raise ValueError("costs: recompute_s_per_token > 0 and pull_s_per_token >= 0")
+        if self.bytes_per_token <= 0 or self.block_tokens < 1:
+            raise ValueError("costs: bytes_per_token > 0 and block_tokens >= 1")
+
+    @property
+    def saving_per_token(self) -> float:
+        return max(0.0, self.recompute_s_per_token - self.pull_s_per_token)
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def pinned_bytes(self, tokens: int) -> float:
+        return self.blocks(tokens) * self.block_tokens * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_retention_s: float  # the ceiling: no handle is kept longer
+    handle_cap: int = 10_000
+    kv_high_water: float = 0.90  # D's KV usage above this share is pressure
+    min_hit: float = 0.01  # the floor: this chance of a hit over the whole ceiling
+    # K: the server's distribution counts as K gaps of a session; None: estimated
+    # from how much the sessions differ (module docstring).
+    prior_weight: float | None = None
+    # Without pressure no handle goes for usefulness before this (the server's
+    # decodeRetentionSeconds): the policy then never keeps less than that fixed TTL would.
+    min_retention_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_retention_s <= 0 or self.handle_cap < 1:
+            raise ValueError("limits: max_retention_s > 0 and handle_cap >= 1")
+        if not 0 < self.kv_high_water <= 1 or not 0 < self.min_hit < 1:
+            raise ValueError("limits: kv_high_water in (0, 1], min_hit in (0, 1)")
+        if self.prior_weight is not None and self.prior_weight <= 0:
+            raise ValueError("limits: prior_weight > 0")
+        if not 0 <= self.min_retention_s <= self.max_retention_s:
+            raise ValueError("limits: 0 <= min_retention_s <= max_retention_s")
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """D's state as the caller sees it now (blocks: D's KV blocks, used and total)."""
+
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    preemptions: int = 0  # since the last decide
+
+
+NO_PRESSURE = Pressure()
+
+
+@dataclass
+class Held:
+    """One kept handle: the session's last turn, ``tokens`` long, kept from ``t``."""
+
+    session: str
+    t: float
+    tokens: int
+    end: float  # the ceiling or the lease, whichever is first
+    bounded_by_lease: bool
+    recheck_at: float = math.inf  # when usefulness is looked at again
+
+
+@dataclass(frozen=True)
+class Release:
+    session: str
+    tokens: int
+    reason: str
+    value: float  # seconds saved per pinned byte as expected when released
+
+
+@dataclass
+class _Session:
+    last_t: float
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=OWN_GAPS))
+    sorted_gaps: list[float] = field(default_factory=list)
+
+    def add_gap(self, gap: float) -> None:
+        if len(self.gaps) == self.gaps.maxlen:
+            self.sorted_gaps.remove(self.gaps[0])
+        self.gaps.append(gap)
+        insort(self.sorted_gaps, gap)
+
+
+class RetentionPolicy:
+    """The handles a decode sidecar keeps, and which to release when (module docstring)."""
+
+    def __init__(self, costs: Costs, limits: Limits, server_gaps: Histogram | None = None):
+        self.costs = costs
+        self.limits = limits
+        self.server_gaps = server_gaps.copy() if server_gaps else Histogram.empty(GAP_BOUNDS)
+        self.ended = 0  # sessions with no turn for a whole ceiling
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # by last turn
+        self._held: dict[str, Held] = {}
+        self._cum: list[int] = []
+        self._cum_total = -1
+        self._k = limits.prior_weight if limits.prior_weight is not None else K_DEFAULT
+        self._turns = 0
+        ceiling = limits.max_retention_s
+        self._floor = limits.min_hit * costs.saving_per_token / (costs.bytes_per_token * ceiling)
+        # Candidate horizons: where the server's CDF bends (its pieces are linear but for
+        # the small log-uniform share, so the best ratio over a piece is at one of its ends).
+        self._bounds = [b for b in self.server_gaps.bounds if b < ceiling]
+
+    # ------------------------------------------------------------------ the interface
+    @property
+    def held(self) -> dict[str, Held]:
+        return self._held
+
+    def observe_turn(
+        self, session: str, t: float, tokens: int, *, lease_s: float | None = None
+    ) -> Held | None:
+        """A turn of ``session`` arrived at ``t``; its KV (``tokens``) is kept as the
+        session's handle, bounded by ``lease_s`` when D prefilled it alone. Returns the
+        handle this turn reads, if one was still kept (single use)."""
+        taken = self._held.pop(session, None)
+        s = self._sessions.pop(session, None)
+        if s is None:
+            s = _Session(last_t=t)
+        else:
+            gap = t - s.last_t
+            s.add_gap(gap)
+            self.server_gaps.observe(gap)
+            s.last_t = t
+        self._sessions[session] = s
+        self._turns += 1
+        if self.limits.prior_weight is None and self._turns % K_EVERY_TURNS == 0:
+            self._k = self._estimate_k()
+        if tokens > 0:
+            end = t + self.limits.max_retention_s
+            by_lease = lease_s is not None and t + lease_s < end
+            if by_lease:
+                assert lease_s is not None
+                end = t + lease_s
+            held = Held(session, t, tokens, end, by_lease)
+            self._held[session] = held
+            self._schedule(held, t)
+        return taken
+
+    def decide(self, now: float, pressure: Pressure = NO_PRESSURE) -> list[Release]:
+        """The handles to release at ``now``: those past their end, those whose
+        usefulness ended, then under ``pressure`` the lowest values until it is met."""
+        out: list[Release] = []
+        for h in list(self._held.values()):
+            if now >= h.end:
+                out.append(self._release(h, REASON_LEASE if h.bounded_by_lease else REASON_CEILING))
+            elif now >= h.recheck_at:
+                self._schedule(h, now)
+                if h.recheck_at <= now:
+                    out.append(self._release(h, REASON_USELESS, self.value(h, now)))
+        out += self._relieve(now, pressure)
+        self._forget_ended(now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``decide`` next has something to release without pressure (a timer)."""
+        times = [min(h.end, h.recheck_at) for h in self._held.values()]
+        return min(times) if times else None
+
+    def value(self, h: Held, now: float) -> float:
+        """Expected prefill seconds saved per pinned byte-second if ``h`` is kept until
+        read or its end: saving x P(read before the end) / (bytes x expected time held).
+        Per byte-second, not per byte: the KV is packed over time too (the oracle's LP
+        in docs/performance.md), so a handle read in seconds is worth more than one of
+        the same chance held for minutes."""
+        a = max(0.0, now - h.t)
+        horizon = h.end - h.t
+        if horizon <= a:
+            return 0.0
+        p = self.chance(h.session, a, horizon)
+        held = self.expected_hold(h.session, a, horizon)
+        per_byte = self.costs.saving_per_token * h.tokens / self.costs.pinned_bytes(h.tokens)
+        return per_byte * p / held
+
+    def expected_hold(self, session: str, a: float, horizon: float) -> float:
+        """E[min(gap, horizon) - a | gap > a]: the seconds a handle at elapsed ``a``
+        stays pinned if kept (the integral of the survival by midpoints, exact but for
+        the log-uniform share: the CDF is otherwise linear between its points)."""
+        s = self._sessions.get(session)
+        own = s.sorted_gaps if s else []
+        c = self.continues()
+        rest = 1.0 - c * self._cdf(own, a)
+        if rest <= 0.0:
+            return max(horizon - a, 1e-9)
+        xs = [a, *sorted({x for x in (*self._bounds, *own) if a < x < horizon}), horizon]
+        total = 0.0
+        for lo, hi in pairwise(xs):
+            total += (hi - lo) * (1.0 - c * self._cdf(own, (lo + hi) / 2)) / rest
+        return max(total, 1e-9)
+
+    def chance(self, session: str, a: float, horizon: float) -> float:
+        """P(the session's next turn comes in (a, horizon] | none by a), gaps in seconds."""
+        if horizon <= a:
+            return 0.0
+        s = self._sessions.get(session)
+        own = s.sorted_gaps if s else []
+        c = self.continues()
+        fa = self._cdf(own, a)
+        rest = 1.0 - c * fa
+        if rest <= 0.0:
+            return 0.0
+        return max(0.0, c * (self._cdf(own, horizon) - fa) / rest)
+
+    def continues(self) -> float:
+        gaps = self.server_gaps.total
+        return (gaps + 1) / (gaps + self.ended + 2)
+
+    # ------------------------------------------------------------------ internals
+    @property
+    def prior_weight(self) -> float:
+        """K as used now (fixed, or the sessions' credibility estimate)."""
+        return self._k
+
+    def _estimate_k(self) -> float:
+        """Buhlmann-Straub: within-session variance over the variance of the means, on
+        log-gaps; K_DEFAULT until K_MIN_SESSIONS sessions have two gaps."""
+        groups = [
+            [math.log(max(g, 0.1)) for g in s.gaps]
+            for s in self._sessions.values()
+            if len(s.gaps) >= 2
+        ]
+        if len(groups) < K_MIN_SESSIONS:
+            return K_DEFAULT
+        n = [len(g) for g in groups]
+        total = sum(n)
+        means = [sum(g) / len(g) for g in groups]
+        within = sum((x - m) ** 2 for g, m in zip(groups, means, strict=True) for x in g) / (
+            total - len(groups)
+        )
+        grand = sum(ni * m for ni, m in zip(n, means, strict=True)) / total
+        spread = sum(ni * (m - grand) ** 2 for ni, m in zip(n, means, strict=True))
+        between = (spread - (len(groups) - 1) * within) / (total - sum(ni * ni for ni in n) / total)
+        lo, hi = K_BOUNDS
+        if between <= 0:
+            return hi
+        return min(hi, max(lo, within / between))
+
+    def _cdf(self, own: list[float], x: float) -> float:
+        k = self._k
+        return (bisect_right(own, x) + k * self._server_cdf(x)) / (len(own) + k)
+
+    def _server_cdf(self, x: float) -> float:
+        """The server's gaps, with ``PRIOR_GAPS`` pseudo-gaps log-uniform over
+        [1 s, ceiling]: a handful of gaps does not yet say that none comes later."""
+        h = self.server_gaps
+        if self._cum_total != h.total:  # the table is rebuilt only after new gaps
+            self._cum, acc = [], 0
+            for count in h.counts:
+                acc += count
+                self._cum.append(acc)
+            self._cum_total = h.total
+        n = h.total
+        seen = 0.0
+        i = bisect_right(h.bounds, x)
+        if n:
+            lo = h.bounds[i - 1] if i else 0.0
+            below = self._cum[i - 1] if i else 0
+            if i < len(h.bounds):
+                seen = below + h.counts[i] * (x - lo) / (h.bounds[i] - lo)
+            else:
+                seen = below
+        ceiling = self.limits.max_retention_s
+        prior = 0.0 if x < 1.0 else min(1.0, math.log(x) / math.log(max(ceiling, math.e)))
+        return (seen + PRIOR_GAPS * prior) / (n + PRIOR_GAPS)
+
+    def _schedule(self, h: Held, now: float) -> None:
+        """Set ``h.recheck_at`` to the first elapsed point from ``now`` on at which the
+        best expected saving per byte-second of keeping ``h`` to any later horizon,
+        ``max_x saving x P(a, x) / (bytes x (x - a))``, is below the floor (``now``
+        itself if it already is; never past its end). The CDF steps at the session's
+        gaps and bends at the histogram's bounds, so those points are the horizons to try.
+        """
+        s = self._sessions.get(h.session)
+        own = s.sorted_gaps if s else []
+        horizon = h.end - h.t
+        a = max(0.0, now - h.t, self.limits.min_retention_s)
+        xs = sorted({x for x in (*self._bounds, *own) if a < x < horizon} | {horizon})
+        if a >= horizon:
+            h.recheck_at = h.t + a
+            return
+        fx = [self._cdf(own, x) for x in xs]
+        starts = [(a, self._cdf(own, a)), *zip(xs[:-1], fx[:-1], strict=True)]
+        c = self.continues()
+        per_byte = self.costs.saving_per_token * h.tokens / self.costs.pinned_bytes(h.tokens)
+        for i, (start, fs) in enumerate(starts):
+            rest = 1.0 - c * fs
+            best = 0.0
+            if rest > 0.0:
+                first = i  # starts[i] is xs[i - 1]: horizons from xs[i] on
+                for x, f in zip(xs[first:], fx[first:], strict=True):
+                    best = max(best, (f - fs) / (x - start))
+                best *= c / rest
+            if best * per_byte < self._floor:
+                h.recheck_at = h.t + start
+                return
+        h.recheck_at = math.inf
+
+    def _release(self, h: Held, reason: str, value: float = 0.0) -> Release:
+        del self._held[h.session]
+        return Release(h.session, h.tokens, reason, value)
+
+    def _relieve(self, now: float, p: Pressure) -> list[Release]:
+        over_cap = len(self._held) - self.limits.handle_cap
+        need = 0
+        if p.kv_total_blocks:
+            need = p.kv_used_blocks - math.floor(self.limits.kv_high_water * p.kv_total_blocks)
+        if over_cap <= 0 and need <= 0 and p.preemptions <= 0:
+            return []
+        ranked = sorted(self._held.values(), key=lambda h: (self.value(h, now), h.t))
+        out: list[Release] = []
+        preemptions = p.preemptions
+        for h in ranked:
+            if over_cap > 0:
+                reason = REASON_CAP
+                over_cap -= 1
+            elif need > 0:
+                reason = REASON_PRESSURE
+            elif preemptions > 0:
+                reason = REASON_PREEMPTION
+                preemptions -= 1
+            else:
+                break
+            need -= self.costs.blocks(h.tokens)
+            out.append(self._release(h, reason, self.value(h, now)))
+        return out
+
+    def _forget_ended(self, now: float) -> None:
+        """Sessions with no turn for a whole ceiling ended: count them (the chance of
+        continuing), forget them (the table stays bounded)."""
+        ceiling = self.limits.max_retention_s
+        while self._sessions:
+            session, s = next(iter(self._sessions.items()))
+            if now - s.last_t < ceiling or session in self._held:
+                break
+            del self._sessions[session]
+            self.ended += 1
