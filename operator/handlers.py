@@ -1047,7 +1047,51 @@ def _transports(memo: kopf.Memo) -> Callable[[tuple[str, str]], tuple[str, str] 
     return residency.transport if residency is not None else None
 
 
+def _to_apply(
+    kind: str,
+    type: str | None,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    owner: dict[str, Any],
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    statefulsets: kopf.Index,
+) -> tuple[bool, tuple[str, str] | None]:
+    """Whether a child's event applies anything, and what: (True, (kind, name)) that
+    child alone, (True, None) the whole server, (False, None) nothing."""
+    if kind == api.SCALER_KIND:
+        # An autoscaler changed spec.replicas, or the RoleScaler was deleted: the whole
+        # server, its StatefulSet and topology from the new count (kopf updates the
+        # index before the handler runs). Deleted under External it is created again,
+        # seeded at the count running now; under Static the apply deletes a left-over
+        # one. Our own status writes change no count: nothing is applied for those.
+        role = labels.get(api.LABEL_ROLE)
+        found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
+        running = found[0].spec_replicas if found else None
+        count = scaler.replicas_of(dict(body))
+        if type != "DELETED" and count == running:
+            return False, None
+        logger.info("%s %s: replicas %s, running %s", kind, name, count, running)
+        return True, None
+    # Re-apply this one child when someone edited or deleted it. A deleted child
+    # comes back; an edited one gets our fields back, while fields we never set
+    # (another manager's) stay as they are. Its own creation and the status its
+    # controller writes change none of our fields: no request for those.
+    if type == "DELETED":
+        logger.info("child deleted, restoring kind=%s name=%s", kind, name)
+        kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
+        return True, (kind, name)
+    if _holds_ours(owner, kind, name, body, memo.settings, _seen(memo)):
+        return False, None
+    return True, (kind, name)
+
+
 def _on_child_event(kind: str):
+    """The handler of one watched child kind (WATCHED_KINDS): the rendered children
+    and the RoleScalers, one code path."""
+
     def child_changed(
         type: str | None,
         name: str,
@@ -1060,86 +1104,47 @@ def _on_child_event(kind: str):
         statefulsets: kopf.Index,
         pods: kopf.Index,
         nodes: kopf.Index,
+        rolescalers: kopf.Index | None = None,
         **_: Any,
     ) -> None:
+        if rolescalers is not None:
+            memo.indexes.setdefault("rolescalers", rolescalers)
         owner = _owner(namespace, labels, servers)
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
         claims: ownership.Claims | None = getattr(memo, "claims", None)
-        if claims is not None:
+        if claims is not None and kind != api.SCALER_KIND:
             # What the watch shows is the freshest word on whose the child is: a deleted
-            # child's name is read again before it is recreated.
+            # child's name is read again before it is recreated. (A RoleScaler's owner
+            # is read from the index each time: resolve_scalers.)
             key = (kind, namespace, name)
             uid = owner["metadata"].get("uid") or ""
             if type != "DELETED" and ownership.is_ours(dict(body), uid):
                 claims.remember(key, uid)
             else:
                 claims.forget(key)
-        # Re-apply this one child when someone edited or deleted it. A deleted child
-        # comes back; an edited one gets our fields back, while fields we never set
-        # (another manager's) stay as they are. Its own creation and the status its
-        # controller writes change none of our fields: no request for those.
-        if type == "DELETED":
-            logger.info("child deleted, restoring kind=%s name=%s", kind, name)
-            kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
-        elif _holds_ours(owner, kind, name, body, memo.settings, _seen(memo)):
-            if kind == "StatefulSet":
-                _refresh(owner, memo, statefulsets, pods, nodes)
-            return
-        apply_or_retry(owner, memo, logger, only=(kind, name))
-        if kind == "StatefulSet":
+        apply, only = _to_apply(
+            kind, type, name, namespace, labels, body, owner, memo, logger, statefulsets
+        )
+        if apply:
+            apply_or_retry(owner, memo, logger, only=only)
+        # Their status is the server's (StatefulSets), or written with it (RoleScalers).
+        if kind in ("StatefulSet", api.SCALER_KIND):
             _refresh(owner, memo, statefulsets, pods, nodes)
 
     return child_changed
 
 
-for _group, _version, _plural, _api_version, _kind in CHILD_KINDS:
+# Every kind whose objects the operator owns, watched through one handler.
+WATCHED_KINDS = [
+    *CHILD_KINDS,
+    (api.GROUP, api.VERSION, api.SCALER_PLURAL, api.API_VERSION, api.SCALER_KIND),
+]
+for _group, _version, _plural, _api_version, _kind in WATCHED_KINDS:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(
         _on_child_event(_kind)
     )
-
-
-@kopf.on.event(*SCALERS, labels=OURS)
-def scaler_changed(
-    type: str | None,
-    name: str,
-    namespace: str,
-    labels: kopf.Labels,
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: logging.Logger,
-    servers: kopf.Index,
-    statefulsets: kopf.Index,
-    pods: kopf.Index,
-    nodes: kopf.Index,
-    rolescalers: kopf.Index,
-    **_: Any,
-) -> None:
-    """An autoscaler changed a RoleScaler's spec.replicas (or it was deleted): the
-    server is applied again, its StatefulSet and topology from the new count (kopf
-    updates the index before this handler runs). Our own status writes change no
-    count: nothing is applied for those."""
-    memo.indexes.setdefault("rolescalers", rolescalers)
-    owner = _owner(namespace, labels, servers)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return
-    owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
-    role = labels.get(api.LABEL_ROLE)
-    found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
-    running = found[0].spec_replicas if found else None
-    if type == "DELETED" or scaler.replicas_of(dict(body)) != running:
-        # Deleted under External: created again, seeded at the count running now.
-        # Under Static: the apply deletes a left-over one.
-        logger.info(
-            "%s %s: replicas %s, running %s",
-            api.SCALER_KIND,
-            name,
-            body.spec.get("replicas"),
-            running,
-        )
-        apply_or_retry(owner, memo, logger)
-    _refresh(owner, memo, statefulsets, pods, nodes)
 
 
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})

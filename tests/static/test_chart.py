@@ -92,7 +92,7 @@ CALLS = [
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
-    Call("kopf watch: handlers.rolescalers/scaler_changed", "kvferry.io", "rolescalers",
+    Call("kopf watch: handlers.rolescalers/child-rolescalers", "kvferry.io", "rolescalers",
          ("list", "watch")),
     # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
     Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
