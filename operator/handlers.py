@@ -377,9 +377,7 @@ def apply_children(
         warn(EVENT_APPLY_FAILED, why)
         refusals.append(why)
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
-    refused = hostpaths.refusal(server, settings.host_path_prefixes) or (
-        settings.pod_template_refusal(server)
-    )
+    refused = settings_refusal(server, settings)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
     for child in render.render(server, settings.render_context()):
@@ -460,10 +458,22 @@ def apply_children(
     if only is None:
         # What status may call observed: only a generation whose children all landed.
         outcome = ownership.ApplyOutcome(
-            server.generation, ok is Applied.ALL, tuple(refusals), time.monotonic()
+            server.generation, ok is Applied.ALL, tuple(refusals), refused, time.monotonic()
         )
         claims.applied(server_key, outcome)
     return ok
+
+
+def settings_refusal(server: api.Server, settings: Settings) -> str | None:
+    """Why the operator's settings refuse the server (its hostPath, a podTemplate field):
+    the StatefulSets and the ConfigMap are not applied while they do. None: not refused."""
+    return hostpaths.refusal(server, settings.host_path_prefixes) or (
+        settings.pod_template_refusal(server)
+    )
+
+
+# What a settings refusal holds back (apply_children): not drift while it does.
+HELD_KINDS = ("StatefulSet", "ConfigMap")
 
 
 def resolve_scalers(
@@ -910,20 +920,28 @@ def needs_apply(
     children: dict[tuple[str, str, str], Any],
     last: ownership.ApplyOutcome | None,
     listed_at: float = 0.0,
+    held: str | None = None,
 ) -> bool:
     """Whether the safety pass re-applies a server: its generation has not landed
     whole, or some child is missing or lost one of our fields. Not a server whose
     apply ended after the children were listed (``listed_at``, monotonic): the list
-    may lack some of its children, and that apply has its own retries."""
+    may lack some of its children, and that apply has its own retries. Nor a server
+    the settings refuse (``held``, settings_refusal) as they did at its last apply of
+    this generation: that apply landed what the refusal lets land (checked for drift
+    like any child), and another would be held the same way."""
     if last is not None and last.finished > listed_at:
         return False
-    if last is None or last.generation != server.generation or not last.applied:
+    if last is None or last.generation != server.generation:
+        return True
+    held_as_before = held is not None and last.held == held and not last.refusals
+    if not last.applied and not held_as_before:
         return True
     return not all(
         drift.covers(
             children.get((c["kind"], c["metadata"]["namespace"], c["metadata"]["name"])), c
         )
         for c in wanted
+        if not (held_as_before and c["kind"] in HELD_KINDS)
     )
 
 
@@ -948,7 +966,8 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         key = (server.namespace, server.name)
         try:
             last = claims.last_apply(key) if claims else None
-            if needs_apply(server, wanted, children, last, listed_at):
+            held = settings_refusal(server, settings)
+            if needs_apply(server, wanted, children, last, listed_at, held):
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)
                 applied = apply_children(

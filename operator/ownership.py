@@ -50,6 +50,9 @@ class ApplyOutcome:
     generation: int
     applied: bool  # every child landed
     refusals: tuple[str, ...] = ()  # "<kind> <name>: <the API server's message>"
+    # The operator's settings refused the server (a hostPath, a podTemplate field): why.
+    # It held the StatefulSets and the ConfigMap; the same refusal holds them again.
+    held: str | None = None
     # When the apply ended (the caller's monotonic clock): a list taken before that
     # may lack some of its children (handlers.needs_apply).
     finished: float = field(default=0.0, compare=False)
