@@ -7,15 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.kube import wait_for_event
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import server
-
-
-def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
-    obj = kubectl.get("dserver", name, ns) or {}
-    return next(
-        (c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), {}
-    )
 
 
 def users_service(ns: str) -> dict[str, Any]:
@@ -35,14 +28,7 @@ def test_a_server_named_like_an_existing_service_leaves_it_alone_and_says_so(
     assert before is not None
     kubectl.apply(server(name="postgres", namespace=ns), "--server-side")
 
-    degraded = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "postgres", "Degraded")).get("reason") == "ChildConflict"
-            and c
-        ),
-        60,
-        "Degraded=True, reason ChildConflict",
-    )
+    degraded = wait_condition(kubectl, ns, "postgres", "Degraded", "ChildConflict")
     assert degraded["status"] == "True"
     assert "Service postgres (controlled by nothing)" in degraded["message"]
     assert "rename this server" in degraded["message"]

@@ -25,8 +25,14 @@ import pytest
 
 from kvferry_operator import handlers
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import condition, make, uid, wait_ready
-from tests.kube import audited_kubeconfig, audited_requests
+from tests.cluster.test_operator import make, uid, wait_ready
+from tests.kube import (
+    audited_kubeconfig,
+    audited_requests,
+    condition_of,
+    wait_condition,
+    watch_server,
+)
 
 
 @pytest.fixture
@@ -118,11 +124,7 @@ def test_a_server_at_rest_costs_no_write_and_its_way_to_ready_few(
     # A condition change posts its Event once, however many refreshes follow.
     kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type=merge", "-p",
                 '{"spec":{"decode":{"replicas":0}}}')  # fmt: skip
-    wait_until(
-        lambda: condition(kubectl, ns, "tiny", "Ready").get("reason") == "NoDecodeReplicas",
-        60,
-        "Ready=False NoDecodeReplicas",
-    )
+    wait_condition(kubectl, ns, "tiny", "Ready", "NoDecodeReplicas")
     wait_passes(op, passes(op) + 3)
     assert server_events(kubectl, ns, "tiny")["NoDecodeReplicas"] == 1
 
@@ -168,11 +170,7 @@ def test_drift_is_restored_and_a_failed_apply_retried_without_a_safety_pass(
     try:
         t0 = time.time()
         kubectl.apply(make(ns), "--server-side")
-        wait_until(
-            lambda: condition(kubectl, ns, "tiny", "Degraded").get("reason") == "ApplyFailed",
-            60,
-            "Degraded=True ApplyFailed (the ConfigMap refused)",
-        )
+        wait_condition(kubectl, ns, "tiny", "Degraded", "ApplyFailed")
         # Retried on its own, waiting longer each time.
         wait_until(
             lambda: len(failed_configmap_applies(ns, t0)) >= 4, 60, "4 refused ConfigMap applies"
@@ -186,10 +184,13 @@ def test_drift_is_restored_and_a_failed_apply_retried_without_a_safety_pass(
     assert min(gaps) >= 0.9 and tries[3] - tries[0] >= 6.9, gaps
     # The next retry lands it, and status says so, without a watch event to prompt it.
     wait_until(lambda: kubectl.get("configmap", "tiny-sidecar", ns), 60, "the ConfigMap applied")
-    wait_until(
-        lambda: (
-            condition(kubectl, ns, "tiny", "Degraded").get("reason") == "Healthy"
-            and condition(kubectl, ns, "tiny", "Progressing").get("reason") == "Complete"
+    watch_server(
+        kubectl,
+        ns,
+        "tiny",
+        lambda obj: (
+            condition_of(obj, "Degraded").get("reason") == "Healthy"
+            and condition_of(obj, "Progressing").get("reason") == "Complete"
         ),
         60,
         "Degraded=False Healthy and Progressing Complete after the retry",
