@@ -102,6 +102,12 @@ async def configure(
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     memo.claims = ownership.Claims()
+    kube_for_names: Kube = memo.kube
+    # A burst of new servers in a namespace: one list per kind there, not a read per child.
+    memo.names = ownership.NameLookup(
+        kube_for_names.get,
+        lambda api_version, kind, ns: kube_for_names.list_labelled(api_version, kind, "", [ns]),
+    )
     memo.status_memory = StatusMemory()
     loop = asyncio.get_running_loop()
     memo.status_queue = Coalescer(
@@ -327,12 +333,15 @@ def apply_children(
     claims: ownership.Claims | None = None,
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
     seen: Seen | None = None,
+    names: ownership.NameLookup | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
     children known to be ours and records conflicts and the outcome for status (a
     throwaway one without it: every child is read first). ``post`` posts Events
     outside a kopf handler (the resync loop, the retries), where kopf.warn cannot.
-    ``seen``: the RoleScalers as the watch shows them (read by name without it)."""
+    ``seen``: the RoleScalers as the watch shows them (read by name without it).
+    ``names``: what holds a child's name, one list for a burst of new servers
+    (``ownership.NameLookup``; a read per child without it)."""
 
     def warn(reason: str, message: str) -> None:
         if post is None:
@@ -415,7 +424,7 @@ def apply_children(
             ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
             continue
         try:
-            taken = _taken(child, server, kube, claims)
+            taken = _taken(child, server, kube, claims, names)
             if taken is not None:
                 claims.record(server_key, key, taken)
                 logger.warning("not applied, the name is taken: %s", taken)
@@ -536,15 +545,21 @@ def resolve_scalers(
 
 
 def _taken(
-    child: dict[str, Any], server: api.Server, kube: Kube, claims: ownership.Claims
+    child: dict[str, Any],
+    server: api.Server,
+    kube: Kube,
+    claims: ownership.Claims,
+    names: ownership.NameLookup | None = None,
 ) -> ownership.Conflict | None:
     """The conflict when an object we do not control holds the child's name. A child
-    known to be ours costs no read; any other is read once (a forced apply to it
-    would take it over, and the garbage collector would delete it with the server)."""
+    known to be ours costs no read; any other is looked up once (a forced apply to it
+    would take it over, and the garbage collector would delete it with the server):
+    read by name, or from ``names``' list of its kind in a burst."""
     meta = child["metadata"]
     if server.uid and claims.owner((child["kind"], meta["namespace"], meta["name"])) == server.uid:
         return None
-    existing = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+    where = (child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+    existing = names.holder(*where, server.uid) if names is not None else kube.get(*where)
     return ownership.conflict(existing, child["kind"], meta["name"], server.uid)
 
 
@@ -556,7 +571,16 @@ def apply_or_retry(
 ) -> Applied:
     """apply_children, and a bounded retry of the whole server when it may land later."""
     claims: ownership.Claims | None = getattr(memo, "claims", None)
-    result = apply_children(body, memo.kube, memo.settings, logger, only, claims, seen=_seen(memo))
+    result = apply_children(
+        body,
+        memo.kube,
+        memo.settings,
+        logger,
+        only,
+        claims,
+        seen=_seen(memo),
+        names=getattr(memo, "names", None),
+    )
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
         meta = body["metadata"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvferry_operator import handlers
+from kvferry_operator import api, handlers, render
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, uid, wait_ready
 from tests.kube import (
@@ -103,6 +103,19 @@ def test_a_server_at_rest_costs_no_write_and_its_way_to_ready_few(
     events = server_events(kubectl, ns, "tiny")
     # A new server's way to Ready is news twice: Ready=True and Progressing Complete.
     assert events == Counter({"AllReplicasReady": 1, "Complete": 1}), events
+    # Every request for it to Ready (issue 23, item 2): each child read once (a lone
+    # server's children are read by name before their first apply: ownership.py) and
+    # applied once, the KVCacheStatus's first status, the status patches, two Events.
+    children = render.render(api.parse_server(make(ns)))
+    by = Counter(f"{r.verb} {r.resource}" for r in to_ready)
+    for kind in {c["kind"] for c in children}:
+        resource = next(p for _g, _v, p, _a, k in handlers.CHILD_KINDS if k == kind)
+        count = sum(c["kind"] == kind for c in children)
+        assert by[f"patch {resource}"] == count, (kind, by)
+        assert by[f"get {resource}"] <= count, (kind, by)
+    assert by["patch kvcachestatuses/status"] == 1, by
+    assert by["create events"] == 2, by
+    assert len(to_ready) <= 2 * len(children) + 1 + 3 + 2, by
 
     # At rest: passes list servers and children cluster-wide, and write nothing.
     start = passes(op)
