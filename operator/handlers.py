@@ -969,6 +969,49 @@ def needs_apply(
     )
 
 
+def _policy_still_refused(
+    server: api.Server,
+    wanted: list[dict[str, Any]],
+    last: ownership.ApplyOutcome | None,
+    held: str | None,
+    kube: Kube,
+    claims: ownership.Claims | None,
+    logger: logging.Logger,
+) -> bool:
+    """For a server whose last apply of this generation failed only on its NetworkPolicy
+    (which holds the StatefulSets), the safety pass's try of that policy alone: True
+    when the API server refuses it as it did (nothing else would land: no whole apply,
+    no Event for a refusal already reported). False otherwise: the whole server is
+    applied (the policy landed, or the answer is news)."""
+    if (
+        last is None
+        or last.generation != server.generation
+        or last.applied
+        or held is not None
+        or not last.refusals
+        or not all(r.startswith("NetworkPolicy ") for r in last.refusals)
+        or claims is None
+    ):
+        return False
+    policy = next((c for c in wanted if c["kind"] == "NetworkPolicy"), None)
+    if policy is None or _taken(policy, server, kube, claims) is not None:
+        return False
+    try:
+        kube.apply(policy)
+    except ApiException as exc:
+        message = f"NetworkPolicy {policy['metadata']['name']}: {api_error_message(exc)}"
+        if message in last.refusals:
+            logger.info("safety pass: %s/%s still held: %s", server.namespace, server.name, message)
+            return True
+        return False
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return True  # the API server cannot be reached: the next pass tries again
+    claims.remember(("NetworkPolicy", server.namespace, policy["metadata"]["name"]), server.uid)
+    return False
+
+
 def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
     kube: Kube = memo.kube
     claims: ownership.Claims | None = getattr(memo, "claims", None)
@@ -991,7 +1034,9 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         try:
             last = claims.last_apply(key) if claims else None
             held = settings_refusal(server, settings)
-            if needs_apply(server, wanted, children, last, listed_at, held):
+            if needs_apply(server, wanted, children, last, listed_at, held) and not (
+                _policy_still_refused(server, wanted, last, held, kube, claims, logger)
+            ):
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)
                 applied = apply_children(

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from kvferry_operator import api, handlers, ownership, render
 from kvferry_operator.settings import Settings
@@ -141,3 +142,46 @@ def test_a_held_server_is_applied_again_only_when_its_refusal_or_generation_chan
     assert handlers.safety_pass(memo, allowed, log).applied == 1
     assert any(k[0] == "StatefulSet" for k in kube.children)
     assert handlers.safety_pass(memo, allowed, log).applied == 0
+
+
+class RefusingPolicyKube(HoldingKube):
+    """The API server refuses the server's NetworkPolicy (a policy admission, say)
+    until ``refusing`` is cleared; the pass's Events are counted."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__(body)
+        self.refusing = True
+        self.events: list[str] = []
+
+    def apply(self, child):
+        if child["kind"] == "NetworkPolicy" and self.refusing:
+            self.applies += 1
+            raise ApiException(status=403, reason="Forbidden")
+        return super().apply(child)
+
+    def create_event(self, body, type, reason, message):
+        self.events.append(reason)
+
+
+def test_a_server_held_by_its_refused_network_policy_retries_only_the_policy():
+    # Every pass re-applied every child and posted ApplyFailed again, for a refusal
+    # that the policy alone shows is unchanged.
+    plain = {**SERVER_OBJ, "metadata": {**SERVER_OBJ["metadata"], "generation": 1}}
+    kube = RefusingPolicyKube(plain)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    log = logging.getLogger("test")
+    handlers.safety_pass(memo, SETTINGS, log)
+    first, events = kube.applies, list(kube.events)
+    assert first > 1 and events == ["ApplyFailed"]
+    assert not any(k[0] == "StatefulSet" for k in kube.children)
+    for _ in range(2):
+        handlers.safety_pass(memo, SETTINGS, log)
+    assert kube.applies == first + 2  # the policy alone, once a pass
+    assert kube.events == events  # no Event for a refusal already reported
+    # The policy lands: the whole server is applied, its StatefulSets too.
+    kube.refusing = False
+    handlers.safety_pass(memo, SETTINGS, log)
+    assert any(k[0] == "StatefulSet" for k in kube.children)
+    settled = kube.applies
+    assert handlers.safety_pass(memo, SETTINGS, log).applied == 0
+    assert kube.applies == settled
