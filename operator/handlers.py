@@ -104,10 +104,7 @@ async def configure(
     memo.claims = ownership.Claims()
     kube_for_names: Kube = memo.kube
     # A burst of new servers in a namespace: one list per kind there, not a read per child.
-    memo.names = ownership.NameLookup(
-        kube_for_names.get,
-        lambda api_version, kind, ns: kube_for_names.list_labelled(api_version, kind, "", [ns]),
-    )
+    memo.names = ownership.NameLookup(kube_for_names.get, kube_for_names.list_metadata)
     memo.status_memory = StatusMemory()
     loop = asyncio.get_running_loop()
     memo.status_queue = Coalescer(

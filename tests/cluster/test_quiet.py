@@ -106,16 +106,20 @@ def test_a_server_at_rest_costs_no_write_and_its_way_to_ready_few(
     # Every request for it to Ready (issue 23, item 2): each child read once (a lone
     # server's children are read by name before their first apply: ownership.py) and
     # applied once, the KVCacheStatus's first status, the status patches, two Events.
+    # An apply that did not land (a loaded API server's timeout; the log says so) is
+    # retried whole (retries.py): once more each time, of children known to be ours.
+    log = op.log()
+    whole = 1 + log.count("apply deferred") + log.count("apply failed")
     children = render.render(api.parse_server(make(ns)))
     by = Counter(f"{r.verb} {r.resource}" for r in to_ready)
     for kind in {c["kind"] for c in children}:
         resource = next(p for _g, _v, p, _a, k in handlers.CHILD_KINDS if k == kind)
         count = sum(c["kind"] == kind for c in children)
-        assert by[f"patch {resource}"] == count, (kind, by)
+        assert count <= by[f"patch {resource}"] <= count * whole, (kind, whole, by)
         assert by[f"get {resource}"] <= count, (kind, by)
     assert by["patch kvcachestatuses/status"] == 1, by
     assert by["create events"] == 2, by
-    assert len(to_ready) <= 2 * len(children) + 1 + 3 + 2, by
+    assert len(to_ready) <= len(children) * (1 + whole) + 1 + 3 + 2, (whole, by)
 
     # At rest: passes list servers and children cluster-wide, and write nothing.
     start = passes(op)

@@ -133,6 +133,14 @@ CALLS = [
     Call("Kube.list_labelled PodDisruptionBudget", "policy", "poddisruptionbudgets", ("list",)),
     Call("Kube.list_labelled NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
     Call("Kube.list_labelled KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
+    # Kube.list_metadata (ownership.NameLookup): what holds the names of a burst of new
+    # servers' children, every object of the kind in the namespace (metadata only).
+    Call("Kube.list_metadata StatefulSet", "apps", "statefulsets", ("list",)),
+    Call("Kube.list_metadata Service", "", "services", ("list",)),
+    Call("Kube.list_metadata ConfigMap", "", "configmaps", ("list",)),
+    Call("Kube.list_metadata PodDisruptionBudget", "policy", "poddisruptionbudgets", ("list",)),
+    Call("Kube.list_metadata NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
+    Call("Kube.list_metadata KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),
