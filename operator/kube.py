@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import urllib3
@@ -98,24 +99,32 @@ class Kube:
         """The metadata (without managedFields) of every object of a kind in ``namespace``,
         in pages: the API server answers a PartialObjectMetadataList, no spec or status,
         so a namespace's StatefulSets cost a few KB each less to fetch and to hold."""
-        res = self._resource(api_version, kind)
         out: list[Obj] = []
+        headers = {"Accept": METADATA_LIST}
+        for item in self._pages(api_version, kind, namespace, page, header_params=headers):
+            meta = dict(item.get("metadata") or {})
+            meta.pop("managedFields", None)
+            out.append({"metadata": meta})
+        return out
+
+    def _pages(
+        self, api_version: str, kind: str, namespace: str | None, page: int, **params: Any
+    ) -> Iterator[Obj]:
+        """Every item of a list, page by page (a large list is never one huge answer)."""
+        res = self._resource(api_version, kind)
         token: str | None = None
         while True:
             got = res.get(
                 namespace=namespace,
                 limit=page,
                 _continue=token,
-                header_params={"Accept": METADATA_LIST},
                 _request_timeout=REQUEST_TIMEOUT,
+                **params,
             )
-            for item in got.items:
-                meta = dict(item.to_dict().get("metadata") or {})
-                meta.pop("managedFields", None)
-                out.append({"metadata": meta})
+            yield from (item.to_dict() for item in got.items)
             token = (got.metadata or {}).get("continue") if got.metadata else None
             if not token:
-                return out
+                return
 
     def get(
         self,
@@ -209,22 +218,9 @@ class Kube:
     ) -> list[Obj]:
         """Every object of a kind with the labels, in pages of ``page`` (a large
         cluster's list is never one huge answer), cluster-wide or per namespace."""
-        res = self._resource(api_version, kind)
         out: list[Obj] = []
         for ns in namespaces or [None]:
-            token: str | None = None
-            while True:
-                got = res.get(
-                    namespace=ns,
-                    label_selector=label_selector,
-                    limit=page,
-                    _continue=token,
-                    _request_timeout=REQUEST_TIMEOUT,
-                )
-                out.extend(item.to_dict() for item in got.items)
-                token = (got.metadata or {}).get("continue") if got.metadata else None
-                if not token:
-                    break
+            out.extend(self._pages(api_version, kind, ns, page, label_selector=label_selector))
         return out
 
     def review_token(
