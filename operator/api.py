@@ -431,9 +431,13 @@ def cpu_cores(quantity: str) -> int:
     return max(1, cpu_millis(quantity) // 1000)
 
 
-# Memory quantity suffixes (core/v1 resource.Quantity) and the bytes each stands for.
-_MEMORY_SUFFIXES = {
-    **{s: 1024 ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+# Memory quantity suffixes (core/v1 resource.Quantity) and the bytes each stands for:
+# the one table, read by memory_bytes and written by resources.format_bytes.
+BINARY_MEMORY_UNITS = tuple(
+    (s, 1024 ** (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))
+)
+MEMORY_UNITS = {
+    **dict(BINARY_MEMORY_UNITS),
     **{s: 1000 ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
     "": 1,
 }
@@ -444,9 +448,9 @@ def memory_bytes(quantity: str) -> int:
     Raises ValueError on anything else (exponents and milli-bytes are refused too)."""
     number = quantity.rstrip("KMGTPEik")
     suffix = quantity[len(number) :]
-    if suffix not in _MEMORY_SUFFIXES or not number or not number.replace(".", "", 1).isdigit():
+    if suffix not in MEMORY_UNITS or not number or not number.replace(".", "", 1).isdigit():
         raise ValueError(quantity)
-    return int(float(number) * _MEMORY_SUFFIXES[suffix])
+    return int(float(number) * MEMORY_UNITS[suffix])
 
 
 def _engine_image(engine: dict[str, Any], device: str) -> str:

@@ -102,6 +102,9 @@ async def configure(
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     memo.claims = ownership.Claims()
+    kube_for_names: Kube = memo.kube
+    # A burst of new servers in a namespace: one list per kind there, not a read per child.
+    memo.names = ownership.NameLookup(kube_for_names.get, kube_for_names.list_metadata)
     memo.status_memory = StatusMemory()
     loop = asyncio.get_running_loop()
     memo.status_queue = Coalescer(
@@ -327,12 +330,15 @@ def apply_children(
     claims: ownership.Claims | None = None,
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
     seen: Seen | None = None,
+    names: ownership.NameLookup | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
     children known to be ours and records conflicts and the outcome for status (a
     throwaway one without it: every child is read first). ``post`` posts Events
     outside a kopf handler (the resync loop, the retries), where kopf.warn cannot.
-    ``seen``: the RoleScalers as the watch shows them (read by name without it)."""
+    ``seen``: the RoleScalers as the watch shows them (read by name without it).
+    ``names``: what holds a child's name, one list for a burst of new servers
+    (``ownership.NameLookup``; a read per child without it)."""
 
     def warn(reason: str, message: str) -> None:
         if post is None:
@@ -377,9 +383,7 @@ def apply_children(
         warn(EVENT_APPLY_FAILED, why)
         refusals.append(why)
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
-    refused = hostpaths.refusal(server, settings.host_path_prefixes) or (
-        settings.pod_template_refusal(server)
-    )
+    refused = settings_refusal(server, settings)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
     for child in render.render(server, settings.render_context()):
@@ -417,7 +421,7 @@ def apply_children(
             ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
             continue
         try:
-            taken = _taken(child, server, kube, claims)
+            taken = _taken(child, server, kube, claims, names)
             if taken is not None:
                 claims.record(server_key, key, taken)
                 logger.warning("not applied, the name is taken: %s", taken)
@@ -460,10 +464,22 @@ def apply_children(
     if only is None:
         # What status may call observed: only a generation whose children all landed.
         outcome = ownership.ApplyOutcome(
-            server.generation, ok is Applied.ALL, tuple(refusals), time.monotonic()
+            server.generation, ok is Applied.ALL, tuple(refusals), refused, time.monotonic()
         )
         claims.applied(server_key, outcome)
     return ok
+
+
+def settings_refusal(server: api.Server, settings: Settings) -> str | None:
+    """Why the operator's settings refuse the server (its hostPath, a podTemplate field):
+    the StatefulSets and the ConfigMap are not applied while they do. None: not refused."""
+    return hostpaths.refusal(server, settings.host_path_prefixes) or (
+        settings.pod_template_refusal(server)
+    )
+
+
+# What a settings refusal holds back (apply_children): not drift while it does.
+HELD_KINDS = ("StatefulSet", "ConfigMap")
 
 
 def resolve_scalers(
@@ -526,15 +542,21 @@ def resolve_scalers(
 
 
 def _taken(
-    child: dict[str, Any], server: api.Server, kube: Kube, claims: ownership.Claims
+    child: dict[str, Any],
+    server: api.Server,
+    kube: Kube,
+    claims: ownership.Claims,
+    names: ownership.NameLookup | None = None,
 ) -> ownership.Conflict | None:
     """The conflict when an object we do not control holds the child's name. A child
-    known to be ours costs no read; any other is read once (a forced apply to it
-    would take it over, and the garbage collector would delete it with the server)."""
+    known to be ours costs no read; any other is looked up once (a forced apply to it
+    would take it over, and the garbage collector would delete it with the server):
+    read by name, or from ``names``' list of its kind in a burst."""
     meta = child["metadata"]
     if server.uid and claims.owner((child["kind"], meta["namespace"], meta["name"])) == server.uid:
         return None
-    existing = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+    where = (child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+    existing = names.holder(*where, server.uid) if names is not None else kube.get(*where)
     return ownership.conflict(existing, child["kind"], meta["name"], server.uid)
 
 
@@ -546,7 +568,16 @@ def apply_or_retry(
 ) -> Applied:
     """apply_children, and a bounded retry of the whole server when it may land later."""
     claims: ownership.Claims | None = getattr(memo, "claims", None)
-    result = apply_children(body, memo.kube, memo.settings, logger, only, claims, seen=_seen(memo))
+    result = apply_children(
+        body,
+        memo.kube,
+        memo.settings,
+        logger,
+        only,
+        claims,
+        seen=_seen(memo),
+        names=getattr(memo, "names", None),
+    )
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
         meta = body["metadata"]
@@ -910,21 +941,72 @@ def needs_apply(
     children: dict[tuple[str, str, str], Any],
     last: ownership.ApplyOutcome | None,
     listed_at: float = 0.0,
+    held: str | None = None,
 ) -> bool:
     """Whether the safety pass re-applies a server: its generation has not landed
     whole, or some child is missing or lost one of our fields. Not a server whose
     apply ended after the children were listed (``listed_at``, monotonic): the list
-    may lack some of its children, and that apply has its own retries."""
+    may lack some of its children, and that apply has its own retries. Nor a server
+    the settings refuse (``held``, settings_refusal) as they did at its last apply of
+    this generation: that apply landed what the refusal lets land (checked for drift
+    like any child), and another would be held the same way."""
     if last is not None and last.finished > listed_at:
         return False
-    if last is None or last.generation != server.generation or not last.applied:
+    if last is None or last.generation != server.generation:
+        return True
+    held_as_before = held is not None and last.held == held and not last.refusals
+    if not last.applied and not held_as_before:
         return True
     return not all(
         drift.covers(
             children.get((c["kind"], c["metadata"]["namespace"], c["metadata"]["name"])), c
         )
         for c in wanted
+        if not (held_as_before and c["kind"] in HELD_KINDS)
     )
+
+
+def _policy_still_refused(
+    server: api.Server,
+    wanted: list[dict[str, Any]],
+    last: ownership.ApplyOutcome | None,
+    held: str | None,
+    kube: Kube,
+    claims: ownership.Claims | None,
+    logger: logging.Logger,
+) -> bool:
+    """For a server whose last apply of this generation failed only on its NetworkPolicy
+    (which holds the StatefulSets), the safety pass's try of that policy alone: True
+    when the API server refuses it as it did (nothing else would land: no whole apply,
+    no Event for a refusal already reported). False otherwise: the whole server is
+    applied (the policy landed, or the answer is news)."""
+    if (
+        last is None
+        or last.generation != server.generation
+        or last.applied
+        or held is not None
+        or not last.refusals
+        or not all(r.startswith("NetworkPolicy ") for r in last.refusals)
+        or claims is None
+    ):
+        return False
+    policy = next((c for c in wanted if c["kind"] == "NetworkPolicy"), None)
+    if policy is None or _taken(policy, server, kube, claims) is not None:
+        return False
+    try:
+        kube.apply(policy)
+    except ApiException as exc:
+        message = f"NetworkPolicy {policy['metadata']['name']}: {api_error_message(exc)}"
+        if message in last.refusals:
+            logger.info("safety pass: %s/%s still held: %s", server.namespace, server.name, message)
+            return True
+        return False
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return True  # the API server cannot be reached: the next pass tries again
+    claims.remember(("NetworkPolicy", server.namespace, policy["metadata"]["name"]), server.uid)
+    return False
 
 
 def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
@@ -948,7 +1030,10 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         key = (server.namespace, server.name)
         try:
             last = claims.last_apply(key) if claims else None
-            if needs_apply(server, wanted, children, last, listed_at):
+            held = settings_refusal(server, settings)
+            if needs_apply(server, wanted, children, last, listed_at, held) and not (
+                _policy_still_refused(server, wanted, last, held, kube, claims, logger)
+            ):
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)
                 applied = apply_children(
@@ -1047,7 +1132,51 @@ def _transports(memo: kopf.Memo) -> Callable[[tuple[str, str]], tuple[str, str] 
     return residency.transport if residency is not None else None
 
 
+def _to_apply(
+    kind: str,
+    type: str | None,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    owner: dict[str, Any],
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    statefulsets: kopf.Index,
+) -> tuple[bool, tuple[str, str] | None]:
+    """Whether a child's event applies anything, and what: (True, (kind, name)) that
+    child alone, (True, None) the whole server, (False, None) nothing."""
+    if kind == api.SCALER_KIND:
+        # An autoscaler changed spec.replicas, or the RoleScaler was deleted: the whole
+        # server, its StatefulSet and topology from the new count (kopf updates the
+        # index before the handler runs). Deleted under External it is created again,
+        # seeded at the count running now; under Static the apply deletes a left-over
+        # one. Our own status writes change no count: nothing is applied for those.
+        role = labels.get(api.LABEL_ROLE)
+        found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
+        running = found[0].spec_replicas if found else None
+        count = scaler.replicas_of(dict(body))
+        if type != "DELETED" and count == running:
+            return False, None
+        logger.info("%s %s: replicas %s, running %s", kind, name, count, running)
+        return True, None
+    # Re-apply this one child when someone edited or deleted it. A deleted child
+    # comes back; an edited one gets our fields back, while fields we never set
+    # (another manager's) stay as they are. Its own creation and the status its
+    # controller writes change none of our fields: no request for those.
+    if type == "DELETED":
+        logger.info("child deleted, restoring kind=%s name=%s", kind, name)
+        kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
+        return True, (kind, name)
+    if _holds_ours(owner, kind, name, body, memo.settings, _seen(memo)):
+        return False, None
+    return True, (kind, name)
+
+
 def _on_child_event(kind: str):
+    """The handler of one watched child kind (WATCHED_KINDS): the rendered children
+    and the RoleScalers, one code path."""
+
     def child_changed(
         type: str | None,
         name: str,
@@ -1060,86 +1189,47 @@ def _on_child_event(kind: str):
         statefulsets: kopf.Index,
         pods: kopf.Index,
         nodes: kopf.Index,
+        rolescalers: kopf.Index | None = None,
         **_: Any,
     ) -> None:
+        if rolescalers is not None:
+            memo.indexes.setdefault("rolescalers", rolescalers)
         owner = _owner(namespace, labels, servers)
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
         claims: ownership.Claims | None = getattr(memo, "claims", None)
-        if claims is not None:
+        if claims is not None and kind != api.SCALER_KIND:
             # What the watch shows is the freshest word on whose the child is: a deleted
-            # child's name is read again before it is recreated.
+            # child's name is read again before it is recreated. (A RoleScaler's owner
+            # is read from the index each time: resolve_scalers.)
             key = (kind, namespace, name)
             uid = owner["metadata"].get("uid") or ""
             if type != "DELETED" and ownership.is_ours(dict(body), uid):
                 claims.remember(key, uid)
             else:
                 claims.forget(key)
-        # Re-apply this one child when someone edited or deleted it. A deleted child
-        # comes back; an edited one gets our fields back, while fields we never set
-        # (another manager's) stay as they are. Its own creation and the status its
-        # controller writes change none of our fields: no request for those.
-        if type == "DELETED":
-            logger.info("child deleted, restoring kind=%s name=%s", kind, name)
-            kopf.info(owner, reason=EVENT_DRIFT, message=f"restored deleted {kind} {name}")
-        elif _holds_ours(owner, kind, name, body, memo.settings, _seen(memo)):
-            if kind == "StatefulSet":
-                _refresh(owner, memo, statefulsets, pods, nodes)
-            return
-        apply_or_retry(owner, memo, logger, only=(kind, name))
-        if kind == "StatefulSet":
+        apply, only = _to_apply(
+            kind, type, name, namespace, labels, body, owner, memo, logger, statefulsets
+        )
+        if apply:
+            apply_or_retry(owner, memo, logger, only=only)
+        # Their status is the server's (StatefulSets), or written with it (RoleScalers).
+        if kind in ("StatefulSet", api.SCALER_KIND):
             _refresh(owner, memo, statefulsets, pods, nodes)
 
     return child_changed
 
 
-for _group, _version, _plural, _api_version, _kind in CHILD_KINDS:
+# Every kind whose objects the operator owns, watched through one handler.
+WATCHED_KINDS = [
+    *CHILD_KINDS,
+    (api.GROUP, api.VERSION, api.SCALER_PLURAL, api.API_VERSION, api.SCALER_KIND),
+]
+for _group, _version, _plural, _api_version, _kind in WATCHED_KINDS:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(
         _on_child_event(_kind)
     )
-
-
-@kopf.on.event(*SCALERS, labels=OURS)
-def scaler_changed(
-    type: str | None,
-    name: str,
-    namespace: str,
-    labels: kopf.Labels,
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: logging.Logger,
-    servers: kopf.Index,
-    statefulsets: kopf.Index,
-    pods: kopf.Index,
-    nodes: kopf.Index,
-    rolescalers: kopf.Index,
-    **_: Any,
-) -> None:
-    """An autoscaler changed a RoleScaler's spec.replicas (or it was deleted): the
-    server is applied again, its StatefulSet and topology from the new count (kopf
-    updates the index before this handler runs). Our own status writes change no
-    count: nothing is applied for those."""
-    memo.indexes.setdefault("rolescalers", rolescalers)
-    owner = _owner(namespace, labels, servers)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return
-    owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
-    role = labels.get(api.LABEL_ROLE)
-    found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
-    running = found[0].spec_replicas if found else None
-    if type == "DELETED" or scaler.replicas_of(dict(body)) != running:
-        # Deleted under External: created again, seeded at the count running now.
-        # Under Static: the apply deletes a left-over one.
-        logger.info(
-            "%s %s: replicas %s, running %s",
-            api.SCALER_KIND,
-            name,
-            body.spec.get("replicas"),
-            running,
-        )
-        apply_or_retry(owner, memo, logger)
-    _refresh(owner, memo, statefulsets, pods, nodes)
 
 
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import urllib3
@@ -25,6 +26,8 @@ Obj = dict[str, Any]
 # Every call has a deadline (connect, read): an API server that accepts a connection
 # and never answers (restarting, overloaded) must not hold a thread forever.
 REQUEST_TIMEOUT = (5.0, 30.0)
+# A list's items as metadata only (meta.k8s.io PartialObjectMetadataList).
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
 
 def api_error_message(exc: ApiException) -> str:
@@ -89,6 +92,39 @@ class Kube:
             _request_timeout=REQUEST_TIMEOUT,
         )
         return out.to_dict()
+
+    def list_metadata(
+        self, api_version: str, kind: str, namespace: str, page: int = 500
+    ) -> list[Obj]:
+        """The metadata (without managedFields) of every object of a kind in ``namespace``,
+        in pages: the API server answers a PartialObjectMetadataList, no spec or status,
+        so a namespace's StatefulSets cost a few KB each less to fetch and to hold."""
+        out: list[Obj] = []
+        headers = {"Accept": METADATA_LIST}
+        for item in self._pages(api_version, kind, namespace, page, header_params=headers):
+            meta = dict(item.get("metadata") or {})
+            meta.pop("managedFields", None)
+            out.append({"metadata": meta})
+        return out
+
+    def _pages(
+        self, api_version: str, kind: str, namespace: str | None, page: int, **params: Any
+    ) -> Iterator[Obj]:
+        """Every item of a list, page by page (a large list is never one huge answer)."""
+        res = self._resource(api_version, kind)
+        token: str | None = None
+        while True:
+            got = res.get(
+                namespace=namespace,
+                limit=page,
+                _continue=token,
+                _request_timeout=REQUEST_TIMEOUT,
+                **params,
+            )
+            yield from (item.to_dict() for item in got.items)
+            token = (got.metadata or {}).get("continue") if got.metadata else None
+            if not token:
+                return
 
     def get(
         self,
@@ -182,22 +218,9 @@ class Kube:
     ) -> list[Obj]:
         """Every object of a kind with the labels, in pages of ``page`` (a large
         cluster's list is never one huge answer), cluster-wide or per namespace."""
-        res = self._resource(api_version, kind)
         out: list[Obj] = []
         for ns in namespaces or [None]:
-            token: str | None = None
-            while True:
-                got = res.get(
-                    namespace=ns,
-                    label_selector=label_selector,
-                    limit=page,
-                    _continue=token,
-                    _request_timeout=REQUEST_TIMEOUT,
-                )
-                out.extend(item.to_dict() for item in got.items)
-                token = (got.metadata or {}).get("continue") if got.metadata else None
-                if not token:
-                    break
+            out.extend(self._pages(api_version, kind, ns, page, label_selector=label_selector))
         return out
 
     def review_token(

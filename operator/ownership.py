@@ -15,13 +15,15 @@ would use (:func:`feeds_pods`), their StatefulSets wait too.
 Reading each child before every apply would double the operator's requests, so
 :class:`Claims` remembers the children known to be ours (learned from a read, from
 our own apply, and from the child watch, which also forgets a deleted one): only a
-child not known to be ours is read first.
+child not known to be ours is read first, by name, or for a burst of new servers in
+one namespace from one list of its kind there (:class:`NameLookup`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,9 @@ class ApplyOutcome:
     generation: int
     applied: bool  # every child landed
     refusals: tuple[str, ...] = ()  # "<kind> <name>: <the API server's message>"
+    # The operator's settings refused the server (a hostPath, a podTemplate field): why.
+    # It held the StatefulSets and the ConfigMap; the same refusal holds them again.
+    held: str | None = None
     # When the apply ended (the caller's monotonic clock): a list taken before that
     # may lack some of its children (handlers.needs_apply).
     finished: float = field(default=0.0, compare=False)
@@ -177,3 +182,83 @@ class Claims:
             self._conflicts.pop(server, None)
             self._applies.pop(server, None)
             self._posted.pop(server, None)
+
+
+Getter = Callable[[str, str, str, str], "dict[str, Any] | None"]  # apiVersion, kind, ns, name
+Lister = Callable[[str, str, str], "list[dict[str, Any]]"]  # apiVersion, kind, ns
+
+
+@dataclass(frozen=True)
+class _Listed:
+    at: float  # when the list was asked for (before its answer: the older bound)
+    holders: dict[str, dict[str, Any]]  # name -> the object's metadata
+
+
+class NameLookup:
+    """What holds a child's name, for a child not known to be ours (the read before its
+    first apply). A lone new server's children are read by name, one request each. A
+    burst of new servers in one namespace (a first-sight read of a kind there for a
+    second server within ``window`` seconds) lists that kind in the namespace once instead, and the
+    list answers every such lookup there for ``window`` seconds: 100 servers applied
+    at once cost a few lists per kind, not a read per child (docs/performance.md).
+
+    The list may be up to ``window`` seconds old: an object someone else creates under
+    a child's name in that time is not seen (a read has the same gap, of one request's
+    time), and the object of ours the list predates is absent from it, which is right:
+    an apply to an absent name creates it. Only metadata is kept (conflict reads the
+    owner references), and only for lists younger than ``window``."""
+
+    def __init__(
+        self,
+        get: Getter,
+        list_all: Lister,
+        window: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._get = get
+        self._list = list_all
+        self._window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        # (kind, ns) -> when a server's child was last read by name there, and which server
+        self._read_at: dict[tuple[str, str], tuple[float, str]] = {}
+        self._listed: dict[tuple[str, str], _Listed] = {}
+        self._listing: dict[tuple[str, str], threading.Lock] = {}
+
+    def holder(
+        self, api_version: str, kind: str, namespace: str, name: str, server_uid: str = ""
+    ) -> dict[str, Any] | None:
+        """The object that holds ``name`` (its metadata at least), or None when none
+        does; ``server_uid``: whose child it is (one server's children alone are no burst)."""
+        key = (kind, namespace)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            listed = self._listed.get(key)
+            if listed is not None:
+                return listed.holders.get(name)
+            last = self._read_at.get(key)
+            burst = last is not None and now - last[0] <= self._window and last[1] != server_uid
+            self._read_at[key] = (now, server_uid)
+            one_at_a_time = self._listing.setdefault(key, threading.Lock())
+        if not burst:
+            return self._get(api_version, kind, namespace, name)
+        with one_at_a_time:  # a burst's threads wait for one list, not a list each
+            with self._lock:
+                listed = self._listed.get(key)
+            if listed is None:
+                at = self._clock()
+                holders = {
+                    (o.get("metadata") or {}).get("name", ""): {"metadata": o.get("metadata") or {}}
+                    for o in self._list(api_version, kind, namespace)
+                }
+                listed = _Listed(at, holders)
+                with self._lock:
+                    self._listed[key] = listed
+        return listed.holders.get(name)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, v in self._listed.items() if now - v.at > self._window]:
+            del self._listed[key]
+        for key in [k for k, (at, _) in self._read_at.items() if now - at > self._window]:
+            del self._read_at[key]

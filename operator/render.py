@@ -567,7 +567,9 @@ def build_statefulset(server: Server, role: Role, ctx: Context) -> Obj:
     meta = _metadata(server, name, common_labels(server, role.name, role.name))
     # Why the pods fail the scanner checks they do (scanskips.py): on the StatefulSet,
     # where checkov reads them, so they restart no pod.
-    skips = build_scanner_skips(template["spec"], server.spec.engine.on_cpu)
+    skips = build_scanner_skips(
+        template["spec"], server.spec.engine.on_cpu, server.spec.network.rdma.enabled, role.name
+    )
     if skips:
         meta["annotations"] = skips
     return {

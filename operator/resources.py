@@ -75,12 +75,11 @@ SIDECAR_STARTUP_PERIOD = 1
 SIDECAR_STARTUP_FAILURES = 60
 
 _GIB = 1024**3
-_UNITS = (("Ti", 1024**4), ("Gi", _GIB), ("Mi", 1024**2), ("Ki", 1024))
 
 
 def format_bytes(n: int) -> str:
     """A memory quantity for ``n`` bytes in the largest binary unit that divides it."""
-    for suffix, size in _UNITS:
+    for suffix, size in reversed(api.BINARY_MEMORY_UNITS):
         if n % size == 0:
             return f"{n // size}{suffix}"
     return str(n)

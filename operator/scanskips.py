@@ -13,6 +13,7 @@ rules:
   holds no ``=``: checkov splits the annotation's value on it.
 - A skip that names a cause (the CPU engine's missing limits, RDMA's ``IPC_LOCK``) is
   set only for that cause: a pod failing the check for any other reason fails the scan.
+  ``IPC_LOCK`` a podTemplate overlay adds on a server without RDMA has its own reason.
 - The annotations go on the StatefulSet, not the pod template, where checkov reads them
   for its StatefulSet checks: adding or changing one restarts no pod.
 """
@@ -20,6 +21,7 @@ rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 Obj = dict[str, Any]
@@ -28,6 +30,16 @@ SKIP_ANNOTATION_PREFIX = "checkov.io/skip"
 
 # checkov's "high UID" (CKV_K8S_40): a user above the node's own.
 HIGH_UID = 10000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a pod's skips depend on beyond the pod: the server's device and RDMA, and the
+    role (a reason names the field that caused it)."""
+
+    on_cpu: bool = False
+    rdma: bool = False
+    role: str = "<role>"
 
 
 def _containers(pod: Obj) -> Iterator[Obj]:
@@ -57,11 +69,14 @@ def _low_uid(pod: Obj, c: Obj) -> bool:
 OURS = frozenset({"engine", "kvferry-sidecar"})
 
 
-def _ours_only(test: Callable[[Obj, Obj], bool]) -> Callable[[Obj, bool], bool]:
+Applies = Callable[[Obj, Workload], bool]
+
+
+def _ours_only(test: Callable[[Obj, Obj], bool]) -> Applies:
     """Applies when some container fails ``test`` and each that does is kvferry's: an
     overlay's own container (``spec.<role>.podTemplate``) failing it fails the scan."""
 
-    def applies(pod: Obj, _cpu: bool) -> bool:
+    def applies(pod: Obj, _w: Workload) -> bool:
         failing = {c["name"] for c in _containers(pod) if test(pod, c)}
         return bool(failing) and failing <= OURS
 
@@ -78,17 +93,17 @@ def _locked_down(c: Obj) -> bool:
 
 def _engine_only(
     test: Callable[[Obj, Obj], bool], cpu: bool = False, locked: bool = False
-) -> Callable[[Obj, bool], bool]:
+) -> Applies:
     """Applies when the engine, and no other container, fails ``test`` (on a CPU server
     only, with ``cpu``; with ``locked``, only while the engine drops every capability
     and cannot escalate, which the reason says): the reason is the engine's, so another
     container failing the check (an overlay's, a sidecar change) fails the scan."""
 
-    def applies(pod: Obj, on_cpu: bool) -> bool:
+    def applies(pod: Obj, w: Workload) -> bool:
         failing = [c["name"] for c in _containers(pod) if test(pod, c)]
         return (
             failing == ["engine"]
-            and (on_cpu or not cpu)
+            and (w.on_cpu or not cpu)
             and (not locked or _locked_down(_engine(pod)))
         )
 
@@ -103,8 +118,23 @@ def _adds_capabilities(_pod: Obj, c: Obj) -> bool:
     return bool(c.get("securityContext", {}).get("capabilities", {}).get("add"))
 
 
-# (check, when it applies to a pod, why), in annotation order.
-RULES: tuple[tuple[str, Callable[[Obj, bool], bool], str], ...] = (
+def _adds_ipc_lock_only(rdma: bool) -> Applies:
+    """The engine alone adds capabilities, IPC_LOCK only, on a server with RDMA (render
+    adds it) or without (a podTemplate overlay added it): each has its own reason."""
+
+    def applies(pod: Obj, w: Workload) -> bool:
+        return (
+            w.rdma is rdma
+            and _engine_only(_adds_capabilities)(pod, w)
+            and _engine(pod)["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        )
+
+    return applies
+
+
+# (check, when it applies to a pod, why), in annotation order. A reason's {role} is
+# the pod's role.
+RULES: tuple[tuple[str, Applies, str], ...] = (
     (
         "CKV_K8S_43",
         _ours_only(lambda _pod, c: "@" not in c.get("image", "")),
@@ -139,12 +169,15 @@ RULES: tuple[tuple[str, Callable[[Obj, bool], bool], str], ...] = (
     ),
     (
         "CKV_K8S_25",
-        lambda pod, on_cpu: (
-            _engine_only(_adds_capabilities)(pod, on_cpu)
-            and _engine(pod)["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-        ),
+        _adds_ipc_lock_only(rdma=True),
         "IPC_LOCK on the engine with RDMA (spec.network.rdma): registering (pinning) the KV "
         "memory with the NIC needs it; nothing else is added",
+    ),
+    (
+        "CKV_K8S_25",
+        _adds_ipc_lock_only(rdma=False),
+        "IPC_LOCK on the engine from spec.{role}.podTemplate (spec.network.rdma is off): the "
+        "overlay adds it to lock memory; nothing else is added; remove it there to pass the check",
     ),
     (
         "CKV_K8S_11",
@@ -161,7 +194,10 @@ RULES: tuple[tuple[str, Callable[[Obj, bool], bool], str], ...] = (
 )
 
 
-def build_scanner_skips(pod: Obj, on_cpu: bool) -> dict[str, str]:
+def build_scanner_skips(
+    pod: Obj, on_cpu: bool, rdma: bool = False, role: str = "<role>"
+) -> dict[str, str]:
     """The ``checkov.io/skipN`` annotations for a workload whose pod spec is ``pod``."""
-    found = [f"{check}={why}" for check, applies, why in RULES if applies(pod, on_cpu)]
+    w = Workload(on_cpu, rdma, role)
+    found = [f"{check}={why.format(role=role)}" for check, applies, why in RULES if applies(pod, w)]
     return {f"{SKIP_ANNOTATION_PREFIX}{i}": value for i, value in enumerate(found, start=1)}

@@ -367,6 +367,87 @@ def ns(kubectl: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     kubectl.run("delete", "pv", f"models-{name}", "--wait=false", check=False)
 
 
+def condition_of(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    """The condition ``ctype`` of a DisaggregatedServer as read; {} when it has none."""
+    conditions = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == ctype), {})
+
+
+def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
+    """The server's condition ``ctype`` now (one read); {} when it has none."""
+    return condition_of(kubectl.get("dserver", name, ns), ctype)
+
+
+def watch_server(
+    kubectl: Kubectl,
+    ns: str,
+    name: str,
+    check: Callable[[dict[str, Any]], Any],
+    timeout: float,
+    what: str,
+) -> Any:
+    """Watch the server ``ns/name`` until ``check(server)`` is truthy; that value. A
+    watch shows every change, so a state that lasts a moment (a reason the next write
+    replaces) is seen too, where a poll between two writes would miss it. The watch
+    starts with the server as it is, if it exists; fails naming ``what``."""
+    from kubernetes import client, config, watch
+
+    from kvferry_operator import api
+
+    api_client = config.new_client_from_config(config_file=kubectl.env["KUBECONFIG"])
+    objects = client.CustomObjectsApi(api_client)
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] | None = None
+    try:
+        # The API server ends a watch at timeout_seconds: a new one starts from the
+        # state as it is then (no resourceVersion), so nothing is missed for the check.
+        while (left := deadline - time.monotonic()) > 0:
+            stream = watch.Watch().stream(
+                objects.list_namespaced_custom_object,
+                api.GROUP,
+                api.VERSION,
+                ns,
+                api.SERVER_PLURAL,
+                field_selector=f"metadata.name={name}",
+                timeout_seconds=max(1, int(left)),
+                _request_timeout=left + 10,
+            )
+            for event in stream:
+                if event["type"] not in ("ADDED", "MODIFIED"):
+                    continue  # DELETED, BOOKMARK, ERROR (a new watch follows)
+                last = event["object"]
+                found = check(last)
+                if found:
+                    return found
+                if time.monotonic() > deadline:
+                    break
+    finally:
+        api_client.close()
+    seen = ((last or {}).get("status") or {}).get("conditions")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last conditions: {seen}")
+
+
+def wait_condition(
+    kubectl: Kubectl,
+    ns: str,
+    name: str,
+    ctype: str,
+    reason: str | None = None,
+    status: str | None = None,
+    timeout: float = 60,
+) -> dict[str, Any]:
+    """The server's condition ``ctype`` once it has ``reason`` and/or ``status``, as a
+    watch shows it (watch_server): the condition."""
+
+    def check(obj: dict[str, Any]) -> dict[str, Any] | None:
+        c = condition_of(obj, ctype)
+        matches = reason in (None, c.get("reason")) and status in (None, c.get("status"))
+        return c if c and matches else None
+
+    wanted = ", ".join(f"{k} {v}" for k, v in (("reason", reason), ("status", status)) if v)
+    return watch_server(kubectl, ns, name, check, timeout, f"{ns}/{name} {ctype} with {wanted}")
+
+
 def wait_for_event(kubectl: Kubectl, ns: str, name: str, reason: str, timeout: float = 15) -> Any:
     """Events are posted after the status write they explain; give them a moment."""
     return wait_until(

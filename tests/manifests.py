@@ -62,6 +62,14 @@ def _spec(patch: dict[str, Any]) -> dict[str, Any]:
     return merge(MINIMAL, {"spec": patch})
 
 
+CPU_ENGINE = {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"}
+
+
+def _cpu_spec(patch: dict[str, Any]) -> dict[str, Any]:
+    """A CPU server (spec.engine.device cpu, with the image it needs) with ``patch``."""
+    return _spec(merge({"engine": CPU_ENGINE}, patch))
+
+
 NODE_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 HUB_BOTH = {"pvc": {"claimName": "hf"}, "hostPath": {"path": "/var/cache/hf"}}
 
@@ -354,23 +362,13 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-prefill-gpus",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "prefill": {"resources": {"gpus": 1}},
-            }
-        ),
+        _cpu_spec({"prefill": {"resources": {"gpus": 1}}}),
         "spec.prefill.resources.gpus",
         "resources.gpus must be 0 or unset when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-decode-gpus",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "decode": {"resources": {"gpus": 2}},
-            }
-        ),
+        _cpu_spec({"decode": {"resources": {"gpus": 2}}}),
         "spec.decode.resources.gpus",
         "resources.gpus must be 0 or unset when spec.engine.device is cpu",
     ),
@@ -651,23 +649,13 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-prefill-tp",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "prefill": {"tensorParallelSize": 2},
-            }
-        ),
+        _cpu_spec({"prefill": {"tensorParallelSize": 2}}),
         "spec.prefill.tensorParallelSize",
         "tensorParallelSize must be 1 when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-decode-tp",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "decode": {"tensorParallelSize": 4},
-            }
-        ),
+        _cpu_spec({"decode": {"tensorParallelSize": 4}}),
         "spec.decode.tensorParallelSize",
         "tensorParallelSize must be 1 when spec.engine.device is cpu",
     ),
@@ -698,37 +686,23 @@ INVALID: list[Invalid] = [
     ),
     Invalid(
         "cpu-transport-rdma",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "network": {"transport": "rdma", "rdma": {"enabled": True, "resourceName": "r/x"}},
-            }
+        _cpu_spec(
+            {"network": {"transport": "rdma", "rdma": {"enabled": True, "resourceName": "r/x"}}}
         ),
         "spec.network.transport",
         "network.transport must be auto or tcp when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-rdma-enabled",
-        _spec(
-            {
-                "engine": {"device": "cpu", "image": "kvferry-vllm-cpu:v0.32.0"},
-                "network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}},
-            }
+        _cpu_spec(
+            {"network": {"rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}}}
         ),
         "spec.network.rdma.enabled",
         "network.rdma.enabled must be false when spec.engine.device is cpu",
     ),
     Invalid(
         "cpu-kv-cache-space-zero",
-        _spec(
-            {
-                "engine": {
-                    "device": "cpu",
-                    "image": "kvferry-vllm-cpu:v0.32.0",
-                    "cpu": {"kvCacheSpaceGiB": 0},
-                }
-            }
-        ),
+        _cpu_spec({"engine": {"cpu": {"kvCacheSpaceGiB": 0}}}),
         "spec.engine.cpu.kvCacheSpaceGiB",
         "should be greater than or equal to 1",
     ),

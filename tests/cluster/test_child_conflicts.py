@@ -7,15 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.kube import wait_for_event
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import server
-
-
-def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
-    obj = kubectl.get("dserver", name, ns) or {}
-    return next(
-        (c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), {}
-    )
 
 
 def users_service(ns: str) -> dict[str, Any]:
@@ -35,14 +28,7 @@ def test_a_server_named_like_an_existing_service_leaves_it_alone_and_says_so(
     assert before is not None
     kubectl.apply(server(name="postgres", namespace=ns), "--server-side")
 
-    degraded = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "postgres", "Degraded")).get("reason") == "ChildConflict"
-            and c
-        ),
-        60,
-        "Degraded=True, reason ChildConflict",
-    )
+    degraded = wait_condition(kubectl, ns, "postgres", "Degraded", "ChildConflict")
     assert degraded["status"] == "True"
     assert "Service postgres (controlled by nothing)" in degraded["message"]
     assert "rename this server" in degraded["message"]
@@ -80,3 +66,21 @@ def test_a_server_named_like_another_servers_child_is_refused_naming_the_rule(
         assert kubectl.get("dserver", name, ns) is None
     # A name that only contains a suffix is fine.
     kubectl.apply(server(name="chat-decoder", namespace=ns), "--server-side")
+
+
+def test_a_burst_of_new_servers_still_leaves_a_users_object_alone(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    # Servers applied at once are looked up from one list per kind in the namespace
+    # (ownership.NameLookup): what that list shows must hold a name as a read would.
+    kubectl.apply(users_service(ns))
+    before = kubectl.get("service", "postgres", ns)
+    names = ["alpha", "postgres", "beta", "gamma"]
+    kubectl.apply([server(name=n, namespace=ns) for n in names], "--server-side")
+    wait_condition(kubectl, ns, "postgres", "Degraded", "ChildConflict")
+    for name in ("alpha", "beta", "gamma"):
+        wait_condition(kubectl, ns, name, "Ready", status="True", timeout=120)
+        assert kubectl.get("service", name, ns)
+    after = kubectl.get("service", "postgres", ns)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert "ownerReferences" not in after["metadata"]

@@ -8,8 +8,8 @@ import subprocess
 import time
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import condition, make, wait_ready
-from tests.kube import SCRIPT, cp_env, wait_for_event
+from tests.cluster.test_operator import make, wait_ready
+from tests.kube import SCRIPT, condition, cp_env, wait_condition, wait_for_event
 
 
 def controlplane(command: str) -> None:
@@ -108,13 +108,7 @@ def test_a_removed_node_shows_in_status_and_events(kubectl: Kubectl, operator: O
     node = kubectl.json("get", "node", node_name)
     kubectl.run("delete", "node", node_name)
     try:
-        lost = wait_until(
-            lambda: (
-                (c := condition(kubectl, ns, "tiny", "Degraded")).get("reason") == "NodeLost" and c
-            ),
-            30,
-            "Degraded=True NodeLost",
-        )
+        lost = wait_condition(kubectl, ns, "tiny", "Degraded", "NodeLost", timeout=30)
         assert lost["status"] == "True"
         assert f"tiny-decode-0 on node {node_name}, which is gone" in lost["message"]
         assert condition(kubectl, ns, "tiny", "Ready")["status"] == "False"

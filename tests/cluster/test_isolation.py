@@ -18,7 +18,7 @@ import yaml
 from kvferry_operator import api, hostpaths, render
 from kvferry_wire import protocol
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.kube import wait_for_event
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import DELETE, server
 
 CLIENTS = [
@@ -30,13 +30,6 @@ CLIENTS = [
     },
     {"ipBlock": {"cidr": "203.0.113.0/24", "except": ["203.0.113.8/29"]}},
 ]
-
-
-def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
-    obj = kubectl.get("dserver", name, ns) or {}
-    return next(
-        (c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), {}
-    )
 
 
 def rendered(kubectl: Kubectl, ns: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
@@ -150,14 +143,7 @@ def test_a_host_path_the_operator_does_not_allow_gets_the_condition_and_no_state
 ):
     # The session's operator runs with the default: no folder allowed.
     kubectl.apply(hub_cache_on_the_node(ns, "/var/lib/kubelet/../../../etc"), "--server-side")
-    ready = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "nodecache", "Ready")).get("reason") == hostpaths.REASON
-            and c
-        ),
-        60,
-        f"Ready=False, reason {hostpaths.REASON}",
-    )
+    ready = wait_condition(kubectl, ns, "nodecache", "Ready", hostpaths.REASON)
     assert ready["status"] == "False"
     assert ready["message"].startswith(
         "spec.model.source.hub.cache.hostPath.path '/var/lib/kubelet/../../../etc' has a '..'"

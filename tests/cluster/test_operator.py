@@ -11,7 +11,7 @@ import yaml
 
 from kvferry_operator import api, render
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.kube import wait_for_event
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import EXAMPLES, INVALID, Invalid, load_example, merge, server
 
 CHILDREN = [
@@ -32,20 +32,8 @@ def make(ns: str, name: str = "tiny", spec: dict[str, Any] | None = None) -> dic
     return server(spec, name=name, namespace=ns)
 
 
-def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
-    obj = kubectl.get("dserver", name, ns) or {}
-    for cond in (obj.get("status") or {}).get("conditions", []):
-        if cond["type"] == ctype:
-            return cond
-    return {}
-
-
 def wait_ready(kubectl: Kubectl, ns: str, name: str = "tiny") -> dict[str, Any]:
-    return wait_until(
-        lambda: (c := condition(kubectl, ns, name, "Ready")).get("status") == "True" and c,
-        READY_TIMEOUT,
-        f"{ns}/{name} Ready=True",
-    )
+    return wait_condition(kubectl, ns, name, "Ready", status="True", timeout=READY_TIMEOUT)
 
 
 def uid(kubectl: Kubectl, kind: str, name: str, ns: str) -> str | None:
@@ -226,13 +214,7 @@ def test_not_enough_gpus_is_reported_naming_the_resource(
     # that the GPUs alone do not fit.
     spec = {"decode": {"resources": {"gpus": 16, "cpu": "8"}}}
     kubectl.apply(make(ns, spec=spec), "--server-side")
-    ready = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "tiny", "Ready")).get("reason") == "Unschedulable" and c
-        ),
-        60,
-        "Ready=False Unschedulable",
-    )
+    ready = wait_condition(kubectl, ns, "tiny", "Ready", "Unschedulable")
     assert ready["status"] == "False"
     assert ready["message"] == (
         "1 pod(s) cannot be scheduled (tiny-decode-0): no node has enough nvidia.com/gpu "

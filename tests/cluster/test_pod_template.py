@@ -7,12 +7,10 @@ ApplyFailed naming the field. The CRD's own refusals are tests/manifests.py INVA
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvferry_operator import api, podtemplate, render
 from kvferry_operator.status import REASON_APPLY_FAILED
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.kube import wait_for_event
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import server
 
 IDENTITY = {
@@ -25,13 +23,6 @@ IDENTITY = {
         ],
     },
 }
-
-
-def condition(kubectl: Kubectl, ns: str, name: str, ctype: str) -> dict[str, Any]:
-    obj = kubectl.get("dserver", name, ns) or {}
-    return next(
-        (c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), {}
-    )
 
 
 def test_an_overlay_with_a_service_account_and_a_volume_applies_and_decode_spreads(
@@ -88,14 +79,7 @@ def test_a_host_namespace_the_operator_does_not_allow_gets_the_condition_and_no_
         server({"prefill": {"podTemplate": overlay}}, name="hostnet", namespace=ns),
         "--server-side",
     )
-    degraded = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "hostnet", "Degraded")).get("reason") == podtemplate.REASON
-            and c
-        ),
-        60,
-        f"Degraded, reason {podtemplate.REASON}",
-    )
+    degraded = wait_condition(kubectl, ns, "hostnet", "Degraded", podtemplate.REASON)
     assert degraded["status"] == "True"
     assert degraded["message"].startswith(
         "spec.prefill.podTemplate.spec.hostNetwork: not allowed by the operator's settings"
@@ -119,15 +103,7 @@ def test_what_the_api_server_refuses_after_the_merge_is_apply_failed_naming_the_
     kubectl.apply(
         server({"decode": {"podTemplate": overlay}}, name="never", namespace=ns), "--server-side"
     )
-    progressing = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "never", "Progressing")).get("reason")
-            == REASON_APPLY_FAILED
-            and c
-        ),
-        60,
-        f"Progressing, reason {REASON_APPLY_FAILED}",
-    )
+    progressing = wait_condition(kubectl, ns, "never", "Progressing", REASON_APPLY_FAILED)
     assert progressing["status"] == "False"
     assert "StatefulSet never-decode" in progressing["message"]
     assert "spec.template.spec.restartPolicy" in progressing["message"]
@@ -161,14 +137,7 @@ def test_a_misspelt_field_is_apply_failed_naming_it(kubectl: Kubectl, operator: 
     kubectl.apply(
         server({"decode": {"podTemplate": overlay}}, name="typo", namespace=ns), "--server-side"
     )
-    degraded = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "typo", "Degraded")).get("reason") == REASON_APPLY_FAILED
-            and c
-        ),
-        60,
-        f"Degraded, reason {REASON_APPLY_FAILED}",
-    )
+    degraded = wait_condition(kubectl, ns, "typo", "Degraded", REASON_APPLY_FAILED)
     assert "StatefulSet typo-decode" in degraded["message"]
     assert ".spec.template.spec.nodeSelecter: field not declared in schema" in degraded["message"]
     assert kubectl.get("statefulset", "typo-decode", ns) is None

@@ -13,8 +13,8 @@ import pytest
 
 from kvferry_operator import api, prerequisites, render
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import condition, make
-from tests.kube import wait_for_event
+from tests.cluster.test_operator import make
+from tests.kube import condition, wait_condition, wait_for_event
 from tests.manifests import EXAMPLES, load_example, server
 
 RDMA = {"enabled": True, "resourceName": "rdma/hca_shared_devices_a"}
@@ -116,11 +116,7 @@ def prerequisites_condition(kubectl: Kubectl, ns: str) -> dict[str, Any]:
 
 
 def wait_reason(kubectl: Kubectl, ns: str, reason: str, timeout: float = 60) -> dict[str, Any]:
-    return wait_until(
-        lambda: (c := prerequisites_condition(kubectl, ns)).get("reason") == reason and c,
-        timeout,
-        f"Prerequisites reason {reason}",
-    )
+    return wait_condition(kubectl, ns, "tiny", api.COND_PREREQUISITES, reason, timeout=timeout)
 
 
 def test_a_namespace_refusing_the_pods_is_a_condition_an_event_and_the_ready_reason(

@@ -13,8 +13,8 @@ import urllib.request
 from kvferry_sidecar.promtext import Scrape
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import condition, make, wait_ready
-from tests.kube import wait_for_event
+from tests.cluster.test_operator import make, wait_ready
+from tests.kube import condition, wait_condition, wait_for_event
 
 GAPS = [30.0] * 40 + [50.0] * 10  # p95 interpolates inside (45, 60]
 
@@ -140,14 +140,7 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     (event,) = wait_for_event(kubectl, ns, "tiny", "RetentionRecommended")
     assert "gapSamples=50" in event["message"] and "preemptionsDelta=0" in event["message"]
     # No RDMA asked for: the fallback is reported, not warned about.
-    cond = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "tiny", "KVTransport")).get("reason") == "TCPFallback"
-            and c
-        ),
-        30,
-        "KVTransport=TCPFallback",
-    )
+    cond = wait_condition(kubectl, ns, "tiny", "KVTransport", "TCPFallback", timeout=30)
     assert (cond["status"], cond["message"]) == ("True", f"tiny-decode-0: {EVIDENCE}")
 
     # Decode starts preempting: the next report's counter rose, the recommendation drops.

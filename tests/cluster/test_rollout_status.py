@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import condition, make, wait_ready
-from tests.kube import wait_for_event
+from tests.cluster.test_operator import make, wait_ready
+from tests.kube import condition, wait_condition, wait_for_event
 
 POLICY_MESSAGE = "this namespace allows at most 2 replicas per StatefulSet"
 
@@ -106,14 +106,7 @@ def test_a_refused_rollout_keeps_the_observed_generation_and_says_why(
     assert st["observedGeneration"] == first
 
     kubectl.apply(make(ns, spec={"decode": {"replicas": 3}}), "--server-side")
-    refused = wait_until(
-        lambda: (
-            (c := condition(kubectl, ns, "tiny", "Progressing")).get("reason") == "ApplyFailed"
-            and c
-        ),
-        60,
-        "Progressing=False ApplyFailed",
-    )
+    refused = wait_condition(kubectl, ns, "tiny", "Progressing", "ApplyFailed")
     generation, st = status_of(kubectl, ns)
     assert generation == first + 1
     assert st["observedGeneration"] == first, st  # the refused generation is not observed

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,3 +143,33 @@ def second_turn(
     t2 = send(sidecar, prefill, messages, session, **second)
     off = send(sidecar_off, prefill, messages, f"{session}-off", **second)
     return t1, t2, off, messages
+
+
+def pinned_on_decode(decode: Engine) -> int:
+    """Blocks D holds while no request runs: the pinned handles' (D's own view)."""
+    scrape = decode.metrics()
+    assert scrape.total("vllm:num_requests_running") == 0, "D is still running a request"
+    info = next(s for s in scrape.samples if s.name == "vllm:cache_config_info")
+    total = int(info.labels["num_gpu_blocks"])
+    return round(scrape.total("vllm:kv_cache_usage_perc") * total)
+
+
+def group_cpu_seconds(engine: Engine) -> float:
+    """CPU seconds used so far by the engine's process group (API server + core)."""
+    assert engine.proc is not None
+    ticks = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == engine.proc.pid:  # process group
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(engine: Engine, seconds: float = 3.0) -> float:
+    before = group_cpu_seconds(engine)
+    time.sleep(seconds)
+    return (group_cpu_seconds(engine) - before) / seconds

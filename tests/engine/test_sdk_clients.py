@@ -17,8 +17,7 @@ from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.figures import PrefillFigures
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from tests.engine import sdk
-from tests.engine.helpers import ANSWER_TOKENS, Turn, assert_pulled, assistant
-from tests.engine.test_release import pinned_on_decode
+from tests.engine.helpers import ANSWER_TOKENS, Turn, assert_pulled, assistant, pinned_on_decode
 from tests.kube import wait_until
 
 pytestmark = pytest.mark.engine

@@ -30,8 +30,14 @@ from kvferry_dev.configs import DECODE_RETENTION_SECONDS, tiny_server
 from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from tests.engine import sdk
-from tests.engine.helpers import Turn, assert_pulled, assistant, round_down
-from tests.engine.test_release import cpu_share, pinned_on_decode
+from tests.engine.helpers import (
+    Turn,
+    assert_pulled,
+    assistant,
+    cpu_share,
+    pinned_on_decode,
+    round_down,
+)
 from tests.kube import wait_until
 from tests.progress import say
 

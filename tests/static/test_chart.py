@@ -92,7 +92,7 @@ CALLS = [
     Call("kopf watch: child-kvcachestatuses", "kvferry.io", "kvcachestatuses",
          ("list", "watch")),
     Call("kopf watch: handlers.pods/pod_changed", "", "pods", ("list", "watch")),
-    Call("kopf watch: handlers.rolescalers/scaler_changed", "kvferry.io", "rolescalers",
+    Call("kopf watch: handlers.rolescalers/child-rolescalers", "kvferry.io", "rolescalers",
          ("list", "watch")),
     # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
     Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
@@ -133,6 +133,14 @@ CALLS = [
     Call("Kube.list_labelled PodDisruptionBudget", "policy", "poddisruptionbudgets", ("list",)),
     Call("Kube.list_labelled NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
     Call("Kube.list_labelled KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
+    # Kube.list_metadata (ownership.NameLookup): what holds the names of a burst of new
+    # servers' children, every object of the kind in the namespace (metadata only).
+    Call("Kube.list_metadata StatefulSet", "apps", "statefulsets", ("list",)),
+    Call("Kube.list_metadata Service", "", "services", ("list",)),
+    Call("Kube.list_metadata ConfigMap", "", "configmaps", ("list",)),
+    Call("Kube.list_metadata PodDisruptionBudget", "policy", "poddisruptionbudgets", ("list",)),
+    Call("Kube.list_metadata NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
+    Call("Kube.list_metadata KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
     Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
     Call("Kube.get_pod", "", "pods", ("get",)),

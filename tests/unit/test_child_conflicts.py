@@ -272,3 +272,82 @@ def test_claims_forget_a_server_and_a_child():
     claims.record(("db", "x"), ("Service", "db", "y"), ownership.Conflict("Service", "y", ""))
     claims.drop_server(("db", "x"))
     assert claims.conflicts(("db", "x")) == ()
+
+
+# ------------------------------------------------------------------ a burst of servers
+
+
+class ListingKube(ClusterKube):
+    """ClusterKube that also answers lists of a kind in the namespace."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        super().__init__(*objects)
+        self.lists: list[str] = []
+
+    def list_metadata(self, api_version, kind, namespace, page=500):
+        assert namespace == "db"
+        self.lists.append(kind)
+        return [{"metadata": o["metadata"]} for (k, _), o in self.objects.items() if k == kind]
+
+
+def new_server(name: str) -> dict[str, Any]:
+    obj = server()
+    obj["metadata"].update(name=name, namespace="db", uid=f"uid-{name}", generation=1)
+    return obj
+
+
+def test_a_burst_of_new_servers_lists_each_kind_once_instead_of_a_read_per_child():
+    # 100 servers applied at once read each of their 10 children first: 1,000 reads.
+    now = [0.0]
+    kube = ListingKube(service("c"))  # a user's Service under server c's name
+    names = ownership.NameLookup(kube.get, kube.list_metadata, clock=lambda: now[0])
+    claims = ownership.Claims()
+    burst = ["a", "b", "c", "d", "e"]
+    for name in burst:
+        handlers.apply_children(new_server(name), kube, SETTINGS, LOG, claims=claims, names=names)
+        now[0] += 0.1
+    kinds = {kind for kind, _ in children_of(new_server("a"))}
+    # The first server's children are read by name (one server's children are no burst);
+    # the second's start one list per kind, which answers every lookup of the burst after it.
+    assert len(kube.gets) == len(children_of(new_server("a")))
+    assert sorted(kube.lists) == sorted(kinds)
+    # The list still shows what holds a name: server c's Service is the user's.
+    assert ("Service", "c") not in kube.applied
+    assert [c.kind for c in claims.conflicts(("db", "c"))] == ["Service"]
+    for name in ("a", "b", "d", "e"):
+        assert claims.conflicts(("db", name)) == ()
+    # Later, a lone new server is read by name again (the list is too old to trust).
+    now[0] += 10
+    reads, lists = len(kube.gets), len(kube.lists)
+    handlers.apply_children(new_server("f"), kube, SETTINGS, LOG, claims=claims, names=names)
+    assert len(kube.gets) - reads == len(children_of(new_server("f")))
+    assert len(kube.lists) == lists
+
+
+def test_a_listing_is_one_request_however_many_threads_wait_for_it():
+    import threading
+
+    gate = threading.Event()
+    calls: list[str] = []
+
+    def slow_list(api_version, kind, namespace):
+        calls.append(kind)
+        gate.wait(5)
+        return []
+
+    names = ownership.NameLookup(lambda *a: None, slow_list, clock=lambda: 0.0)
+    # A read by name for server a; the next servers' lookups list.
+    assert names.holder("v1", "Service", "db", "x", "a") is None
+    done: list[Any] = []
+    threads = [
+        threading.Thread(
+            target=lambda n=n: done.append(names.holder("v1", "Service", "db", n, f"uid-{n}"))
+        )
+        for n in ("y", "z", "w")
+    ]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert calls == ["Service"] and done == [None, None, None]

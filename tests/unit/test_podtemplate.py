@@ -192,77 +192,106 @@ def forbidden(spec, allow=NONE, prefixes=()):
     )
 
 
-@pytest.mark.parametrize("name", ["hostNetwork", "hostPID", "hostIPC"])
-def test_a_host_namespace_is_refused_unless_allowed(name):
-    assert forbidden({name: True}) == [(f"spec.decode.podTemplate.spec.{name}", "hostNamespaces")]
-    assert forbidden({name: True}, frozenset({"hostNamespaces"})) == []
-    assert forbidden({name: False}) == []
-
-
-def test_a_host_port_is_refused_unless_host_namespaces_are_allowed():
-    spec = {"containers": [{"name": "exporter", "ports": [{"containerPort": 9, "hostPort": 9}]}]}
-    assert forbidden(spec) == [
-        (
-            "spec.decode.podTemplate.spec.containers[name=exporter].ports[0].hostPort",
-            "hostNamespaces",
-        )
-    ]
-    assert forbidden(spec, frozenset({"hostNamespaces"})) == []
-
-
-@pytest.mark.parametrize("name", ["privileged", "allowPrivilegeEscalation"])
-def test_privileged_is_refused_unless_allowed(name):
-    spec = {"initContainers": [{"name": "setup", "securityContext": {name: True}}]}
-    where = f"spec.decode.podTemplate.spec.initContainers[name=setup].securityContext.{name}"
-    assert forbidden(spec) == [(where, "privileged")]
-    assert forbidden(spec, frozenset({"privileged"})) == []
-
-
-def test_capabilities_beyond_ipc_lock_are_refused_unless_allowed():
-    rdma = {
+def _engine_adds(*capabilities):
+    return {
         "containers": [
-            {"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}
+            {"name": "engine", "securityContext": {"capabilities": {"add": [*capabilities]}}}
         ]
     }
-    admin = {
-        "containers": [
-            {"name": "engine", "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}
-        ]
-    }
-    assert forbidden(rdma) == []
-    assert forbidden(admin) == [
-        (
-            "spec.decode.podTemplate.spec.containers[name=engine].securityContext.capabilities.add",
-            "capabilities",
+
+
+P = "spec.decode.podTemplate.spec"
+EVERY = frozenset(podtemplate.ALLOWS)
+HOST_NS = frozenset({"hostNamespaces"})
+
+# (spec, where, the rule that refuses it, what allows it: a setting or host-path prefixes).
+REFUSED = [
+    *(
+        pytest.param({name: True}, f"{P}.{name}", "hostNamespaces", HOST_NS, (), id=name)
+        for name in ("hostNetwork", "hostPID", "hostIPC")
+    ),
+    pytest.param(
+        {"containers": [{"name": "exporter", "ports": [{"containerPort": 9, "hostPort": 9}]}]},
+        f"{P}.containers[name=exporter].ports[0].hostPort",
+        "hostNamespaces",
+        HOST_NS,
+        (),
+        id="hostPort",
+    ),
+    *(
+        pytest.param(
+            {"initContainers": [{"name": "setup", "securityContext": {name: True}}]},
+            f"{P}.initContainers[name=setup].securityContext.{name}",
+            "privileged",
+            frozenset({"privileged"}),
+            (),
+            id=name,
         )
-    ]
-    assert forbidden(admin, frozenset({"capabilities"})) == []
+        for name in ("privileged", "allowPrivilegeEscalation")
+    ),
+    pytest.param(
+        _engine_adds("NET_ADMIN"),
+        f"{P}.containers[name=engine].securityContext.capabilities.add",
+        "capabilities",
+        frozenset({"capabilities"}),
+        (),
+        id="capabilities-beyond-ipc-lock",
+    ),
+    pytest.param(
+        {"volumes": [{"name": "nvme", "hostPath": {"path": "/mnt/nvme/cache"}}]},
+        f"{P}.volumes[name=nvme].hostPath.path",
+        "prefixes",
+        NONE,
+        ("/mnt/nvme",),
+        id="hostPath-outside-the-prefixes",
+    ),
+]
 
 
-def test_a_host_path_volume_is_refused_outside_the_allowed_prefixes():
-    spec = {"volumes": [{"name": "nvme", "hostPath": {"path": "/mnt/nvme/cache"}}]}
-    where = "spec.decode.podTemplate.spec.volumes[name=nvme].hostPath.path"
-    assert forbidden(spec) == [(where, "prefixes")]
-    assert forbidden(spec, prefixes=("/mnt/nvme",)) == []
-    assert forbidden(
-        {"volumes": [{"name": "x", "hostPath": {"path": "/mnt/nvme/../../etc"}}]},
-        prefixes=("/mnt/nvme",),
-    )
+@pytest.mark.parametrize("spec, where, rule, allow, prefixes", REFUSED)
+def test_what_the_settings_do_not_allow_is_refused_until_they_do(
+    spec, where, rule, allow, prefixes
+):
+    assert forbidden(spec) == [(where, rule)]
+    assert forbidden(spec, allow, prefixes) == []
 
 
-def test_deleting_or_nulling_what_is_kvferrys_is_refused_whatever_the_settings():
-    every = frozenset(podtemplate.ALLOWS)
-    assert forbidden({"containers": [{"name": "engine", "$patch": "delete"}]}, every) == [
-        ("spec.decode.podTemplate.spec.containers[0].$patch", "kvferry")
-    ]
-    assert forbidden({"containers": [{"name": "engine", "securityContext": None}]}, every) == [
-        ("spec.decode.podTemplate.spec.containers[0].securityContext", "kvferry")
-    ]
-    assert forbidden({"volumes": None}, every) == [
-        ("spec.decode.podTemplate.spec.volumes", "kvferry")
-    ]
+# What no setting needs to allow, and what no setting allows.
+NOT_REFUSED = [
+    *(
+        pytest.param({name: False}, id=f"{name}-false")
+        for name in ("hostNetwork", "hostPID", "hostIPC")
+    ),
+    pytest.param(_engine_adds("IPC_LOCK"), id="ipc-lock"),
     # A container of the user's own may be deleted (it is not in kvferry's template).
-    assert forbidden({"containers": [{"name": "logs", "$patch": "delete"}]}) == []
+    pytest.param({"containers": [{"name": "logs", "$patch": "delete"}]}, id="delete-own-container"),
+]
+
+
+@pytest.mark.parametrize("spec", NOT_REFUSED)
+def test_what_needs_no_setting_is_never_refused(spec):
+    assert forbidden(spec) == []
+
+
+def test_a_host_path_climbing_out_of_an_allowed_prefix_is_refused():
+    spec = {"volumes": [{"name": "x", "hostPath": {"path": "/mnt/nvme/../../etc"}}]}
+    assert forbidden(spec, prefixes=("/mnt/nvme",))
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({"containers": [{"name": "engine", "$patch": "delete"}]}, "containers[0].$patch"),
+        (
+            {"containers": [{"name": "engine", "securityContext": None}]},
+            "containers[0].securityContext",
+        ),
+        ({"volumes": None}, "volumes"),
+    ],
+    ids=["delete-engine", "null-engine-security-context", "null-volumes"],
+)
+def test_deleting_or_nulling_what_is_kvferrys_is_refused_whatever_the_settings(spec, where):
+    assert forbidden(spec, EVERY) == [(f"{P}.{where}", "kvferry")]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from typing import ClassVar
 import kubernetes_validate
 import pytest
 
-from kvferry_operator import api, cli, render, validation
+from kvferry_operator import api, cli, render, resources, validation
 from kvferry_wire import protocol
 from kvferry_wire import settings as wire_settings
 from tests.manifests import EXAMPLES, ROOT, load_example, merge, server
@@ -935,6 +935,15 @@ class TestEngineResources:
     )
     def test_memory_quantities_in_bytes(self, quantity, size):
         assert api.memory_bytes(str(quantity)) == size
+
+    @pytest.mark.parametrize(
+        ("size", "quantity"),
+        [(8 * GIB, "8Gi"), (1536 * 1024**2, "1536Mi"), (3 * 1024**4, "3Ti"), (1000, "1000")],
+    )
+    def test_bytes_are_written_in_the_largest_binary_unit_that_divides_them(self, size, quantity):
+        # One table of units (api.MEMORY_UNITS): what render writes, memory_bytes reads.
+        assert resources.format_bytes(size) == quantity
+        assert api.memory_bytes(quantity) == size
 
     @pytest.mark.parametrize("quantity", ["lots", "", "1e3", "Gi", "5gi", "-1Gi"])
     def test_memory_quantities_that_are_none(self, quantity):

@@ -4,12 +4,15 @@ generation has not landed."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from kvferry_operator import api, handlers, ownership, render
 from kvferry_operator.settings import Settings
+from tests.manifests import DELETE, server
 from tests.unit.test_faults_operator import SERVER_OBJ
 
 SETTINGS = Settings(sidecar_image="", resync_seconds=300)
@@ -82,3 +85,103 @@ def test_a_server_applied_since_the_children_were_listed_is_left_to_its_own_appl
     recent = ownership.ApplyOutcome(SERVER.generation, True, (), finished=20.0)
     assert not handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=10.0)
     assert handlers.needs_apply(SERVER, WANTED, {}, recent, listed_at=30.0)
+
+
+HUB_ON_THE_NODE = {"pvc": DELETE, "hub": {"id": "org/m", "cache": {"hostPath": {"path": "/hf"}}}}
+HELD_OBJ = {
+    **server({"model": {"source": HUB_ON_THE_NODE}}),
+    "metadata": {"name": "held", "namespace": "ns", "uid": "h", "generation": 1},
+}
+
+
+class HoldingKube(ListingKube):
+    """The API server as the pass sees it: the held server, the children applied so far."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__({})
+        self.body = body
+        self.applies = 0
+
+    def list_servers(self, namespaces):
+        return [self.body]
+
+    def get(self, api_version, kind, namespace, name):
+        return None  # every child's name is free
+
+    def apply(self, child):
+        self.applies += 1
+        meta = child["metadata"]
+        self.children[(child["kind"], meta["namespace"], meta["name"])] = child
+        return child
+
+
+def test_a_held_server_is_applied_again_only_when_its_refusal_or_generation_changes():
+    # A hostPath the settings refuse holds the StatefulSets and the ConfigMap: every
+    # pass re-applied the whole server, which the same refusal held the same way.
+    kube = HoldingKube(HELD_OBJ)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    log = logging.getLogger("test")
+    handlers.safety_pass(memo, SETTINGS, log)
+    first = kube.applies
+    assert first > 0 and not any(k[0] == "StatefulSet" for k in kube.children)
+    assert handlers.safety_pass(memo, SETTINGS, log).applied == 0
+    assert kube.applies == first
+    # Another refusal (the settings allow other folders now): applied again.
+    elsewhere = dataclasses.replace(SETTINGS, host_path_prefixes=("/srv",))
+    assert handlers.safety_pass(memo, elsewhere, log).applied == 1
+    assert handlers.safety_pass(memo, elsewhere, log).applied == 0
+    # A new generation: applied again.
+    kube.body = {**HELD_OBJ, "metadata": {**HELD_OBJ["metadata"], "generation": 2}}
+    assert handlers.safety_pass(memo, elsewhere, log).applied == 1
+    assert handlers.safety_pass(memo, elsewhere, log).applied == 0
+    # A held child someone deleted is drift all the same: the pass restores it.
+    kube.children.pop(("Service", "ns", "held-decode"))
+    assert handlers.safety_pass(memo, elsewhere, log).applied == 1
+    # Allowed now: the StatefulSets land.
+    allowed = dataclasses.replace(SETTINGS, host_path_prefixes=("/hf",))
+    assert handlers.safety_pass(memo, allowed, log).applied == 1
+    assert any(k[0] == "StatefulSet" for k in kube.children)
+    assert handlers.safety_pass(memo, allowed, log).applied == 0
+
+
+class RefusingPolicyKube(HoldingKube):
+    """The API server refuses the server's NetworkPolicy (a policy admission, say)
+    until ``refusing`` is cleared; the pass's Events are counted."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__(body)
+        self.refusing = True
+        self.events: list[str] = []
+
+    def apply(self, child):
+        if child["kind"] == "NetworkPolicy" and self.refusing:
+            self.applies += 1
+            raise ApiException(status=403, reason="Forbidden")
+        return super().apply(child)
+
+    def create_event(self, body, type, reason, message):
+        self.events.append(reason)
+
+
+def test_a_server_held_by_its_refused_network_policy_retries_only_the_policy():
+    # Every pass re-applied every child and posted ApplyFailed again, for a refusal
+    # that the policy alone shows is unchanged.
+    plain = {**SERVER_OBJ, "metadata": {**SERVER_OBJ["metadata"], "generation": 1}}
+    kube = RefusingPolicyKube(plain)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    log = logging.getLogger("test")
+    handlers.safety_pass(memo, SETTINGS, log)
+    first, events = kube.applies, list(kube.events)
+    assert first > 1 and events == ["ApplyFailed"]
+    assert not any(k[0] == "StatefulSet" for k in kube.children)
+    for _ in range(2):
+        handlers.safety_pass(memo, SETTINGS, log)
+    assert kube.applies == first + 2  # the policy alone, once a pass
+    assert kube.events == events  # no Event for a refusal already reported
+    # The policy lands: the whole server is applied, its StatefulSets too.
+    kube.refusing = False
+    handlers.safety_pass(memo, SETTINGS, log)
+    assert any(k[0] == "StatefulSet" for k in kube.children)
+    settled = kube.applies
+    assert handlers.safety_pass(memo, SETTINGS, log).applied == 0
+    assert kube.applies == settled

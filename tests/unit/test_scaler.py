@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+import kopf
 import pytest
 
 from kvferry_operator import api, handlers, ownership, render, scaler, status
@@ -316,3 +317,59 @@ def test_a_missing_rolescaler_crd_is_named_and_holds_the_statefulsets():
     assert "rolescalers.kvferry.io is not installed" in message
     assert "crds/kvferry.io_rolescalers.yaml" in message
     assert "StatefulSet" not in {k for k, _ in kube.writes}
+
+
+# ------------------------------------------------------------ RoleScaler events
+
+
+def scaler_event(replicas: int, running: int, kind_type: str = "MODIFIED") -> FakeKube:
+    """A RoleScaler event through the child-event handler, the StatefulSet running
+    ``running``; what the handler wrote."""
+    kube = FakeKube()
+    owner = server(EXTERNAL_PREFILL, name="tiny", namespace="ns", uid=UID, generation=1)
+    body = ours(replicas)
+    memo = kopf.Memo(
+        kube=kube,
+        settings=Settings(sidecar_image="", resync_seconds=60),
+        probe=None,
+        indexes={},
+    )
+    sts = status.RoleObserved(exists=True, spec_replicas=running, replicas=running)
+    handlers._on_child_event(api.SCALER_KIND)(
+        type=kind_type,
+        name="tiny-prefill",
+        namespace="ns",
+        labels=body["metadata"]["labels"],
+        body=body,
+        memo=memo,
+        logger=logging.getLogger("t"),
+        servers={("ns", "tiny"): [owner]},
+        statefulsets={("ns", "tiny", "prefill"): [sts]},
+        pods={},
+        nodes={},
+        rolescalers={("ns", "tiny", "prefill"): [body]},
+    )
+    assert memo.indexes["rolescalers"] == {("ns", "tiny", "prefill"): [body]}
+    return kube
+
+
+class TestScalerEvents:
+    def test_the_rolescaler_watch_is_the_one_child_handler(self):
+        # One registration and one code path for every child kind, RoleScalers too.
+        registry = kopf.get_default_registry()
+        ids = [
+            h.id
+            for h in registry._watching.get_all_handlers()
+            if (h.selector.plural or h.selector.any_name) == api.SCALER_PLURAL
+        ]
+        assert ids == [f"child-{api.SCALER_PLURAL}"]
+
+    def test_a_new_count_applies_the_server_at_that_count(self):
+        kube = scaler_event(replicas=5, running=3)
+        assert kube.applied[("StatefulSet", "tiny-prefill")]["spec"]["replicas"] == 5
+        assert ("DisaggregatedServer/status", "tiny") in kube.writes
+
+    def test_the_running_count_applies_nothing_and_refreshes_status(self):
+        kube = scaler_event(replicas=3, running=3)
+        assert kube.applied == {}
+        assert {k for k, _ in kube.writes} == {"RoleScaler/status", "DisaggregatedServer/status"}

@@ -50,6 +50,33 @@ def test_only_rdma_skips_the_added_capability_check():
     assert not any("CKV_K8S_25" in skipped(s) for s in statefulsets(GPU))
 
 
+def reasons(sts: dict) -> dict[str, str]:
+    values = sts["metadata"].get("annotations", {}).values()
+    return dict(v.split("=", 1) for v in values)
+
+
+def test_ipc_lock_from_an_overlay_without_rdma_says_so_not_rdma():
+    # The reason named RDMA on a server without it: the overlay added IPC_LOCK.
+    overlay = {
+        "podTemplate": {
+            "spec": {
+                "containers": [
+                    {"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}
+                ]
+            }
+        }
+    }
+    for sts in statefulsets(server({"decode": overlay})):
+        why = reasons(sts).get("CKV_K8S_25")
+        if sts["metadata"]["name"].endswith("-prefill"):
+            assert why is None
+            continue
+        assert why is not None and "with RDMA" not in why
+        assert "spec.decode.podTemplate" in why
+    for sts in statefulsets(RDMA):
+        assert "with RDMA (spec.network.rdma)" in reasons(sts)["CKV_K8S_25"]
+
+
 def test_only_a_cpu_engine_skips_the_limit_checks():
     for sts in statefulsets(CPU):
         assert {"CKV_K8S_11", "CKV_K8S_13"} <= set(skipped(sts))
