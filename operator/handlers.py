@@ -1009,6 +1009,20 @@ def _policy_still_refused(
     return False
 
 
+def _drifted_besides_the_hold(
+    wanted: list[dict[str, Any]], children: dict[tuple[str, str, str], dict[str, Any]]
+) -> bool:
+    """A child other than the held ones and the refused policy lost our fields (deleted,
+    edited): the whole server is applied again even while its policy stays refused."""
+    return not all(
+        drift.covers(
+            children.get((c["kind"], c["metadata"]["namespace"], c["metadata"]["name"])), c
+        )
+        for c in wanted
+        if c["kind"] not in (*HELD_KINDS, "NetworkPolicy")
+    )
+
+
 def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
     kube: Kube = memo.kube
     claims: ownership.Claims | None = getattr(memo, "claims", None)
@@ -1033,6 +1047,7 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
             held = settings_refusal(server, settings)
             if needs_apply(server, wanted, children, last, listed_at, held) and not (
                 _policy_still_refused(server, wanted, last, held, kube, claims, logger)
+                and not _drifted_besides_the_hold(wanted, children)
             ):
                 done.applied += 1
                 logger.info("safety pass: re-applying %s/%s", *key)

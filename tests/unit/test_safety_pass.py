@@ -185,3 +185,18 @@ def test_a_server_held_by_its_refused_network_policy_retries_only_the_policy():
     settled = kube.applies
     assert handlers.safety_pass(memo, SETTINGS, log).applied == 0
     assert kube.applies == settled
+
+
+def test_a_child_deleted_while_the_policy_is_still_refused_is_put_back():
+    # Retrying only the policy skipped the drift check: a Service someone deleted
+    # stayed deleted for as long as the policy was refused.
+    plain = {**SERVER_OBJ, "metadata": {**SERVER_OBJ["metadata"], "generation": 1}}
+    kube = RefusingPolicyKube(plain)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    log = logging.getLogger("test")
+    handlers.safety_pass(memo, SETTINGS, log)
+    service = next(k for k in kube.children if k[0] == "Service")
+    del kube.children[service]
+    assert handlers.safety_pass(memo, SETTINGS, log).applied == 1
+    assert service in kube.children
+    assert not any(k[0] == "StatefulSet" for k in kube.children)  # still held
