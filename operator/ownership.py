@@ -198,15 +198,17 @@ class NameLookup:
     """What holds a child's name, for a child not known to be ours (the read before its
     first apply). A lone new server's children are read by name, one request each. A
     burst of new servers in one namespace (a first-sight read of a kind there for a
-    second server within ``window`` seconds) lists that kind in the namespace once instead, and the
-    list answers every such lookup there for ``window`` seconds: 100 servers applied
-    at once cost a few lists per kind, not a read per child (docs/performance.md).
+    second server within ``window`` seconds) lists that kind in the namespace once
+    instead, and the list answers every such lookup there for ``window`` seconds: 100
+    servers applied at once cost a few lists per kind, not a read per child (docs/performance.md).
 
     The list may be up to ``window`` seconds old: an object someone else creates under
     a child's name in that time is not seen (a read has the same gap, of one request's
-    time), and the object of ours the list predates is absent from it, which is right:
-    an apply to an absent name creates it. Only metadata is kept (conflict reads the
-    owner references), and only for lists younger than ``window``."""
+    time, not up to ``window``): the forced apply then takes it over. The object of
+    ours the list predates is absent from it, which is right: an apply to an absent
+    name creates it. Only names and owner references are kept (what conflict reads),
+    and a list older than ``window`` is dropped at the next lookup (at most one per
+    kind and namespace stays until then)."""
 
     def __init__(
         self,
@@ -248,8 +250,10 @@ class NameLookup:
                 listed = self._listed.get(key)
             if listed is None:
                 at = self._clock()
+                # Only what conflict() reads: a metadata list still carries every
+                # annotation (last-applied-configuration holds a whole object).
                 holders = {
-                    (o.get("metadata") or {}).get("name", ""): {"metadata": o.get("metadata") or {}}
+                    (o.get("metadata") or {}).get("name", ""): _slim(o)
                     for o in self._list(api_version, kind, namespace)
                 }
                 listed = _Listed(at, holders)
@@ -258,7 +262,19 @@ class NameLookup:
         return listed.holders.get(name)
 
     def _expire(self, now: float) -> None:
+        # Runs at each lookup: after a burst the last lists stay until the next lookup,
+        # at most one per kind and namespace, names and owner references only.
         for key in [k for k, v in self._listed.items() if now - v.at > self._window]:
             del self._listed[key]
         for key in [k for k, (at, _) in self._read_at.items() if now - at > self._window]:
             del self._read_at[key]
+
+
+def _slim(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata") or {}
+    return {
+        "metadata": {
+            "name": meta.get("name", ""),
+            "ownerReferences": meta.get("ownerReferences") or [],
+        }
+    }

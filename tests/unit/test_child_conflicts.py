@@ -339,14 +339,19 @@ def test_a_listing_is_one_request_however_many_threads_wait_for_it():
     # A read by name for server a; the next servers' lookups list.
     assert names.holder("v1", "Service", "db", "x", "a") is None
     done: list[Any] = []
-    threads = [
-        threading.Thread(
-            target=lambda n=n: done.append(names.holder("v1", "Service", "db", n, f"uid-{n}"))
-        )
-        for n in ("y", "z", "w")
-    ]
+    entered = [threading.Event() for _ in range(3)]
+
+    def look(n: str, i: int) -> None:
+        entered[i].set()
+        done.append(names.holder("v1", "Service", "db", n, f"uid-{n}"))
+
+    threads = [threading.Thread(target=look, args=(n, i)) for i, n in enumerate("yzw")]
     for t in threads:
         t.start()
+    for e in entered:  # every thread is on its way to the lookup before the list returns
+        assert e.wait(5)
+    while len(calls) < 1:  # one of them is listing (holds the per-kind lock)
+        threading.Event().wait(0.01)
     gate.set()
     for t in threads:
         t.join(5)
