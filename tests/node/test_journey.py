@@ -1,0 +1,384 @@
+"""The user's journey on real pods (issue 19): e2e/run.sh unchanged on hack/node.sh's
+bare cluster (CRDs, `helm install` of the chart with the images as built, the server of
+e2e/manifests/tiny-cpu.yaml to Ready, a conversation through its Service,
+`kubectl get kv-cache-status`), then what only real pods show: containers, probes and
+security as the kubelet ran them, reuse and its answers, reports with real projected
+tokens, a rolling update of each role in the middle of a conversation, and the operator
+killed mid-conversation.
+
+Tests run in file order and share the one server (one engine pair on two cores); each
+leaves it Ready. Turns are sent from the ``web`` pod through the Service's ClusterIP (as
+a client in the cluster would), never through a port-forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from kvferry_dev import engines
+from tests.kube import wait_until
+from tests.manifests import ROOT
+from tests.node import journey as j
+from tests.node.cluster import NodeCluster, check
+from tests.progress import step
+
+SESSION = "journey-1"
+# Prompt tokens P read from a remote engine: what it pulled over NIXL.
+P2P = "vllm:prompt_tokens_cached_by_source"
+# What a client of a Service sees while its only pod is replaced, besides the draining
+# sidecar's 503, all before its request is sent: no endpoint (kube-proxy rejects the
+# connect), or a connect to the old pod's address before kube-proxy dropped it (no
+# answer: seen here as a connect timeout). Nothing after the request is sent: the
+# draining sidecar keeps its listener open to answer 503, so a reset there would be a
+# turn it cut.
+RETRYABLE_CONNECT_ERRORS = {"ConnectionRefusedError", "TimeoutError", "OSError"}
+NEW_TOKENS = 32
+
+
+def _images(nodes: NodeCluster) -> list[str]:
+    with step("journey: the engine venv and the tiny model (engine tier's recipe)"):
+        python = engines.engine_env()
+        model = engines.build_tiny_model(python)
+    images_sh = ["bash", str(ROOT / "hack" / "images.sh")]
+    with step("journey: hack/images.sh build (operator and sidecar, from the wheel)"):
+        built = check(
+            subprocess.run([*images_sh, "build"], capture_output=True, text=True, timeout=1800),
+            "hack/images.sh build",
+        ).split()
+    with step("journey: hack/images.sh engine-test (the node tier's engine image)"):
+        built += check(
+            subprocess.run(
+                [*images_sh, "engine-test", str(model)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            ),
+            "hack/images.sh engine-test",
+        ).split()[-1:]
+    j.VENV_LINK.parent.mkdir(parents=True, exist_ok=True)
+    if j.VENV_LINK.is_symlink():
+        j.VENV_LINK.unlink()
+    j.VENV_LINK.symlink_to(python.parent.parent)
+    with step(f"journey: hack/node.sh load {' '.join(built)}"):
+        nodes.load(*built)
+    return built
+
+
+@pytest.fixture(scope="module")
+def journey(nodes: NodeCluster, web: dict[str, Any]) -> Iterator[subprocess.CompletedProcess[str]]:
+    images = _images(nodes)
+    operator, sidecar = (i.rsplit(":", 1) for i in images[:2])
+    helm_args = [
+        f"--set image.repository={operator[0]} --set image.tag={operator[1]}",
+        f"--set sidecarImage.repository={sidecar[0]} --set sidecarImage.tag={sidecar[1]}",
+        f"--set settings.hostPathPrefixes={{{j.VENV_LINK.parent}}}",
+    ]
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(nodes.kubeconfig),
+        "E2E_MANIFEST": str(j.MANIFEST),
+        "E2E_HELM_ARGS": " ".join(helm_args),
+        "E2E_KEEP": "1",  # the tests below go on with the server and the release
+        "E2E_REQUIRE_REPORTS": "1",
+        "E2E_READY_TIMEOUT": "600s",
+        "E2E_REPORT_TIMEOUT": "180",
+    }
+    try:
+        with step(
+            "journey: e2e/run.sh (CRDs, helm install, server to Ready, conversation, status)"
+        ):
+            run = subprocess.run(
+                ["bash", str(ROOT / "e2e" / "run.sh")],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=1500,
+            )
+        if run.returncode != 0:
+            pods = nodes.kubectl.run("get", "pods", "-A", "-o", "wide", check=False).stdout
+            logs = _logs(nodes)
+            raise AssertionError(
+                f"e2e/run.sh failed (exit {run.returncode}):\n{run.stderr[-6000:]}\n"
+                f"{run.stdout[-3000:]}\n{pods}\n{logs}"
+            )
+        yield run
+    finally:
+        if j.VENV_LINK.is_symlink():
+            j.VENV_LINK.unlink()
+        if j.VENV_LINK.parent.exists():
+            j.VENV_LINK.parent.rmdir()
+
+
+def _logs(nodes: NodeCluster) -> str:
+    out = []
+    for pod, ns, container in (
+        (f"{j.SERVER}-prefill-0", j.NAMESPACE, "engine"),
+        (f"{j.SERVER}-decode-0", j.NAMESPACE, "engine"),
+        (f"{j.SERVER}-prefill-0", j.NAMESPACE, "kvferry-sidecar"),
+        (f"{j.SERVER}-decode-0", j.NAMESPACE, "kvferry-sidecar"),
+    ):
+        proc = nodes.kubectl.run("logs", "-n", ns, pod, "-c", container, "--tail=40", check=False)
+        out.append(f"--- {pod}/{container}\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
+    proc = nodes.kubectl.run(
+        "logs", "-n", j.OPERATOR_NAMESPACE, "deploy/kvferry", "--tail=40", check=False
+    )
+    out.append(f"--- operator\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------------- conversation
+class Conversation:
+    """One session's messages; each turn appends the answer and a new user message."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.messages: list[dict[str, str]] = []
+        self.turns = 0
+
+    def next_body(self, max_tokens: int = NEW_TOKENS, stream: bool = False) -> dict[str, Any]:
+        self.turns += 1
+        self.messages.append({"role": "user", "content": j.user_message(self.turns)})
+        return j.chat_body(list(self.messages), max_tokens, stream, self.session)
+
+    def took(self, answer: j.Answer) -> None:
+        self.messages.append({"role": "assistant", "content": answer.text})
+
+
+def _check_answer(nodes: NodeCluster, body: dict[str, Any], answer: j.Answer, what: str) -> None:
+    assert answer.status == 200 and answer.cut is None, f"{what}: {answer}"
+    expected = j.reference(nodes, body["messages"], body["max_tokens"])
+    assert answer.text == expected, (
+        f"{what}: the answer differs from P's engine alone (full recompute):\n"
+        f"  got      {answer.text!r}\n  expected {expected!r}"
+    )
+
+
+@pytest.fixture(scope="module")
+def conversation() -> Conversation:
+    return Conversation(SESSION)
+
+
+# -------------------------------------------------------------------------------- tests
+def test_e2e_run_passes_on_real_pods(journey: subprocess.CompletedProcess[str]) -> None:
+    """e2e/run.sh itself, unchanged: every step through `e2e: PASSED`, with the residency
+    reports required (E2E_REQUIRE_REPORTS=1) and each of its turns answered."""
+    assert "e2e: PASSED" in journey.stderr, journey.stderr[-3000:]
+    turns = re.findall(r"^ +\d+ (?:plain|stream) ", journey.stdout, flags=re.M)
+    assert len(turns) == 4, journey.stdout
+
+
+def test_server_pods_really_run_as_rendered(nodes: NodeCluster, journey: Any) -> None:
+    """containerd ids, no restarts, probes passed (Ready), the native sidecar started
+    before its engine, and the sidecar's read-only root and non-root user held."""
+    for role in ("prefill", "decode"):
+        (pod,) = j.pods(nodes, role)
+        name = pod["metadata"]["name"]
+        conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        assert conditions.get("Ready") == "True", (name, conditions)
+        sidecar = j.container_status(pod, "kvferry-sidecar")
+        engine = j.container_status(pod, "engine")
+        for s in (sidecar, engine):
+            assert s["containerID"].startswith("containerd://"), (name, s)
+            assert s["restartCount"] == 0, (name, s)
+            assert s["ready"] is True and s["started"] is True, (name, s)
+        # A native sidecar (an init container with restartPolicy Always): the kubelet
+        # starts the engine only after it.
+        assert sidecar["state"]["running"]["startedAt"] <= engine["state"]["running"]["startedAt"]
+        running = {c["id"] for c in json.loads(nodes.crictl("ps", "-o", "json"))["containers"]}
+        for s in (sidecar, engine):
+            assert s["containerID"].removeprefix("containerd://") in running, (name, s["name"])
+        probe = (
+            "import os\ntry:\n open('/probe','w')\nexcept OSError as e:\n print('ro', e.errno)\n"
+            "print('uid', os.getuid(), os.getgid())"
+        )
+        out = nodes.kubectl.run(
+            "exec",
+            "-n",
+            j.NAMESPACE,
+            name,
+            "-c",
+            "kvferry-sidecar",
+            "--",
+            "/opt/kvferry/bin/python3",
+            "-c",
+            probe,
+        ).stdout
+        assert "ro 30" in out, out  # EROFS
+        assert "uid 65532 65532" in out, out
+    (op,) = nodes.kubectl.json(
+        "get", "pods", "-n", j.OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/instance=kvferry"
+    )["items"]
+    assert j.container_status(op, "operator")["restartCount"] == 0, op["status"]
+
+
+def test_later_turns_reuse_and_answer_as_recompute(
+    nodes: NodeCluster, journey: Any, conversation: Conversation
+) -> None:
+    """Three turns through the Service: turn 1 leaves a handle, turns 2 and 3 pull it
+    (P's own p2p counter rises by exactly the reused tokens), and every answer equals
+    P's engine alone with no cached block."""
+    for turn in range(1, 4):
+        body = conversation.next_body(stream=turn == 2)
+        before = j.engine_metric(nodes, P2P, source="p2p") or 0.0
+        answer = j.send(nodes, body)
+        _check_answer(nodes, body, answer, f"turn {turn}")
+        conversation.took(answer)
+        if turn == 1:
+            continue
+        assert answer.outcome == "reused", (turn, answer.headers)
+        assert answer.reused_tokens > 0, answer.headers
+        pulled = j.engine_metric(nodes, P2P, source="p2p")
+        assert pulled is not None, f"P's engine has no {P2P}_total{{source=p2p}} after a pull"
+        assert pulled - before == answer.reused_tokens, (turn, before, pulled, answer.headers)
+
+
+def test_reports_arrive_with_real_tokens(nodes: NodeCluster, journey: Any) -> None:
+    """The sidecars push with their projected tokens; the operator's TokenReview accepts
+    them, and KVCacheStatus counts both pods."""
+    status = nodes.kubectl.json("get", "kvcs", j.SERVER, "-n", j.NAMESPACE)["status"]
+    assert status.get("phase") == "Reporting", status
+    assert status.get("message", "").startswith("2 of 2 pods reporting"), status
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _apply_server(nodes: NodeCluster, patch: dict[str, Any]) -> None:
+    """The manifest with ``patch`` merged into its spec, applied as GitOps would."""
+    obj = yaml.safe_load(j.MANIFEST.read_text())
+    for role, fields in patch.items():
+        obj["spec"].setdefault(role, {}).update(fields)
+    nodes.kubectl.run(
+        "apply", "--server-side", "--field-manager=e2e", "-f", "-", input=json.dumps(obj)
+    )
+
+
+def _deleting(nodes: NodeCluster, uid: str, role: str) -> float | None:
+    """When the pod ``uid`` was asked to stop (its deletionTimestamp less its grace
+    period: the API server sets the deadline), or None while it is not deleting. Fails
+    if the pod is already gone: a graceful stop (preStop, drain) keeps it listed."""
+    for pod in j.pods(nodes, role):
+        meta = pod["metadata"]
+        if meta["uid"] == uid:
+            if not meta.get("deletionTimestamp"):
+                return None
+            deadline = datetime.datetime.fromisoformat(meta["deletionTimestamp"])
+            grace = meta.get("deletionGracePeriodSeconds") or 0
+            return deadline.timestamp() - grace
+    raise AssertionError(f"the {role} pod {uid} was gone before it was seen deleting")
+
+
+def _wait_role_ready(nodes: NodeCluster, role: str, old_uid: str) -> None:
+    def ready() -> bool:
+        for pod in j.pods(nodes, role):
+            conds = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            if pod["metadata"]["uid"] != old_uid and conds.get("Ready") == "True":
+                return True
+        return False
+
+    wait_until(ready, timeout=420, what=f"a new {role} pod Ready", interval=2)
+
+
+def test_rolling_decode_mid_conversation_cuts_no_turn(
+    nodes: NodeCluster, journey: Any, conversation: Conversation
+) -> None:
+    """A spec change that rolls decode while a long streamed turn is in flight: the old
+    pod drains (the turn ends whole, with the right text), and a turn sent while the only
+    decode pod is replaced is refused retryably (the draining sidecar's 503 with
+    Retry-After, or a refused connection once the Service has no endpoint) until the new
+    pod answers it, right (or the old pod took it just before draining, and the drain
+    waited for it)."""
+    (old,) = j.pods(nodes, "decode")
+    old_uid = old["metadata"]["uid"]
+    long_body = conversation.next_body(max_tokens=300, stream=True)
+    in_flight = j.Turn(nodes, long_body)
+    in_flight.wait_first_byte()
+    _apply_server(nodes, {"decode": {"podAnnotations": {"example.com/journey": "roll-decode"}}})
+    asked_to_stop = wait_until(
+        lambda: _deleting(nodes, old_uid, "decode"), 60, "the old decode pod deleted"
+    )
+    during = Conversation("journey-during-decode-roll")
+    during_body = during.next_body()
+    during_answer = j.send(nodes, during_body, deadline_s=480, timeout_s=60)
+    long_answer = in_flight.answer()
+    last_chunk_at = float(long_answer.headers.get("last-chunk-at") or 0)
+    # deletionTimestamp has whole seconds: the last chunk must come a second after.
+    assert last_chunk_at > asked_to_stop + 1, (
+        "the long turn ended before the old decode pod was asked to stop: it proves nothing",
+        last_chunk_at,
+        asked_to_stop,
+    )
+    _check_answer(nodes, long_body, long_answer, "the turn in flight during the decode roll")
+    assert long_answer.chunks > 0 and not long_answer.retried, long_answer
+    conversation.took(long_answer)
+    _check_answer(nodes, during_body, during_answer, "the turn sent during the decode roll")
+    print(f"the turn sent during the decode roll: retried {during_answer.retried}")
+    # Either the old sidecar took it just before its drain began (then the drain waited
+    # for it too) or it was refused retryably until the new pod answered.
+    for attempt in during_answer.retried:
+        assert (attempt.get("status") == 503 and attempt.get("retry_after")) or (
+            attempt.get("phase") == "connect" and attempt.get("error") in RETRYABLE_CONNECT_ERRORS
+        ), during_answer.retried
+    _wait_role_ready(nodes, "decode", old_uid)
+    # The conversation goes on with the new decode pod (its KV is gone: recomputed).
+    body = conversation.next_body()
+    _check_answer(nodes, body, j.send(nodes, body), "the turn after the decode roll")
+
+
+def test_rollout_restart_of_prefill_mid_conversation(
+    nodes: NodeCluster, journey: Any, conversation: Conversation
+) -> None:
+    """`kubectl rollout restart` of prefill (a field the operator does not own): turns
+    sent while P is replaced are answered by D alone, right; after it, turns pull again."""
+    (old,) = j.pods(nodes, "prefill")
+    old_uid = old["metadata"]["uid"]
+    nodes.kubectl.run("rollout", "restart", "-n", j.NAMESPACE, f"statefulset/{j.SERVER}-prefill")
+    wait_until(lambda: _deleting(nodes, old_uid, "prefill"), 60, "the old prefill pod deleted")
+    body = conversation.next_body()
+    answer = j.send(nodes, body, deadline_s=480)
+    assert answer.status == 200, answer
+    print(f"the turn sent during the prefill restart: {answer.headers}, retried {answer.retried}")
+    assert answer.headers.get("X-Kvferry-Route") == "fallback", answer.headers  # D alone
+    conversation.took(answer)
+    _wait_role_ready(nodes, "prefill", old_uid)
+    # The reference needs P's engine: checked once the new P is up.
+    _check_answer(nodes, body, answer, "the turn sent during the prefill restart")
+    body = conversation.next_body()
+    answer = j.send(nodes, body)
+    _check_answer(nodes, body, answer, "the turn after the prefill restart")
+
+
+def test_operator_killed_mid_conversation(
+    nodes: NodeCluster, journey: Any, conversation: Conversation
+) -> None:
+    """The operator's pod deleted: turns keep working without it, and KVCacheStatus
+    moves again once its replacement runs."""
+    # --wait: the old operator has stopped, so nothing it writes can count as resumed.
+    nodes.kubectl.run(
+        *("delete", "pod", "-n", j.OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/instance=kvferry"),
+        *("--wait=true", "--timeout=120s"),
+        timeout=150,
+    )
+    killed_at = _now()
+    body = conversation.next_body()
+    answer = j.send(nodes, body)
+    _check_answer(nodes, body, answer, "the turn while the operator restarts")
+    conversation.took(answer)
+
+    def moved() -> bool:
+        status = nodes.kubectl.json("get", "kvcs", j.SERVER, "-n", j.NAMESPACE)["status"]
+        return status.get("lastUpdateTime", "") > killed_at and status.get("phase") == "Reporting"
+
+    wait_until(
+        moved, timeout=240, what="KVCacheStatus updated after the operator restart", interval=2
+    )
