@@ -1,5 +1,7 @@
-"""Fixtures shared by the tiers. The control plane and the operator are session-wide:
-the cluster tier and the engine tier's end-to-end test use the same ones."""
+"""Fixtures shared by the tiers: what ships (the wheel, the images), built once per
+session. The control plane and the operator (tests/kube.py) are registered by each tier
+that uses them (artifacts, cluster, engine) and scoped to it: a tier's processes end
+with the tier, so none runs on through the next tier on a 2-core machine."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import pytest
 
 from tests import progress
 from tests.images import image_context, images, wheel  # noqa: F401 - fixtures
-from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures
 
 
 def pytest_configure(config: pytest.Config) -> None:

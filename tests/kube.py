@@ -121,7 +121,7 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kubeconfig() -> Iterator[Path]:
     env = cp_env()
     what = (
@@ -189,7 +189,7 @@ def bare_control_plane(offset: int, label: str) -> Iterator[Path]:
         subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kubectl(kubeconfig: Path) -> Kubectl:
     return Kubectl(kubeconfig)
 
@@ -322,7 +322,7 @@ class Operator:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     op = Operator(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()

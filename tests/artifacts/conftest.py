@@ -31,6 +31,7 @@ from kvferry_dev.fakeengines import FakeEngine
 from kvferry_operator import api, render
 from tests.artifacts.pods import Container, from_pod_spec
 from tests.images import run
+from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures, package-scoped
 from tests.manifests import server
 from tests.progress import step
 

@@ -1,14 +1,15 @@
 """The cluster tier: tests against the real API server from hack/controlplane.sh.
 
-Fixtures live in tests/kube.py (registered in tests/conftest.py); the names below are
-re-exported for the tests that import them from here.
+Fixtures live in tests/kube.py (registered here, scoped to this tier: its control plane
+and operator stop when its last test ends); the names below are re-exported for the
+tests that import them from here.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.kube import Kubectl, Operator, free_port, wait_until
+from tests.kube import Kubectl, Operator, free_port, kubeconfig, kubectl, ns, operator, wait_until  # noqa: F401 - fixtures, package-scoped
 
 __all__ = ["Kubectl", "Operator", "free_port", "wait_until"]
 

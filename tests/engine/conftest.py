@@ -25,6 +25,7 @@ from kvferry_dev.procs import EngineError
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
 from tests.engine.helpers import kv_bytes_per_token
+from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures, package-scoped
 from tests.progress import step
 
 T = TypeVar("T")
@@ -90,7 +91,7 @@ def server() -> Server:
     return tiny_server()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_pair(
     engine_python: Path, tiny_model: Path, engine_log_dir: Path, server: Server
 ) -> Iterator[EnginePair]:
@@ -112,12 +113,12 @@ def engine_pair(
         TIMINGS["engine_stop_s"] = time.monotonic() - t1
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefill(engine_pair: EnginePair) -> Engine:
     return engine_pair.prefill
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def decode(engine_pair: EnginePair) -> Engine:
     return engine_pair.decode
 

@@ -165,10 +165,10 @@ def engine_metric(nodes: NodeCluster, name: str, **labels: str) -> float | None:
     while no such series exists (a labelled counter appears at its first count)."""
     code = (
         "import urllib.request;"
-        f"print(urllib.request.urlopen('{PREFILL_ENGINE}/metrics', timeout=30).read().decode())"
+        f"print(urllib.request.urlopen('{PREFILL_ENGINE}/metrics', timeout=60).read().decode())"
     )
     text = nodes.kubectl.run(
-        "exec", "-n", CLIENT_NAMESPACE, "web", "-c", "web", "--", "python3", "-c", code
+        "exec", "-n", CLIENT_NAMESPACE, "web", "-c", "web", "--", "python3", "-c", code, timeout=120
     ).stdout
     total, found = 0.0, False
     for line in text.splitlines():

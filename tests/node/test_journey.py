@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from kvferry_dev import engines
+from tests.images import Images
 from tests.kube import wait_until
 from tests.manifests import ROOT
 from tests.node import journey as j
@@ -44,20 +45,17 @@ RETRYABLE_CONNECT_ERRORS = {"ConnectionRefusedError", "TimeoutError", "OSError"}
 NEW_TOKENS = 32
 
 
-def _images(nodes: NodeCluster) -> list[str]:
+def _images(nodes: NodeCluster, shipped: Images) -> list[str]:
+    """The operator and sidecar images as built from the wheel (the session's, which
+    the artifact tier runs too) and the node tier's engine image, loaded on the node."""
     with step("journey: the engine venv and the tiny model (engine tier's recipe)"):
         python = engines.engine_env()
         model = engines.build_tiny_model(python)
-    images_sh = ["bash", str(ROOT / "hack" / "images.sh")]
-    with step("journey: hack/images.sh build (operator and sidecar, from the wheel)"):
-        built = check(
-            subprocess.run([*images_sh, "build"], capture_output=True, text=True, timeout=1800),
-            "hack/images.sh build",
-        ).split()
+    built = [shipped.operator, shipped.sidecar]
     with step("journey: hack/images.sh engine-test (the node tier's engine image)"):
         built += check(
             subprocess.run(
-                [*images_sh, "engine-test", str(model)],
+                ["bash", str(ROOT / "hack" / "images.sh"), "engine-test", str(model)],
                 capture_output=True,
                 text=True,
                 timeout=1800,
@@ -74,9 +72,11 @@ def _images(nodes: NodeCluster) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def journey(nodes: NodeCluster, web: dict[str, Any]) -> Iterator[subprocess.CompletedProcess[str]]:
-    images = _images(nodes)
-    operator, sidecar = (i.rsplit(":", 1) for i in images[:2])
+def journey(
+    nodes: NodeCluster, web: dict[str, Any], images: Images
+) -> Iterator[subprocess.CompletedProcess[str]]:
+    loaded = _images(nodes, images)
+    operator, sidecar = (i.rsplit(":", 1) for i in loaded[:2])
     helm_args = [
         f"--set image.repository={operator[0]} --set image.tag={operator[1]}",
         f"--set sidecarImage.repository={sidecar[0]} --set sidecarImage.tag={sidecar[1]}",
@@ -289,28 +289,57 @@ def _wait_role_ready(nodes: NodeCluster, role: str, old_uid: str) -> None:
     wait_until(ready, timeout=420, what=f"a new {role} pod Ready", interval=2)
 
 
-def test_rolling_decode_mid_conversation_cuts_no_turn(
+def _replaced(nodes: NodeCluster, uid: str, role: str) -> bool:
+    """True once the pod ``uid`` is deleting or gone."""
+    return all(
+        p["metadata"]["uid"] != uid or bool(p["metadata"].get("deletionTimestamp"))
+        for p in j.pods(nodes, role)
+    )
+
+
+def test_rolling_both_roles_mid_conversation_cuts_no_turn(
     nodes: NodeCluster, journey: Any, conversation: Conversation
 ) -> None:
-    """A spec change that rolls decode while a long streamed turn is in flight: the old
-    pod drains (the turn ends whole, with the right text), and a turn sent while the only
-    decode pod is replaced is refused retryably (the draining sidecar's 503 with
-    Retry-After, or a refused connection once the Service has no endpoint) until the new
-    pod answers it, right (or the old pod took it just before draining, and the drain
-    waited for it)."""
-    (old,) = j.pods(nodes, "decode")
-    old_uid = old["metadata"]["uid"]
+    """Both roles replaced in the middle of a conversation, their engine starts
+    overlapped (the two cores start two engines in about the time of one):
+
+    1. `kubectl rollout restart` of prefill (a field the operator does not own): a turn
+       sent while P is replaced is answered by D alone (Route fallback).
+    2. While the new P starts, a spec change rolls decode with a long streamed turn in
+       flight: the old pod drains (the turn ends whole, with the right text), and a turn
+       sent while the only decode pod is replaced is refused retryably (the draining
+       sidecar's 503 with Retry-After, or a connect that failed before the request was
+       sent) until the new pod answers it, right (or the old pod took it just before
+       draining, and the drain waited for it).
+    3. With both new pods Ready, the conversation goes on and its next turn reuses
+       again (P's own p2p counter): the new pair's KV transfer works.
+
+    Every answer equals P's engine alone, checked once the new P is up."""
+    (old_p,) = j.pods(nodes, "prefill")
+    (old_d,) = j.pods(nodes, "decode")
+    old_p_uid, old_d_uid = old_p["metadata"]["uid"], old_d["metadata"]["uid"]
+
+    nodes.kubectl.run("rollout", "restart", "-n", j.NAMESPACE, f"statefulset/{j.SERVER}-prefill")
+    wait_until(lambda: _replaced(nodes, old_p_uid, "prefill"), 60, "the old prefill pod deleted")
+    fallback_body = conversation.next_body()
+    fallback = j.send(nodes, fallback_body, deadline_s=480)
+    assert fallback.status == 200 and fallback.cut is None, fallback
+    print(f"the turn sent during the prefill restart: {fallback.headers}, {fallback.retried}")
+    assert fallback.headers.get("X-Kvferry-Route") == "fallback", fallback.headers  # D alone
+    conversation.took(fallback)
+
     long_body = conversation.next_body(max_tokens=300, stream=True)
     in_flight = j.Turn(nodes, long_body)
     in_flight.wait_first_byte()
     _apply_server(nodes, {"decode": {"podAnnotations": {"example.com/journey": "roll-decode"}}})
     asked_to_stop = wait_until(
-        lambda: _deleting(nodes, old_uid, "decode"), 60, "the old decode pod deleted"
+        lambda: _deleting(nodes, old_d_uid, "decode"), 60, "the old decode pod deleted"
     )
     during = Conversation("journey-during-decode-roll")
     during_body = during.next_body()
     during_answer = j.send(nodes, during_body, deadline_s=480, timeout_s=60)
     long_answer = in_flight.answer()
+    assert long_answer.status == 200 and long_answer.cut is None, long_answer
     last_chunk_at = float(long_answer.headers.get("last-chunk-at") or 0)
     # deletionTimestamp has whole seconds: the last chunk must come a second after.
     assert last_chunk_at > asked_to_stop + 1, (
@@ -318,10 +347,8 @@ def test_rolling_decode_mid_conversation_cuts_no_turn(
         last_chunk_at,
         asked_to_stop,
     )
-    _check_answer(nodes, long_body, long_answer, "the turn in flight during the decode roll")
     assert long_answer.chunks > 0 and not long_answer.retried, long_answer
     conversation.took(long_answer)
-    _check_answer(nodes, during_body, during_answer, "the turn sent during the decode roll")
     print(f"the turn sent during the decode roll: retried {during_answer.retried}")
     # Either the old sidecar took it just before its drain began (then the drain waited
     # for it too) or it was refused retryably until the new pod answered.
@@ -329,33 +356,26 @@ def test_rolling_decode_mid_conversation_cuts_no_turn(
         assert (attempt.get("status") == 503 and attempt.get("retry_after")) or (
             attempt.get("phase") == "connect" and attempt.get("error") in RETRYABLE_CONNECT_ERRORS
         ), during_answer.retried
-    _wait_role_ready(nodes, "decode", old_uid)
-    # The conversation goes on with the new decode pod (its KV is gone: recomputed).
-    body = conversation.next_body()
-    _check_answer(nodes, body, j.send(nodes, body), "the turn after the decode roll")
 
+    _wait_role_ready(nodes, "decode", old_d_uid)
+    _wait_role_ready(nodes, "prefill", old_p_uid)
+    # The references need P's engine: checked once the new P is up.
+    _check_answer(nodes, fallback_body, fallback, "the turn sent during the prefill restart")
+    _check_answer(nodes, long_body, long_answer, "the turn in flight during the decode roll")
+    _check_answer(nodes, during_body, during_answer, "the turn sent during the decode roll")
 
-def test_rollout_restart_of_prefill_mid_conversation(
-    nodes: NodeCluster, journey: Any, conversation: Conversation
-) -> None:
-    """`kubectl rollout restart` of prefill (a field the operator does not own): turns
-    sent while P is replaced are answered by D alone, right; after it, turns pull again."""
-    (old,) = j.pods(nodes, "prefill")
-    old_uid = old["metadata"]["uid"]
-    nodes.kubectl.run("rollout", "restart", "-n", j.NAMESPACE, f"statefulset/{j.SERVER}-prefill")
-    wait_until(lambda: _deleting(nodes, old_uid, "prefill"), 60, "the old prefill pod deleted")
-    body = conversation.next_body()
-    answer = j.send(nodes, body, deadline_s=480)
-    assert answer.status == 200, answer
-    print(f"the turn sent during the prefill restart: {answer.headers}, retried {answer.retried}")
-    assert answer.headers.get("X-Kvferry-Route") == "fallback", answer.headers  # D alone
-    conversation.took(answer)
-    _wait_role_ready(nodes, "prefill", old_uid)
-    # The reference needs P's engine: checked once the new P is up.
-    _check_answer(nodes, body, answer, "the turn sent during the prefill restart")
-    body = conversation.next_body()
-    answer = j.send(nodes, body)
-    _check_answer(nodes, body, answer, "the turn after the prefill restart")
+    # The new D holds nothing of the session: the next turn recomputes and leaves a
+    # handle on it, and the one after pulls it into the new P.
+    for turn in ("first", "second"):
+        body = conversation.next_body()
+        before = j.engine_metric(nodes, P2P, source="p2p") or 0.0
+        answer = j.send(nodes, body)
+        _check_answer(nodes, body, answer, f"the {turn} turn after the rolls")
+        conversation.took(answer)
+        print(f"the {turn} turn after the rolls: {answer.headers}")
+    assert answer.outcome == "reused" and answer.reused_tokens > 0, answer.headers
+    pulled = j.engine_metric(nodes, P2P, source="p2p") or 0.0
+    assert pulled - before == answer.reused_tokens, (before, pulled, answer.headers)
 
 
 def test_operator_killed_mid_conversation(
