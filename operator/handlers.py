@@ -338,8 +338,27 @@ def apply_children(
     outside a kopf handler (the resync loop, the retries), where kopf.warn cannot.
     ``seen``: the RoleScalers as the watch shows them (read by name without it).
     ``names``: what holds a child's name, one list for a burst of new servers
-    (``ownership.NameLookup``; a read per child without it)."""
+    (``ownership.NameLookup``; a read per child without it). A whole apply is marked
+    under way in ``claims`` while it runs (the safety pass leaves it alone)."""
+    claims = claims if claims is not None else ownership.Claims()
+    if only is not None:
+        return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
+    meta = body.get("metadata") or {}
+    with claims.applying((meta.get("namespace", ""), meta.get("name", ""))):
+        return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
 
+
+def _apply_children(
+    body: dict[str, Any],
+    kube: Kube,
+    settings: Settings,
+    logger: logging.Logger,
+    only: tuple[str, str] | None,
+    claims: ownership.Claims,
+    post: Callable[[dict[str, Any], str, str, str], None] | None,
+    seen: Seen | None,
+    names: ownership.NameLookup | None,
+) -> Applied:
     def warn(reason: str, message: str) -> None:
         if post is None:
             kopf.warn(body, reason=reason, message=message)
@@ -354,7 +373,6 @@ def apply_children(
     except api.SpecError as exc:
         warn(EVENT_INVALID, str(exc))
         return Applied.NEVER
-    claims = claims if claims is not None else ownership.Claims()
     server_key = (server.namespace, server.name)
     ok = Applied.ALL
     refusals: list[str] = []
@@ -942,6 +960,7 @@ def needs_apply(
     last: ownership.ApplyOutcome | None,
     listed_at: float = 0.0,
     held: str | None = None,
+    running: bool = False,
 ) -> bool:
     """Whether the safety pass re-applies a server: its generation has not landed
     whole, or some child is missing or lost one of our fields. Not a server whose
@@ -949,8 +968,10 @@ def needs_apply(
     may lack some of its children, and that apply has its own retries. Nor a server
     the settings refuse (``held``, settings_refusal) as they did at its last apply of
     this generation: that apply landed what the refusal lets land (checked for drift
-    like any child), and another would be held the same way."""
-    if last is not None and last.finished > listed_at:
+    like any child), and another would be held the same way. Nor a server whose whole
+    apply is ``running`` (a new server's first one, slow on a loaded API server): the
+    list may predate its children, and it has its own retries."""
+    if running or (last is not None and last.finished > listed_at):
         return False
     if last is None or last.generation != server.generation:
         return True
@@ -1045,7 +1066,8 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         try:
             last = claims.last_apply(key) if claims else None
             held = settings_refusal(server, settings)
-            if needs_apply(server, wanted, children, last, listed_at, held) and not (
+            running = claims.apply_running(key) if claims else False
+            if needs_apply(server, wanted, children, last, listed_at, held, running) and not (
                 _policy_still_refused(server, wanted, last, held, kube, claims, logger)
                 and not _drifted_besides_the_hold(wanted, children)
             ):

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,8 @@ class Claims:
         self._owners: dict[ChildKey, str] = {}
         self._conflicts: dict[ServerKey, dict[ChildKey, Conflict]] = {}
         self._applies: dict[ServerKey, ApplyOutcome] = {}
+        # Whole applies under way, per server (a handler's and a retry's may overlap).
+        self._applying: dict[ServerKey, int] = {}
         # Condition type -> (status, reason) last posted as an Event, per server.
         self._posted: dict[ServerKey, dict[str, tuple[str, str]]] = {}
 
@@ -165,6 +168,26 @@ class Claims:
     def last_apply(self, server: ServerKey) -> ApplyOutcome | None:
         with self._lock:
             return self._applies.get(server)
+
+    @contextmanager
+    def applying(self, server: ServerKey) -> Iterator[None]:
+        """A whole apply of ``server`` under way, for the safety pass to leave alone:
+        its list may predate the apply's children, and the apply has its own retries."""
+        with self._lock:
+            self._applying[server] = self._applying.get(server, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._applying[server] - 1
+                if left:
+                    self._applying[server] = left
+                else:
+                    del self._applying[server]
+
+    def apply_running(self, server: ServerKey) -> bool:
+        with self._lock:
+            return server in self._applying
 
     def first_post(self, server: ServerKey, ctype: str, status: str, reason: str) -> bool:
         """True once per change of a condition: two status refreshes that both start
