@@ -344,7 +344,8 @@ def apply_children(
     if only is not None:
         return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
     meta = body.get("metadata") or {}
-    with claims.applying((meta.get("namespace", ""), meta.get("name", ""))):
+    # The key parse_server gives it (the safety pass asks by that key).
+    with claims.applying((meta.get("namespace") or "default", meta.get("name", ""))):
         return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
 
 
@@ -1064,9 +1065,8 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
             continue  # its InvalidSpec Event was posted when the spec came
         key = (server.namespace, server.name)
         try:
-            last = claims.last_apply(key) if claims else None
+            running, last = claims.apply_state(key) if claims else (False, None)
             held = settings_refusal(server, settings)
-            running = claims.apply_running(key) if claims else False
             if needs_apply(server, wanted, children, last, listed_at, held, running) and not (
                 _policy_still_refused(server, wanted, last, held, kube, claims, logger)
                 and not _drifted_besides_the_hold(wanted, children)

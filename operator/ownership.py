@@ -189,6 +189,13 @@ class Claims:
         with self._lock:
             return server in self._applying
 
+    def apply_state(self, server: ServerKey) -> tuple[bool, ApplyOutcome | None]:
+        """Whether a whole apply is under way, and the last one's outcome, read together:
+        an apply records its outcome before it leaves ``applying``, so two reads could
+        see neither (no outcome yet, then no longer running)."""
+        with self._lock:
+            return server in self._applying, self._applies.get(server)
+
     def first_post(self, server: ServerKey, ctype: str, status: str, reason: str) -> bool:
         """True once per change of a condition: two status refreshes that both start
         from the status before their writes (a server event and a child event at once)

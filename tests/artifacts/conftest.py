@@ -4,9 +4,9 @@ Built once per session: the kvferry wheel (``pip wheel`` of this tree, no test
 extras), the build context the images use (hack/images.sh: that wheel plus every
 dependency wheel, cached by the wheel's requirements), and one fresh virtual
 environment per role with exactly what that role's image installs (the same pip
-command, offline, from the same wheels). The cluster parts reuse the session's
-control plane (tests/kube.py). Nothing here is skipped: a tier that cannot run fails
-with the reason.
+command, offline, from the same wheels). The cluster parts start the tier's own
+control plane (tests/kube.py), which stops with the tier. Nothing here is skipped:
+a tier that cannot run fails with the reason.
 """
 
 from __future__ import annotations

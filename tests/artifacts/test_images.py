@@ -180,7 +180,7 @@ def test_operator_image_run_as_the_chart_runs_it_makes_a_server_ready(
 
     name = f"kvferry-operator-{uuid.uuid4().hex[:6]}"
     log_path = tmp_path / "operator-image.log"
-    # The session's operator (this tree) must not do the work.
+    # The tier's operator (this tree) must not do the work.
     operator.stop()
     try:
         with open(log_path, "wb") as log:

@@ -154,7 +154,7 @@ def test_operator_from_the_wheel_reconciles_a_server_to_ready(
     ns: str,
     tmp_path: Path,
 ):
-    # The session's operator (this tree) must not do the work.
+    # The tier's operator (this tree) must not do the work.
     operator.stop()
     try:
         op = Operator(

@@ -156,7 +156,7 @@ def handshake_ok(port: int, ca: Path) -> bool:
 def rotating_operator(
     kubectl: Kubectl, operator: Operator, kubeconfig: Path, tmp_path: Path
 ) -> Iterator[tuple[Operator, Path]]:
-    """An operator serving the certificate in tmp_path/live (the session's operator
+    """An operator serving the certificate in tmp_path/live (the tier's operator
     is stopped meanwhile: two operators would both reconcile)."""
     live = tmp_path / "live"
     ca = make_ca(tmp_path / "ca1", "kvferry-ca-1")

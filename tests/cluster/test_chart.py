@@ -202,7 +202,7 @@ def test_operator_as_chart_service_account_makes_a_server_ready(
     ns: str,
     tmp_path: Path,
 ):
-    # The session's operator runs as cluster-admin: stop it so it cannot do the work.
+    # The tier's operator runs as cluster-admin: stop it so it cannot do the work.
     operator.stop()
     try:
         # The chart's certificate (Operator() makes its own in tmp_path: another folder).

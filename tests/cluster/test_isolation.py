@@ -141,7 +141,7 @@ def hub_cache_on_the_node(ns: str, path: str) -> dict[str, Any]:
 def test_a_host_path_the_operator_does_not_allow_gets_the_condition_and_no_statefulset(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    # The session's operator runs with the default: no folder allowed.
+    # The tier's operator runs with the default: no folder allowed.
     kubectl.apply(hub_cache_on_the_node(ns, "/var/lib/kubelet/../../../etc"), "--server-side")
     ready = wait_condition(kubectl, ns, "nodecache", "Ready", hostpaths.REASON)
     assert ready["status"] == "False"

@@ -73,7 +73,7 @@ def test_an_overlay_with_a_service_account_and_a_volume_applies_and_decode_sprea
 def test_a_host_namespace_the_operator_does_not_allow_gets_the_condition_and_no_statefulset(
     kubectl: Kubectl, operator: Operator, ns: str
 ):
-    # The session's operator runs with the default: nothing allowed.
+    # The tier's operator runs with the default: nothing allowed.
     overlay = {"spec": {"hostNetwork": True}}
     kubectl.apply(
         server({"prefill": {"podTemplate": overlay}}, name="hostnet", namespace=ns),

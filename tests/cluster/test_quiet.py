@@ -1,7 +1,7 @@
 """A quiet operator (issue 23, items 1 and 2), counted by the API server's audit log.
 
 The operator runs under a client certificate of its own (tests.kube.AUDITED_USER, the
-one user the session's audit policy records), with the safety pass's interval set by
+one user the tier's audit policy records), with the safety pass's interval set by
 the test: every request it makes is in the log, by verb, resource and namespace.
 
 - at rest, a safety pass lists and compares, and writes nothing;
@@ -39,7 +39,7 @@ from tests.kube import (
 def audited(
     kubectl: Kubectl, operator: Operator, kubeconfig: Path, tmp_path: Path
 ) -> Iterator[Callable[[float], Operator]]:
-    """Start the audited operator with a given safety-pass interval (the session's
+    """Start the audited operator with a given safety-pass interval (the tier's
     operator is stopped meanwhile: two operators would both reconcile)."""
     started: list[Operator] = []
 

@@ -163,7 +163,7 @@ def server_status(server: api.Server) -> dict[str, Any]:
 def test_every_status_field_the_operator_writes_reads_back_unchanged(
     kubectl: Kubectl, operator: Operator, kube: Kube, ns: str, report: Any
 ):
-    # The session operator would write this server's status concurrently: stop it; this
+    # The tier's operator would write this server's status concurrently: stop it; this
     # test runs the operator's own code in-process instead.
     operator.stop()
     try:

@@ -119,6 +119,25 @@ def test_a_whole_apply_is_marked_under_way_while_it_runs_and_a_one_child_one_not
             pass
         assert claims.apply_running(key)
     assert not claims.apply_running(key)
+    # The pass reads both at once: the outcome is recorded before the mark goes.
+    assert claims.apply_state(key) == (False, claims.last_apply(key))
+    with claims.applying(key):
+        assert claims.apply_state(key)[0]
+
+
+def test_a_body_without_a_namespace_is_marked_under_the_key_the_pass_asks_by():
+    claims = ownership.Claims()
+    seen: list[bool] = []
+    meta = {k: v for k, v in HELD_OBJ["metadata"].items() if k != "namespace"}
+    body = {**HELD_OBJ, "metadata": meta}
+
+    class Watching(HoldingKube):
+        def apply(self, child):
+            seen.append(claims.apply_running(("default", "held")))
+            return super().apply(child)
+
+    handlers.apply_children(body, Watching(body), SETTINGS, logging.getLogger("t"), claims=claims)
+    assert seen and all(seen), seen
 
 
 HUB_ON_THE_NODE = {"pvc": DELETE, "hub": {"id": "org/m", "cache": {"hostPath": {"path": "/hf"}}}}
