@@ -185,10 +185,6 @@ class Claims:
                 else:
                     del self._applying[server]
 
-    def apply_running(self, server: ServerKey) -> bool:
-        with self._lock:
-            return server in self._applying
-
     def apply_state(self, server: ServerKey) -> tuple[bool, ApplyOutcome | None]:
         """Whether a whole apply is under way, and the last one's outcome, read together:
         an apply records its outcome before it leaves ``applying``, so two reads could

@@ -102,13 +102,13 @@ def test_a_whole_apply_is_marked_under_way_while_it_runs_and_a_one_child_one_not
 
     class Watching(HoldingKube):
         def apply(self, child):
-            seen_running.append(claims.apply_running(key))
+            seen_running.append(claims.apply_state(key)[0])
             return super().apply(child)
 
     log = logging.getLogger("test")
     handlers.apply_children(HELD_OBJ, Watching(HELD_OBJ), SETTINGS, log, claims=claims)
     assert seen_running and all(seen_running), seen_running
-    assert not claims.apply_running(key)
+    assert not claims.apply_state(key)[0]
     seen_running.clear()
     only = ("Service", "held-decode")
     handlers.apply_children(HELD_OBJ, Watching(HELD_OBJ), SETTINGS, log, only, claims)
@@ -117,12 +117,10 @@ def test_a_whole_apply_is_marked_under_way_while_it_runs_and_a_one_child_one_not
     with claims.applying(key):
         with claims.applying(key):
             pass
-        assert claims.apply_running(key)
-    assert not claims.apply_running(key)
+        assert claims.apply_state(key)[0]
+    assert not claims.apply_state(key)[0]
     # The pass reads both at once: the outcome is recorded before the mark goes.
     assert claims.apply_state(key) == (False, claims.last_apply(key))
-    with claims.applying(key):
-        assert claims.apply_state(key)[0]
 
 
 def test_a_body_without_a_namespace_is_marked_under_the_key_the_pass_asks_by():
@@ -133,7 +131,7 @@ def test_a_body_without_a_namespace_is_marked_under_the_key_the_pass_asks_by():
 
     class Watching(HoldingKube):
         def apply(self, child):
-            seen.append(claims.apply_running(("default", "held")))
+            seen.append(claims.apply_state(("default", "held"))[0])
             return super().apply(child)
 
     handlers.apply_children(body, Watching(body), SETTINGS, logging.getLogger("t"), claims=claims)
