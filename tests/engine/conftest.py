@@ -25,6 +25,7 @@ from kvferry_dev.procs import EngineError
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
 from kvferry_operator.api import Server
 from tests.engine.helpers import kv_bytes_per_token
+from tests.engine.order import run_order
 from tests.kube import kubeconfig, kubectl, ns, operator  # noqa: F401 - fixtures, package-scoped
 from tests.progress import step
 
@@ -168,6 +169,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     for p in procs:
         what = f"{p.role} engine" if isinstance(p, Engine) else f"sidecar {p.name}"
         rep.sections.append((f"{what} log ({p.log_path}), last lines", p.log_tail(60)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if Path(str(item.path)).parent == here]
+    mine = [items[i] for i in slots]
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in mine:
+        by_module.setdefault(str(item.path), []).append(item)
+    fixtures = {
+        m: {f for it in its for f in getattr(it, "fixturenames", ())}
+        for m, its in by_module.items()
+    }
+    order = run_order(list(fixtures.items()))
+    for i, item in zip(slots, [it for m in order for it in by_module[m]], strict=True):
+        items[i] = item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -7,9 +7,9 @@ rate. A later turn whose history P must pull over a link too slow for
 on P at the budget, D computes the prompt itself, the answer equals the no-reuse
 answer, and the outcome says ``pull-failed``.
 
-Needs root (``ip netns``, ``tc``) and starts a pair of its own next to the tier's
-(the tier's engines stay on loopback); without root the module is skipped, saying
-why.
+Needs root (``ip netns``, ``tc``) and starts a pair of its own; it runs before the
+tier's pair starts (tests/engine/order.py), so the two pairs never share the cores.
+Without root the module is skipped, saying why.
 """
 
 from __future__ import annotations
