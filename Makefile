@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
 	node-up node-down deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
-	bench-pull bench-hostile bench-eviction
+	bench-pull bench-hostile bench-eviction bench-nixl-poll
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -100,6 +100,11 @@ bench-pull: bench-venv
 
 # Hostile clients at the sidecar's default caps: 10,000 generated requests, then the memory
 # attack (24 x 2.9 MiB text, 24 x 12 MiB media), beside steady streams: RSS peak, stream gaps, /healthz.
+# NIXL's spinning progress thread against the harness's 1 ms poll, one pair each
+# (kvferry_dev/nixl_poll; docs/performance.md).
+bench-nixl-poll: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.nixl_poll
+
 bench-hostile: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.hostile
 
