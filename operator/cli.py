@@ -1,4 +1,5 @@
-"""``kvferry-operator``: run the operator, or render a manifest offline."""
+"""``kvferry-operator``: run the operator, render a manifest offline, or say what reuse
+would do for a trace of sessions (``what-if``)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,96 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return operator_main.run(namespaces=args.namespace, standalone=args.standalone)
 
 
+def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
+    """The costs and retention for ``what-if``: a KVCacheStatus's measured figures
+    (``--status``), each overridden by its flag. Raises ValueError naming the flag."""
+    from . import whatif
+
+    measured: dict[str, Any] = {}
+    retention: float | None = None
+    if args.status:
+        import json
+
+        try:
+            with open(args.status, encoding="utf-8") as f:
+                obj = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--status {args.status}: {exc}") from None
+
+        def section(obj: Any, key: str) -> dict[str, Any]:
+            value = obj.get(key) if isinstance(obj, dict) else None
+            return value if isinstance(value, dict) else {}
+
+        def number(obj: dict[str, Any], key: str) -> float | None:
+            value = obj.get(key)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            return float(value) if ok else None
+
+        status = section(obj, "status")
+        transfer = section(status, "transfer")
+        gbps = number(transfer, "gigabytesPerSecond")
+        measured = {
+            "bytes_per_token": number(transfer, "bytesPerToken"),
+            "bandwidth": gbps * 1e9 if gbps else None,
+            # The operator's tuner takes the median pull as its fixed cost: so does this.
+            "pull_fixed": number(section(transfer, "pullLatencySeconds"), "p50"),
+        }
+        retention = number(section(status, "retention"), "appliedSeconds")
+    bytes_per_token = args.bytes_per_token or measured.get("bytes_per_token")
+    bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else measured.get("bandwidth")
+    pull_fixed = (
+        args.pull_fixed_ms / 1e3 if args.pull_fixed_ms is not None else measured.get("pull_fixed")
+    )
+    where = " (the --status file has none yet)" if args.status else ""
+    if not bytes_per_token or bytes_per_token <= 0:
+        raise ValueError(f"--bytes-per-token: the KV bytes per token are needed{where}")
+    if not bandwidth or bandwidth <= 0:
+        raise ValueError(f"--bandwidth-gbps: the P<->D bandwidth is needed{where}")
+    if args.recompute_us_per_token is None or args.recompute_us_per_token <= 0:
+        raise ValueError(
+            "--recompute-us-per-token: the prefill cost per token is needed (> 0); "
+            "KVCacheStatus does not carry it"
+        )
+    if pull_fixed is not None and pull_fixed < 0:
+        raise ValueError("--pull-fixed-ms: a latency >= 0")
+    if any(r <= 0 for r in args.also or ()):
+        raise ValueError("--also: retentions are seconds > 0")
+    costs = whatif.Costs(
+        recompute_seconds_per_token=args.recompute_us_per_token / 1e6,
+        bytes_per_token=float(bytes_per_token),
+        transfer_bytes_per_second=float(bandwidth),
+        pull_fixed_seconds=float(pull_fixed or 0.0),
+    )
+    chosen = args.retention if args.retention is not None else retention
+    return costs, float(chosen if chosen else whatif.VLLM_TTL_SECONDS)
+
+
+def _cmd_whatif(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from . import traces, whatif
+
+    try:
+        costs, retention = whatif_costs(args)
+        if retention <= 0:
+            raise ValueError("--retention: seconds > 0")
+        turns = traces.read_trace(Path(args.trace))
+    except (ValueError, OSError) as exc:  # TraceError is a ValueError naming line and field
+        print(f"kvferry-operator what-if: {exc}", file=sys.stderr)
+        return 2
+    if not turns:
+        print(f"kvferry-operator what-if: {args.trace}: no turns", file=sys.stderr)
+        return 2
+    report = whatif.analyse(turns, costs, retention, args.also or ())
+    if args.json:
+        json.dump(report.as_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(whatif.render_text(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry-operator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,7 +196,33 @@ def main(argv: list[str] | None = None) -> int:
         help="no peering with other operator replicas (single replica, tests)",
     )
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser(
+        "what-if",
+        help="what bidirectional reuse would do for a trace of your sessions (docs/what-if.md)",
+    )
+    p.add_argument("--trace", required=True, help="JSON lines, one turn each (docs/what-if.md)")
+    p.add_argument(
+        "--status",
+        help="a KVCacheStatus as `kubectl get kv-cache-status NAME -o json` prints it: its "
+        "measured bytes per token, bandwidth, pull latency and retention",
+    )
+    p.add_argument("--recompute-us-per-token", type=float, help="prefill cost per token (us)")
+    p.add_argument("--bytes-per-token", type=float, help="KV bytes per token (all layers)")
+    p.add_argument("--bandwidth-gbps", type=float, help="P<->D bandwidth (GB/s)")
+    p.add_argument("--pull-fixed-ms", type=float, help="a pull's fixed latency (ms; default 0)")
+    p.add_argument(
+        "--retention",
+        type=float,
+        help="seconds D holds a handle (default: --status's applied retention, else 480)",
+    )
+    p.add_argument(
+        "--also", type=float, action="append", help="another retention for the table (repeatable)"
+    )
+    p.add_argument("--json", action="store_true", help="every figure as JSON")
+    p.set_defaults(func=_cmd_whatif)
     args = parser.parse_args(argv)
+    if args.command == "what-if":  # plain Python: no extra needed
+        return int(args.func(args))
     # Both commands need the operator extra (render validates with its CEL and
     # JSON-schema libraries); say so instead of dying on an import.
     absent = extras.missing(extras.OPERATOR)

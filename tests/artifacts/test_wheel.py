@@ -118,6 +118,35 @@ def test_a_program_without_its_extra_names_the_install_command(role_venvs: dict[
     assert "Traceback" not in proc.stderr
 
 
+def test_what_if_runs_from_the_wheel_without_the_operator_extra(
+    role_venvs: dict[str, RoleVenv], tmp_path: Path
+):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"session": "a", "t": 0, "prompt_tokens": 100, "new_tokens": 100, "output_tokens": 20}\n'
+        '{"session": "a", "t": 9, "prompt_tokens": 180, "new_tokens": 60, "output_tokens": 20}\n'
+    )
+    flags = ["--recompute-us-per-token", "1000", "--bytes-per-token", "1000"]
+    proc = subprocess.run(
+        [role_venvs["sidecar"].bin("kvferry-operator"), "what-if", "--trace", str(trace), *flags],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert proc.returncode == 2 and "--bandwidth-gbps" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [
+            role_venvs["sidecar"].bin("kvferry-operator"),
+            *("what-if", "--trace", str(trace), *flags, "--bandwidth-gbps", "0.01"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "4. TTFT" in proc.stdout and "1 of 1 later turns pull" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_render_of_each_example_matches_its_golden_file(path: Path, operator_venv: RoleVenv):
     proc = subprocess.run(

@@ -1,0 +1,217 @@
+"""``kvferry-operator what-if`` (operator/whatif.py, cli.py): the four answers on traces
+small enough to check by hand, the same cost model as the tuner, and errors that name
+the flag or the trace line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry_operator import cli, tune, whatif
+from kvferry_operator.traces import Turn
+
+COSTS = whatif.Costs(
+    recompute_seconds_per_token=1e-3,
+    bytes_per_token=1000.0,
+    transfer_bytes_per_second=1e7,  # 0.1 ms per token: saves 0.9 ms a token
+    pull_fixed_seconds=0.009,  # -> break-even 10 tokens
+)
+
+# Session A: 100 tokens, then 30 s later 150 (100 repeated + 50 new, answer 20 kept
+# -> D holds 120, so 100 reusable), then 200 s later 250 (150 + 20 answer + 80 new).
+# Session B: one turn only.
+TRACE = [
+    Turn("A", 0.0, prompt_tokens=100, new_tokens=100, output_tokens=20),
+    Turn("A", 30.0, prompt_tokens=150, new_tokens=50, output_tokens=20),
+    Turn("B", 40.0, prompt_tokens=500, new_tokens=500, output_tokens=0),
+    Turn("A", 230.0, prompt_tokens=250, new_tokens=80, output_tokens=10),
+]
+
+
+def test_break_even_is_the_tuners() -> None:
+    inputs = tune.TuningInputs(
+        gaps=[],
+        current_retention=45,
+        coverage=0.95,
+        min_retention=30,
+        max_retention=1800,
+        bytes_per_token=1000,
+        transfer_bytes_per_second=1e7,
+        pull_fixed_latency_seconds=0.009,
+        recompute_seconds_per_token=1e-3,
+    )
+    assert COSTS.break_even_tokens() == tune.recommend_threshold(inputs).value == 10
+
+
+def test_a_link_slower_than_recomputing_never_wins() -> None:
+    slow = whatif.Costs(1e-3, 1000.0, 1e6, 0.0)  # 1 ms a token either way
+    assert slow.break_even_tokens() is None
+    assert whatif.Costs(1e-3, 1000.0, 1e7, 1.0).bandwidth_to_win(500) is None  # fixed > 0.5 s
+
+
+def test_later_turns_hold_what_d_kept_and_no_more() -> None:
+    later, held = whatif.later_turns(TRACE)
+    assert [(x.turn.t, x.number, x.gap, x.reusable) for x in later] == [
+        (30.0, 2, 30.0, 100),  # its prefix (100) < what D kept (120)
+        (230.0, 3, 200.0, 170),  # prefix 170 = D's 150 + 20
+    ]
+    assert sorted((t.t, gap) for t, gap in held) == [
+        (0.0, 30.0),
+        (30.0, 200.0),
+        (40.0, None),
+        (230.0, None),
+    ]
+
+
+def test_a_prefix_longer_than_what_d_kept_counts_only_what_d_kept() -> None:
+    turns = [Turn("S", 0, 100, 100, 0), Turn("S", 5, 300, 10, 0)]  # claims 290 repeated
+    (later,), _ = whatif.later_turns(turns)
+    assert later.reusable == 100
+
+
+def test_pinned_bytes_by_hand() -> None:
+    # Retention 60 s: A's turn 1 (120 tokens) 0..30, A's turn 2 (170) 30..90, B (500)
+    # 40..100, A's turn 3 (260) 230..290. Peak 170 + 500 = 670 tokens at 40..90.
+    peak, mean = whatif.pinned_bytes(whatif.later_turns(TRACE)[1], 60, 1000.0)
+    assert peak == 670_000
+    area = 120 * 30 + 170 * 60 + 500 * 60 + 260 * 60  # token-seconds
+    assert mean == pytest.approx(area * 1000 / 290)
+
+
+def test_ttft_pulls_only_what_is_held_and_worth_it() -> None:
+    report = whatif.analyse(TRACE, COSTS, retention=60)
+    # Turn at 30 s: held (30 <= 60), 100 >= 10 -> pulls; turn at 230 s: gap 200 > 60.
+    assert report.ttft["laterTurnsPulled"] == 1
+    on = 50 * 1e-3 + 0.009 + 100 * 1e-4
+    off = [0.150, 0.250]
+    assert report.ttft["withoutReuseSeconds"]["p50"] == pytest.approx(sum(off) / 2)
+    assert report.ttft["withReuseSeconds"]["p50"] == pytest.approx((on + 0.250) / 2)
+    rows = {r["retentionSeconds"]: r for r in report.retention["byRetention"]}
+    assert rows[60]["laterTurnsHeld"] == 0.5 and rows[480]["laterTurnsHeld"] == 1.0
+    assert report.bandwidth["breakEvenTokens"] == 10
+    assert report.reuse[0] == {
+        "turn": "2",
+        "turns": 1,
+        "promptTokensP50": 150,
+        "reusableTokensP50": 100,
+        "reusableShare": pytest.approx(100 / 150),
+    }
+
+
+turns_st = st.lists(
+    st.tuples(
+        st.sampled_from("abc"),
+        st.floats(0, 1000, allow_nan=False),
+        st.integers(0, 5000),
+        st.integers(0, 5000),
+        st.integers(0, 500),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(turns_st, st.floats(1, 2000))
+def test_reuse_never_slows_a_turn_and_never_holds_more_than_the_prompt(raw, retention) -> None:
+    seen: set[tuple[str, float]] = set()
+    turns = []
+    for s, t, prompt, new, out in raw:
+        if (s, t) in seen:
+            continue
+        seen.add((s, t))
+        turns.append(Turn(s, t, prompt, min(new, prompt), out))
+    later, _ = whatif.later_turns(turns)
+    assert all(0 <= x.reusable <= x.turn.prompt_tokens for x in later)
+    report = whatif.analyse(turns, COSTS, retention)
+    speed = report.ttft["speedup"]["p50"]
+    assert speed is None or speed >= 1.0 - 1e-9
+    for row in report.retention["byRetention"]:
+        assert row["pinnedBytesMean"] <= row["pinnedBytesPeak"] + 1e-6
+        assert math.isfinite(row["pinnedBytesPeak"])
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def write(path: Path, turns: list[Turn]) -> Path:
+    from kvferry_operator.traces import write_trace
+
+    write_trace(turns, path)
+    return path
+
+
+FLAGS = [
+    "--recompute-us-per-token",
+    "1000",
+    "--bytes-per-token",
+    "1000",
+    "--bandwidth-gbps",
+    "0.01",
+]
+
+
+def test_cli_prints_the_four_answers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    assert cli.main(["what-if", "--trace", str(trace), *FLAGS, "--pull-fixed-ms", "9"]) == 0
+    out = capsys.readouterr().out
+    for heading in ("1. reuse", "2. bandwidth", "3. retention", "4. TTFT"):
+        assert heading in out, out
+    assert "pulls win from 10 tokens of history" in out, out
+
+
+def test_cli_json_reads_costs_from_a_kv_cache_status(tmp_path: Path, capsys) -> None:
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    status = tmp_path / "status.json"
+    status.write_text(
+        json.dumps(
+            {
+                "kind": "KVCacheStatus",
+                "status": {
+                    "transfer": {
+                        "bytesPerToken": 1000,
+                        "gigabytesPerSecond": 0.01,
+                        "pullLatencySeconds": {"p50": 0.009},
+                    },
+                    "retention": {"appliedSeconds": 60},
+                },
+            }
+        )
+    )
+    argv = ["what-if", "--trace", str(trace), "--status", str(status)]
+    assert cli.main([*argv, "--recompute-us-per-token", "1000", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["retentionSeconds"] == 60
+    assert got["costs"]["pullFixedLatencySeconds"] == 0.009
+    assert got["bandwidth"]["breakEvenTokens"] == 10
+
+
+@pytest.mark.parametrize(
+    ("drop", "named"),
+    [
+        ("--recompute-us-per-token", "--recompute-us-per-token"),
+        ("--bytes-per-token", "--bytes-per-token"),
+        ("--bandwidth-gbps", "--bandwidth-gbps"),
+    ],
+)
+def test_cli_names_the_missing_cost(tmp_path: Path, capsys, drop: str, named: str) -> None:
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    i = FLAGS.index(drop)
+    flags = FLAGS[:i] + FLAGS[i + 2 :]
+    assert cli.main(["what-if", "--trace", str(trace), *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_cli_names_the_bad_trace_line_and_field(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"session": "a", "t": 0, "prompt_tokens": 10, "new_tokens": 10, "output_tokens": 1}\n'
+        '{"session": "a", "t": 5, "prompt_tokens": 10, "new_tokens": 20, "output_tokens": 1}\n'
+    )
+    assert cli.main(["what-if", "--trace", str(trace), *FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:2: field 'new_tokens' must not exceed 'prompt_tokens'" in err, err
