@@ -98,13 +98,13 @@ bench-sidecar: bench-venv
 bench-pull: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.pull
 
-# Hostile clients at the sidecar's default caps: 10,000 generated requests, then the memory
-# attack (24 x 2.9 MiB text, 24 x 12 MiB media), beside steady streams: RSS peak, stream gaps, /healthz.
 # NIXL's spinning progress thread against the harness's 1 ms poll, one pair each
 # (kvferry_dev/nixl_poll; docs/performance.md).
 bench-nixl-poll: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.nixl_poll
 
+# Hostile clients at the sidecar's default caps: 10,000 generated requests, then the memory
+# attack (24 x 2.9 MiB text, 24 x 12 MiB media), beside steady streams: RSS peak, stream gaps, /healthz.
 bench-hostile: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.hostile
 

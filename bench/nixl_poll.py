@@ -102,13 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         stop_all()
     result.results = {str(k): v for k, v in rows.items()}
     result.seconds = time.monotonic() - started
-    keys = list(rows[DELAYS_US[0]])
+    spin, poll = DELAYS_US
+    keys = list(rows[spin])
     print(result.header())
     print(
         table(
             ["figure", *(f"{d} us" for d in DELAYS_US), "ratio"],
             [
-                [k, *(rows[d][k] for d in DELAYS_US), rows[0][k] / max(rows[1000][k], 1e-9)]
+                [k, *(rows[d][k] for d in DELAYS_US), rows[spin][k] / max(rows[poll][k], 1e-9)]
                 for k in keys
             ],
         )

@@ -154,6 +154,20 @@ def recommend_retention(inp: TuningInputs) -> Recommendation:
     return Recommendation(value, f"{reason} -> {value}s", inputs)
 
 
+def break_even_tokens(
+    bytes_per_token: float,
+    transfer_bytes_per_second: float,
+    pull_fixed_seconds: float,
+    recompute_seconds_per_token: float,
+) -> int | None:
+    """The shortest history whose pull (fixed latency + bytes / bandwidth) beats
+    recomputing it; None when moving a token is not faster than recomputing it."""
+    saving = recompute_seconds_per_token - bytes_per_token / transfer_bytes_per_second
+    if saving <= 0:
+        return None
+    return math.ceil(max(0.0, pull_fixed_seconds) / saving)
+
+
 def recommend_threshold(inp: TuningInputs) -> Recommendation:
     inputs = {
         "bytesPerToken": inp.bytes_per_token,
@@ -177,16 +191,20 @@ def recommend_threshold(inp: TuningInputs) -> Recommendation:
     assert inp.pull_fixed_latency_seconds is not None
     assert inp.recompute_seconds_per_token is not None
     transfer = inp.bytes_per_token / inp.transfer_bytes_per_second
-    saving = inp.recompute_seconds_per_token - transfer
     inputs["transferSecondsPerToken"] = transfer
-    if saving <= 0:
+    breakeven = break_even_tokens(
+        inp.bytes_per_token,
+        inp.transfer_bytes_per_second,
+        inp.pull_fixed_latency_seconds,
+        inp.recompute_seconds_per_token,
+    )
+    if breakeven is None:
         return Recommendation(
             inp.max_model_len,
             f"pulling a token ({transfer * 1e6:.1f}us) is not faster than recomputing it "
             f"({inp.recompute_seconds_per_token * 1e6:.1f}us): never pull",
             inputs,
         )
-    breakeven = math.ceil(max(0.0, inp.pull_fixed_latency_seconds) / saving)
     value = clamp(breakeven, 0, inp.max_model_len)
     return Recommendation(
         value,

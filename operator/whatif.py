@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tune
 from .traces import Turn
 
 # Turn-number rows of the reuse table: the first turns one by one, then bands.
@@ -62,13 +63,14 @@ class Costs:
         )
 
     def break_even_tokens(self) -> int | None:
-        """The shortest history whose pull beats recomputing it; None: never."""
-        saving = (
-            self.recompute_seconds_per_token - self.bytes_per_token / self.transfer_bytes_per_second
+        """The shortest history whose pull beats recomputing it (the tuner's
+        ``recomputeThreshold`` before its clamp); None: never."""
+        return tune.break_even_tokens(
+            self.bytes_per_token,
+            self.transfer_bytes_per_second,
+            self.pull_fixed_seconds,
+            self.recompute_seconds_per_token,
         )
-        if saving <= 0:
-            return None
-        return max(1, math.ceil(self.pull_fixed_seconds / saving))
 
     def bandwidth_to_win(self, tokens: int) -> float | None:
         """Bytes/s above which pulling ``tokens`` beats recomputing them; None: no
@@ -214,7 +216,7 @@ def analyse(
     needed = [costs.bandwidth_to_win(x.reusable) for x in later if x.reusable > 0]
     winnable = [b for b in needed if b is not None]
     be = costs.break_even_tokens()
-    wins = [x for x in later if be is not None and x.reusable >= be]
+    wins = [x for x in later if be is not None and x.reusable >= max(be, 1)]
     report.bandwidth = {
         "bytesPerSecondToWin": {f"p{q}": percentile(winnable, q) for q in PERCENTILES},
         "turnsNoBandwidthWins": len(needed) - len(winnable),
@@ -258,7 +260,7 @@ def analyse(
     for x in later:
         t_off = costs.recompute(x.turn.prompt_tokens)
         t_on = t_off
-        if x.gap <= retention and be is not None and x.reusable >= be:
+        if x.gap <= retention and be is not None and x.reusable >= max(be, 1):
             t_on = costs.recompute(x.turn.prompt_tokens - x.reusable) + costs.pull(x.reusable)
             pulled += 1
         off.append(t_off)

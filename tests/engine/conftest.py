@@ -174,8 +174,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    slots = [i for i, item in enumerate(items) if Path(str(item.path)).parent == here]
-    mine = [items[i] for i in slots]
+    mine = [item for item in items if Path(str(item.path)).parent == here]
+    if not mine:
+        return
     by_module: dict[str, list[pytest.Item]] = {}
     for item in mine:
         by_module.setdefault(str(item.path), []).append(item)
@@ -183,9 +184,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         m: {f for it in its for f in getattr(it, "fixturenames", ())}
         for m, its in by_module.items()
     }
-    order = run_order(list(fixtures.items()))
-    for i, item in zip(slots, [it for m in order for it in by_module[m]], strict=True):
-        items[i] = item
+    ordered = [it for m in run_order(list(fixtures.items())) for it in by_module[m]]
+    # One block where the tier's first test was: a module split around another tier's
+    # tests would stop the package's engines and start them again.
+    first = items.index(mine[0])
+    rest = [item for item in items if Path(str(item.path)).parent != here]
+    items[:] = rest[:first] + ordered + rest[first:]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

