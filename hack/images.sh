@@ -183,7 +183,6 @@ engine_test() {
   ctx=$root/build/images/engine-test
   rm -rf "$ctx"; mkdir -p "$ctx"
   cp -rl "$model" "$ctx/tinymodel" 2>/dev/null || cp -r "$model" "$ctx/tinymodel"
-  cp "$root/kvferry_dev/nixl_poll/kvferry_nixl_poll.py" "$ctx/"
   buildah bud --quiet --runtime "$RUNTIME" "${ULIMITS[@]}" --layers=false \
       -f "$root/images/engine-cpu-test/Dockerfile" --build-arg "BASE=$base_image" \
       -t "$repo-engine-cpu-test:$tag" "$ctx" >&2 \

@@ -145,6 +145,17 @@ def test_engines_run_the_rendered_config(prefill: Engine, decode: Engine, server
         )
 
 
+def test_engines_nixl_progress_thread_polls_instead_of_spinning(
+    prefill: Engine, decode: Engine
+) -> None:
+    """The harness's hook (kvferry_dev/nixl_poll) took effect in both engines: without
+    it their NIXL progress threads would spin on the core their compute runs on."""
+    from kvferry_dev.nixl_poll.kvferry_nixl_poll import APPLIED
+
+    for e in (prefill, decode):
+        assert APPLIED.format(1000) in e.log_path.read_text(errors="replace"), e.logtail(40)
+
+
 @pytest.fixture(scope="module")
 def turn1(prefill: Engine, decode: Engine) -> dict[str, Any]:
     """Turn 1 of a conversation through P→D; D's answer carries the handle."""
