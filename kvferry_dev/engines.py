@@ -8,10 +8,9 @@ Each engine is ``python -m vllm.entrypoints.openai.api_server`` from the engine 
 spins its engine loop, so two unpinned engines on 2 cores slow each other down
 severalfold. NIXL's UCX progress thread would spin too, on the engine's own core, idle
 or not (NIXL's Python API polls with a 0 ms timeout); every engine process starts with
-``nixl_poll/`` first on its PYTHONPATH, whose sitecustomize makes that poll wait 1 ms:
-idle, an engine went from 99.8 % of its core to 2.4 %, and a 1,500-word prefill from
-2.62 s to 0.75 s (``kvferry_nixl_poll.py``). Every process runs in its own process
-group with ``cwd=/`` (the repository's ``operator/`` folder would shadow the stdlib
+``nixl_poll/`` first on its PYTHONPATH, whose sitecustomize makes that poll wait 1 ms
+(what it saves: ``make bench-nixl-poll``, docs/performance.md). Every process runs in
+its own process group with ``cwd=/`` (the repository's ``operator/`` folder would shadow the stdlib
 module for ``python -m``) and is stopped at exit.
 """
 
