@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvferry_operator import whatif
+
 ROOT = Path(__file__).resolve().parent.parent
 # Where `make bench-...` writes its JSON and PNG: docs/performance.md shows them.
 DEFAULT_OUT = ROOT / "docs" / "performance"
@@ -208,14 +210,9 @@ def pyplot() -> Any:
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated quantile (numpy's default); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """Linear-interpolated quantile (numpy's default); None for no values. q in [0, 1]:
+    the operator's what-if percentile, which takes 0-100."""
+    return whatif.percentile(values, q * 100)
 
 
 def process_cpu_seconds(pid: int) -> float:

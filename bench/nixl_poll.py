@@ -23,27 +23,25 @@ from kvferry_dev.client import filler_text
 from kvferry_dev.engines import EnginePair, build_tiny_model, engine_env, start_pair
 from kvferry_dev.procs import stop_all
 
-from .common import DEFAULT_OUT, Result, engine_versions, say, table
+from .common import DEFAULT_OUT, Result, engine_versions, process_cpu_seconds, say, table
 
 DELAYS_US = (0, 1000)
 WORDS = (300, 1500)
 
 
 def group_cpu_seconds(pgid: int) -> float:
-    """utime + stime of every live process in the process group (an engine is its API
+    """CPU seconds of every live process in the process group (an engine is its API
     server, engine core and worker processes)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = 0.0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if os.getpgid(int(entry.name)) == pgid:
+                total += process_cpu_seconds(int(entry.name))
+        except (OSError, ValueError):  # gone meanwhile
             continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    return total
 
 
 def measure(pair: EnginePair, idle: float) -> dict[str, Any]:
