@@ -72,6 +72,8 @@ def read_trace(path: Path) -> list[Turn]:
                 obj = json.loads(line)
             except ValueError as e:
                 raise TraceError(f"{where}: not JSON ({e})") from None
+            except RecursionError:  # nested past the parser's depth: no turn is
+                raise TraceError(f"{where}: not a turn (JSON nested too deep)") from None
             turn = parse_turn(obj, where)
             if turn.session in last and turn.t <= last[turn.session]:
                 raise TraceError(

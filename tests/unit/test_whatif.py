@@ -215,3 +215,10 @@ def test_cli_names_the_bad_trace_line_and_field(tmp_path: Path, capsys) -> None:
     assert cli.main(["what-if", "--trace", str(trace), *FLAGS]) == 2
     err = capsys.readouterr().err
     assert f"{trace}:2: field 'new_tokens' must not exceed 'prompt_tokens'" in err, err
+
+
+def test_cli_refuses_a_deeply_nested_line_without_a_traceback(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert cli.main(["what-if", "--trace", str(trace), *FLAGS]) == 2
+    assert f"{trace}:1: not a turn (JSON nested too deep)" in capsys.readouterr().err
