@@ -83,7 +83,9 @@ def _cmd_render(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import main as operator_main  # kopf is only needed here
 
-    return operator_main.run(namespaces=args.namespace, standalone=args.standalone)
+    return operator_main.run(
+        namespaces=args.namespace, standalone=args.standalone, leader_elect=args.leader_elect
+    )
 
 
 def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
@@ -193,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--standalone",
         action="store_true",
-        help="no peering with other operator replicas (single replica, tests)",
+        help="no kopf peering (the chart always passes it: --leader-elect elects instead)",
+    )
+    p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run handlers only while holding the Lease KVFERRY_LEADER_ELECTION_ID in "
+        "KVFERRY_LEADER_ELECTION_NAMESPACE; wait as a standby otherwise",
     )
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser(

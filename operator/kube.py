@@ -176,6 +176,44 @@ class Kube:
             if exc.status not in (404, 409):
                 raise
 
+    # The leader election's Lease (leader.py): read, created once, replaced with the
+    # read's resourceVersion (a 409 means another replica wrote first: read again).
+    LEASE = ("coordination.k8s.io/v1", "Lease")
+
+    def get_lease(self, namespace: str, name: str) -> Obj | None:
+        return self.get(*self.LEASE, namespace, name, timeout=(3.0, 5.0))
+
+    def create_lease(self, namespace: str, name: str, spec: Obj) -> bool:
+        obj = {
+            "apiVersion": self.LEASE[0],
+            "kind": self.LEASE[1],
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        }
+        return self.create(obj) is not None
+
+    def replace_lease(self, namespace: str, name: str, spec: Obj, resource_version: str) -> bool:
+        res = self._resource(*self.LEASE)
+        body = {
+            "apiVersion": self.LEASE[0],
+            "kind": self.LEASE[1],
+            "metadata": {"name": name, "namespace": namespace, "resourceVersion": resource_version},
+            "spec": spec,
+        }
+        try:
+            res.replace(
+                body=body,
+                name=name,
+                namespace=namespace,
+                field_manager=api.FIELD_MANAGER,
+                _request_timeout=(3.0, 5.0),
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Obj
     ) -> None:

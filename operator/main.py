@@ -4,33 +4,113 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import sys
 
 import kopf
 
-from .settings import from_env
+from .settings import Settings, from_env
 
 
-def run(namespaces: list[str], standalone: bool) -> int:
+def run(namespaces: list[str], standalone: bool, leader_elect: bool = False) -> int:
     from . import handlers  # noqa: F401 - registers the kopf handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The handlers find the operator's settings and scope in kopf's memo, not in globals.
     try:
         settings = from_env()
+        if leader_elect and not settings.leader_namespace:
+            raise ValueError(
+                "--leader-elect needs KVFERRY_LEADER_ELECTION_NAMESPACE (the Lease's "
+                "namespace; the chart sets it to the operator's own)"
+            )
+        if leader_elect:
+            from . import leader
+
+            leader.check_timings(
+                settings.leader_retry_seconds,
+                settings.leader_renew_seconds,
+                settings.leader_lease_seconds,
+            )
     except ValueError as exc:  # a bad variable: say which, without a traceback
         logging.getLogger(__name__).error("bad setting: %s", exc)
         return 2
     memo = kopf.Memo(settings=settings, namespaces=list(namespaces))
-    asyncio.run(
-        kopf.operator(
-            identity=identity(),
-            standalone=standalone,
-            namespaces=namespaces,
-            clusterwide=not namespaces,
-            memo=memo,
-        )
+    if leader_elect:
+        return asyncio.run(elected(settings, namespaces, standalone, memo))
+    asyncio.run(operate(namespaces, standalone, memo))
+    return 0
+
+
+async def operate(namespaces: list[str], standalone: bool, memo: kopf.Memo) -> None:
+    await kopf.operator(
+        identity=identity(),
+        standalone=standalone,
+        namespaces=namespaces,
+        clusterwide=not namespaces,
+        memo=memo,
     )
+
+
+async def elected(
+    settings: Settings, namespaces: list[str], standalone: bool, memo: kopf.Memo
+) -> int:
+    """Wait for the Lease as a standby, then run kopf while holding it. Leadership
+    lost is the end of the process (exit 1, at once: the handlers' threads must not
+    write one more object); the kubelet starts it again as a candidate."""
+    from . import leader, report_endpoint, standby
+    from .kube import Kube
+
+    log = logging.getLogger(__name__)
+    me = leader.identity(settings.pod_name or socket.gethostname())
+    elector = leader.Elector(
+        Kube(),
+        settings.leader_namespace,
+        settings.leader_name,
+        me,
+        settings.leader_lease_seconds,
+        settings.leader_renew_seconds,
+        settings.leader_retry_seconds,
+    )
+    runners = []
+    if settings.tls_cert_file and settings.tls_key_file:
+        tls = report_endpoint.tls_context(settings.tls_cert_file, settings.tls_key_file)
+        runners.append(
+            await report_endpoint.serve(
+                standby.app_factory(), settings.report_host, settings.report_port, tls
+            )
+        )
+    if settings.metrics_port:
+        try:
+            runners.append(
+                await report_endpoint.serve(
+                    standby.metrics_app_factory(),
+                    settings.metrics_host,
+                    settings.metrics_port,
+                    None,
+                )
+            )
+        except OSError as exc:
+            log.error("standby metrics off: port %d: %s", settings.metrics_port, exc)
+    try:
+        await elector.acquire()
+    finally:
+        for runner in runners:  # the leader's endpoints take these ports
+            await runner.cleanup()
+
+    async def keep() -> None:
+        await elector.hold()
+        log.error("leadership lost: exiting so that no handler writes again")
+        sys.stderr.flush()
+        os._exit(1)
+
+    holding = asyncio.get_running_loop().create_task(keep())
+    try:
+        await operate(namespaces, standalone, memo)
+    finally:
+        holding.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, elector.release)
     return 0
 
 

@@ -8,7 +8,8 @@ recommends and applies. Series (labels ``namespace``, ``server``):
 - ``kvferry_operator_recompute_threshold_recommended_tokens``;
 - ``kvferry_operator_decode_preemptions_recent``: the tuner's pressure input;
 - ``kvferry_operator_transport_info{transport}``: the server's transport;
-- ``kvferry_operator_reporting_pods``: pods whose report is fresh.
+- ``kvferry_operator_reporting_pods``: pods whose report is fresh;
+- ``kvferry_operator_leader``: 1 here, 0 on a standby (``standby.py``).
 
 Read at scrape time from the publisher's last pass (``Decision``), so a deleted
 server's series disappear with it.
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -95,6 +96,11 @@ class DecisionCollector(Collector):
 def registry_for(decisions: Callable[[], Iterable[Decision]]) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(DecisionCollector(decisions))
+    # This replica reconciles (it holds the Lease, or runs without election); a
+    # standby serves 0 (standby.py).
+    Gauge(
+        "kvferry_operator_leader", "1 on the replica that holds the lease.", registry=registry
+    ).set(1)
     return registry
 
 

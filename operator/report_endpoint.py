@@ -487,6 +487,8 @@ def app_factory(
     app[LOOKUPS_KEY] = lookups
     app.router.add_post(REPORT_PATH, post_report)
     app.router.add_get("/healthz", healthz)
+    # Served only by the replica that holds the Lease (a standby serves standby.py's).
+    app.router.add_get("/readyz", healthz)
     app.on_cleanup.append(close_executor)
     return app
 

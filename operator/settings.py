@@ -76,6 +76,14 @@ class Settings:
     # What a server's spec.<role>.podTemplate may set beyond the default (podtemplate.py):
     # privileged, hostNamespaces, capabilities; none by default, each is the node's root.
     pod_template_allow: frozenset[str] = frozenset()
+    # Leader election (``run --leader-elect``, leader.py): the Lease's namespace and
+    # name, this pod's name for the holder identity, and client-go's timings.
+    leader_namespace: str = ""
+    leader_name: str = "kvferry-operator"
+    pod_name: str = ""
+    leader_lease_seconds: float = 15.0
+    leader_renew_seconds: float = 10.0
+    leader_retry_seconds: float = 2.0
 
     def pod_template_refusal(self, server: Server) -> str | None:
         """Why the server's pod templates are refused under these settings, or None."""
@@ -116,6 +124,12 @@ def from_env() -> Settings:
         pod_template_allow=podtemplate.parse_allow(env(podtemplate.ENV, "")),
         sidecar_image=os.environ.get("KVFERRY_SIDECAR_IMAGE", ""),
         resync_seconds=float(os.environ.get("KVFERRY_RESYNC_SECONDS", str(RESYNC_SECONDS))),
+        leader_namespace=env("KVFERRY_LEADER_ELECTION_NAMESPACE", ""),
+        leader_name=env("KVFERRY_LEADER_ELECTION_ID", "kvferry-operator"),
+        pod_name=env("KVFERRY_POD_NAME", ""),
+        leader_lease_seconds=float(env("KVFERRY_LEADER_LEASE_SECONDS", "15")),
+        leader_renew_seconds=float(env("KVFERRY_LEADER_RENEW_SECONDS", "10")),
+        leader_retry_seconds=float(env("KVFERRY_LEADER_RETRY_SECONDS", "2")),
     )
 
 

@@ -1,0 +1,259 @@
+"""Leader election on a ``coordination.k8s.io`` Lease: one replica reconciles, the
+others wait as standbys and take over when it goes.
+
+Why our own and not kopf's peering: peering freezes every operator when it sees
+another, elects nobody, and would not pause what runs outside kopf's handlers (the
+report endpoint, the publisher, the safety pass). So the election runs *before*
+kopf: a standby starts no handler, no loop and no report endpoint (it answers
+probes and refuses reports, ``standby.py``) until it holds the Lease.
+
+The rules are client-go's ``leaderelection`` (kube-controller-manager's), on the
+same Lease fields, so ``kubectl get lease`` reads as it does for theirs:
+
+- a candidate takes the Lease when it is absent, released (no holder), or expired:
+  its record has not changed for ``leaseDurationSeconds`` *by this replica's own
+  clock* (the time it last saw the record change, not the record's renewTime: the
+  nodes' clocks need not agree);
+- the holder renews every ``retry`` seconds; when no renewal has succeeded for
+  ``renew_deadline`` (shorter than the lease) it stops leading at once (the caller
+  exits the process, as controller-runtime does, and the kubelet restarts it as a
+  candidate): it has stopped before any standby may take over;
+- every write is a replace carrying the read's resourceVersion: of two candidates
+  racing for an expired Lease one wins, the other gets a 409 and reads again;
+- on a clean stop the holder releases the Lease (empty holder), so a standby takes
+  over at its next retry instead of waiting out the lease.
+
+The decisions are pure functions; ``Elector`` adds the API calls and the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 15.0
+RENEW_DEADLINE_SECONDS = 10.0
+RETRY_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Record:
+    """The Lease's spec as read (``holder`` "" when released or never held)."""
+
+    holder: str
+    duration: float
+    acquire_time: str | None
+    transitions: int
+    resource_version: str
+
+    @classmethod
+    def of(cls, lease: dict[str, Any]) -> Record:
+        spec = lease.get("spec") or {}
+        meta = lease.get("metadata") or {}
+        return cls(
+            holder=spec.get("holderIdentity") or "",
+            duration=float(spec.get("leaseDurationSeconds") or LEASE_SECONDS),
+            acquire_time=spec.get("acquireTime"),
+            transitions=int(spec.get("leaseTransitions") or 0),
+            resource_version=str(meta.get("resourceVersion") or ""),
+        )
+
+
+TAKE, RENEW, WAIT = "take", "renew", "wait"
+
+
+def decide(record: Record | None, me: str, expired: bool) -> str:
+    """What a candidate does with the Lease as read: take it (absent, released or
+    expired), renew it (ours), or wait (another's, still live)."""
+    if record is None or not record.holder or (expired and record.holder != me):
+        return TAKE
+    if record.holder == me:
+        return RENEW
+    return WAIT
+
+
+def micro_time(now: float) -> str:
+    """A Lease's MicroTime (RFC 3339 with microseconds, UTC)."""
+    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f") + "Z"
+
+
+def spec_for(record: Record | None, me: str, duration: float, now: float, action: str) -> dict:
+    """The Lease spec a candidate writes for ``action`` (take or renew)."""
+    stamp = micro_time(now)
+    if action == RENEW and record is not None:
+        return {
+            "holderIdentity": me,
+            "leaseDurationSeconds": int(duration),
+            "acquireTime": record.acquire_time or stamp,
+            "renewTime": stamp,
+            "leaseTransitions": record.transitions,
+        }
+    # A change of holder counts a transition (client-go's leaderTransitions).
+    changed = record is not None and bool(record.holder) and record.holder != me
+    return {
+        "holderIdentity": me,
+        "leaseDurationSeconds": int(duration),
+        "acquireTime": stamp,
+        "renewTime": stamp,
+        "leaseTransitions": (record.transitions if record else 0) + (1 if changed else 0),
+    }
+
+
+class Observed:
+    """When this replica last saw the record change: the clock expiry is judged by."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._key: tuple[Any, ...] | None = None
+        self._at = 0.0
+
+    def expired(self, record: Record) -> bool:
+        # The resourceVersion changes with every renewal; the holder alone would not.
+        key = (record.holder, record.resource_version)
+        now = self._clock()
+        if key != self._key:
+            self._key, self._at = key, now
+            return False
+        return now - self._at > record.duration
+
+
+class LeaseApi(Protocol):
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def create_lease(self, namespace: str, name: str, spec: dict[str, Any]) -> bool: ...
+
+    def replace_lease(
+        self, namespace: str, name: str, spec: dict[str, Any], resource_version: str
+    ) -> bool: ...
+
+
+def identity(pod_name: str) -> str:
+    """The holder identity: the pod, and a per-process suffix (client-go's
+    hostname_uuid), so a restarted container never mistakes its predecessor's
+    Lease for its own."""
+    return f"{pod_name}_{uuid.uuid4().hex[:8]}"
+
+
+def check_timings(retry: float, renew_deadline: float, lease: float) -> None:
+    """A holder must give up (renew deadline) before a standby may take over (lease),
+    and try more than once before it gives up. Raises ValueError naming the settings."""
+    if not 0 < retry < renew_deadline < lease:
+        raise ValueError(
+            "KVFERRY_LEADER_RETRY_SECONDS < KVFERRY_LEADER_RENEW_SECONDS < "
+            f"KVFERRY_LEADER_LEASE_SECONDS is needed (got {retry:g}, {renew_deadline:g}, "
+            f"{lease:g})"
+        )
+
+
+class Elector:
+    def __init__(
+        self,
+        kube: LeaseApi,
+        namespace: str,
+        name: str,
+        me: str,
+        lease_seconds: float = LEASE_SECONDS,
+        renew_deadline: float = RENEW_DEADLINE_SECONDS,
+        retry_seconds: float = RETRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        check_timings(retry_seconds, renew_deadline, lease_seconds)
+        self.kube = kube
+        self.namespace = namespace
+        self.name = name
+        self.me = me
+        self.lease_seconds = lease_seconds
+        self.renew_deadline = renew_deadline
+        self.retry_seconds = retry_seconds
+        self._clock = clock
+        self._wall = wall
+        self._observed = Observed(clock)
+        self.holder = ""  # the holder as last read, for the standby's log
+        # Its own thread: a renewal never queues behind the operator's handlers.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-lease")
+
+    def try_once(self) -> bool:
+        """One read and, when due, one write; True when this replica holds the Lease
+        afterwards. API trouble is False (the deadline decides what it costs)."""
+        try:
+            lease = self.kube.get_lease(self.namespace, self.name)
+            record = Record.of(lease) if lease is not None else None
+            if record is None:
+                spec = spec_for(None, self.me, self.lease_seconds, self._wall(), TAKE)
+                return self.kube.create_lease(self.namespace, self.name, spec)
+            self.holder = record.holder
+            action = decide(record, self.me, self._observed.expired(record))
+            if action == WAIT:
+                return False
+            spec = spec_for(record, self.me, self.lease_seconds, self._wall(), action)
+            return self.kube.replace_lease(self.namespace, self.name, spec, record.resource_version)
+        except Exception as exc:  # the API server is away: the next try, or the deadline
+            log.warning("lease %s/%s: %s", self.namespace, self.name, str(exc)[:200])
+            return False
+
+    async def _try(self) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.try_once)
+
+    def _pause(self) -> float:
+        # client-go's jitter: standbys started together do not ask together.
+        return self.retry_seconds * (1 + 0.2 * random.random())
+
+    async def acquire(self) -> None:
+        """Return once this replica holds the Lease."""
+        logged = ""
+        while not await self._try():
+            if self.holder != logged:
+                logged = self.holder
+                log.info("standby: lease %s/%s held by %s", self.namespace, self.name, logged)
+            await asyncio.sleep(self._pause())
+        log.info("leading: lease %s/%s acquired as %s", self.namespace, self.name, self.me)
+
+    async def hold(self) -> None:
+        """Renew until a renewal has not succeeded for the renew deadline; then return
+        (leadership lost: the caller must stop at once)."""
+        renewed = self._clock()
+        while True:
+            await asyncio.sleep(self.retry_seconds)
+            if await self._try():
+                renewed = self._clock()
+            elif self.holder and self.holder != self.me:
+                log.error("lost lease %s/%s to %s", self.namespace, self.name, self.holder)
+                return
+            elif self._clock() - renewed > self.renew_deadline:
+                log.error(
+                    "lost lease %s/%s: not renewed for %.0fs",
+                    self.namespace,
+                    self.name,
+                    self.renew_deadline,
+                )
+                return
+
+    def release(self) -> None:
+        """Give the Lease up (a clean stop): a standby takes over at its next try."""
+        try:
+            lease = self.kube.get_lease(self.namespace, self.name)
+            if lease is None or Record.of(lease).holder != self.me:
+                return
+            record = Record.of(lease)
+            spec = {
+                "holderIdentity": None,
+                "leaseDurationSeconds": 1,
+                "acquireTime": record.acquire_time,
+                "renewTime": micro_time(self._wall()),
+                "leaseTransitions": record.transitions,
+            }
+            if self.kube.replace_lease(self.namespace, self.name, spec, record.resource_version):
+                log.info("released lease %s/%s", self.namespace, self.name)
+        except Exception as exc:  # it expires on its own
+            log.warning("lease %s/%s not released: %s", self.namespace, self.name, exc)

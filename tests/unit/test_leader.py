@@ -1,0 +1,219 @@
+"""Leader election's rules (operator/leader.py) on an in-memory Lease store that
+behaves as the API server does: replace needs the current resourceVersion."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvferry_operator import leader
+
+
+class Leases:
+    """One Lease, optimistic concurrency as the API server applies it."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] | None = None
+        self.version = 0
+        self.down = False
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.down:
+            raise OSError("connection refused")
+        return None if self.obj is None else {**self.obj, "spec": dict(self.obj["spec"])}
+
+    def _store(self, spec: dict[str, Any]) -> None:
+        self.version += 1
+        self.obj = {"metadata": {"resourceVersion": str(self.version)}, "spec": dict(spec)}
+
+    def create_lease(self, namespace: str, name: str, spec: dict[str, Any]) -> bool:
+        if self.down:
+            raise OSError("connection refused")
+        if self.obj is not None:
+            return False  # 409
+        self._store(spec)
+        return True
+
+    def replace_lease(self, namespace: str, name: str, spec: dict[str, Any], rv: str) -> bool:
+        if self.down:
+            raise OSError("connection refused")
+        if self.obj is None or self.obj["metadata"]["resourceVersion"] != rv:
+            return False  # 409
+        self._store(spec)
+        return True
+
+    @property
+    def holder(self) -> str:
+        return (self.obj or {}).get("spec", {}).get("holderIdentity") or ""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def elector(leases: Leases, me: str, clock: Clock) -> leader.Elector:
+    return leader.Elector(leases, "ops", "kvferry", me, 15, 10, 2, clock=clock, wall=clock)
+
+
+def test_decide():
+    rec = leader.Record("a", 15, None, 0, "1")
+    assert leader.decide(None, "b", False) == leader.TAKE
+    assert leader.decide(leader.Record("", 15, None, 0, "1"), "b", False) == leader.TAKE
+    assert leader.decide(rec, "b", False) == leader.WAIT
+    assert leader.decide(rec, "b", True) == leader.TAKE
+    assert leader.decide(rec, "a", False) == leader.RENEW
+
+
+def test_first_candidate_creates_the_lease_and_the_second_waits():
+    leases, clock = Leases(), Clock()
+    a, b = elector(leases, "a", clock), elector(leases, "b", clock)
+    assert a.try_once() and leases.holder == "a"
+    assert not b.try_once()
+    assert leases.obj["spec"]["leaseTransitions"] == 0
+    assert leases.obj["spec"]["renewTime"].endswith("Z")
+
+
+def test_a_live_holder_is_never_displaced_and_a_silent_one_is_after_the_lease():
+    leases, clock = Leases(), Clock()
+    a, b = elector(leases, "a", clock), elector(leases, "b", clock)
+    assert a.try_once()
+    for _ in range(20):  # a renews every 2 s: b sees the record change, never expiry
+        clock.t += 2
+        assert a.try_once()
+        assert not b.try_once()
+    assert leases.holder == "a"
+    # a dies: b's own clock runs from the last change it saw.
+    clock.t += 14
+    assert not b.try_once()  # 14 s without a change: not yet expired
+    clock.t += 2
+    assert b.try_once()  # 16 s > 15 s
+    assert leases.holder == "b" and leases.obj["spec"]["leaseTransitions"] == 1
+    clock.t += 1
+    assert not a.try_once()  # a, back, finds b's live Lease and waits
+
+
+def test_expiry_is_judged_by_the_candidates_clock_not_the_records_time():
+    """A record whose renewTime is long past (the writer's clock is behind) is not
+    expired for a candidate that has just seen it change."""
+    leases, clock = Leases(), Clock()
+    a = elector(leases, "a", clock)
+    leases._store(
+        {
+            "holderIdentity": "x",
+            "leaseDurationSeconds": 15,
+            "renewTime": "2001-01-01T00:00:00.000000Z",
+        }
+    )
+    assert not a.try_once()
+    clock.t += 15
+    assert not a.try_once()
+    clock.t += 0.5
+    assert a.try_once()
+
+
+def test_two_candidates_racing_for_an_expired_lease_one_wins():
+    leases, clock = Leases(), Clock()
+    a, b = elector(leases, "a", clock), elector(leases, "b", clock)
+    leases._store({"holderIdentity": "x", "leaseDurationSeconds": 15})
+    assert not a.try_once() and not b.try_once()
+    clock.t += 16
+    # b reads the same version as a, a writes first: b's replace is a conflict.
+    stale = leases.get_lease("ops", "kvferry")
+    assert a.try_once()
+    rec = leader.Record.of(stale)
+    spec = leader.spec_for(rec, "b", 15, clock.t, leader.TAKE)
+    assert not leases.replace_lease("ops", "kvferry", spec, rec.resource_version)
+    assert not b.try_once() and leases.holder == "a"
+
+
+def test_release_lets_a_standby_take_over_at_its_next_try():
+    leases, clock = Leases(), Clock()
+    a, b = elector(leases, "a", clock), elector(leases, "b", clock)
+    assert a.try_once() and not b.try_once()
+    a.release()
+    assert leases.holder == ""
+    assert b.try_once() and leases.holder == "b"
+    b.release()
+    a.release()  # not the holder: nothing written
+    assert leases.holder == ""
+
+
+def test_api_trouble_is_no_leadership_and_raises_nothing():
+    leases, clock = Leases(), Clock()
+    a = elector(leases, "a", clock)
+    leases.down = True
+    assert not a.try_once()
+    a.release()
+
+
+@pytest.mark.parametrize("timings", [(2, 10, 10), (0, 1, 2), (5, 3, 15)])
+def test_timings_must_let_the_holder_give_up_before_a_standby_takes_over(timings):
+    with pytest.raises(ValueError, match="KVFERRY_LEADER_RENEW_SECONDS"):
+        leader.check_timings(*timings)
+
+
+async def test_hold_returns_when_renewals_fail_past_the_deadline_and_when_displaced():
+    leases = Leases()
+    a = leader.Elector(leases, "ops", "kvferry", "a", 3, 2, 0.05)
+    await a.acquire()
+    leases.down = True
+    await asyncio.wait_for(a.hold(), 10)  # returned: not renewed for 2 s
+    leases.down = False
+    b = leader.Elector(leases, "ops", "kvferry", "b", 3, 2, 0.05)
+    await asyncio.wait_for(b.acquire(), 10)  # a's record stopped changing: b takes it
+    assert leases.holder == "b"
+    holding = asyncio.ensure_future(b.hold())
+    await asyncio.sleep(0.2)
+    assert not holding.done()
+    # Someone else writes the Lease (b's clock was wrong, an admin): b stops at once.
+    leases._store({"holderIdentity": "c", "leaseDurationSeconds": 15})
+    await asyncio.wait_for(holding, 5)
+
+
+def test_identity_differs_per_process():
+    assert leader.identity("op-0") != leader.identity("op-0")
+    assert leader.identity("op-0").startswith("op-0_")
+
+
+def test_micro_time_is_rfc3339_with_microseconds():
+    assert leader.micro_time(0) == "1970-01-01T00:00:00.000000Z"
+
+
+async def test_the_standby_is_alive_not_ready_refuses_reports_and_says_so_in_metrics(
+    aiohttp_client: Any,
+):
+    from kvferry_operator import standby
+    from kvferry_wire.protocol import HDR_OPERATOR_STANDBY, REPORT_PATH
+
+    client = await aiohttp_client(standby.app_factory())
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/readyz")).status == 503
+    resp = await client.post(REPORT_PATH, data=b"{}")
+    assert resp.status == 503 and resp.headers[HDR_OPERATOR_STANDBY] == "1"
+    assert resp.headers["Retry-After"] == "1"
+    metrics = await aiohttp_client(standby.metrics_app_factory())
+    text = await (await metrics.get("/metrics")).text()
+    assert "kvferry_operator_leader 0.0" in text
+
+
+def test_leader_elect_without_the_lease_namespace_is_refused_naming_it(monkeypatch, caplog):
+    from kvferry_operator import main
+
+    monkeypatch.delenv("KVFERRY_LEADER_ELECTION_NAMESPACE", raising=False)
+    assert main.run([], standalone=True, leader_elect=True) == 2
+    assert "KVFERRY_LEADER_ELECTION_NAMESPACE" in caplog.text
+
+
+def test_leader_timings_that_overlap_are_refused_at_start(monkeypatch, caplog):
+    from kvferry_operator import main
+
+    monkeypatch.setenv("KVFERRY_LEADER_ELECTION_NAMESPACE", "ops")
+    monkeypatch.setenv("KVFERRY_LEADER_RENEW_SECONDS", "20")
+    assert main.run([], standalone=True, leader_elect=True) == 2
+    assert "KVFERRY_LEADER_LEASE_SECONDS" in caplog.text
