@@ -22,6 +22,8 @@ from pathlib import Path
 
 import aiohttp
 
+from kvferry_wire.protocol import HDR_OPERATOR_STANDBY
+
 log = logging.getLogger(__name__)
 
 PUSH_TIMEOUT_S = 10.0
@@ -58,6 +60,7 @@ class Pusher:
         self._ca_mtime: float | None = None
         self.failures = 0
         self.successes = 0
+        self.standby_refusals = 0
 
     def token(self) -> str | None:
         """The current token, read fresh; None when no token file is configured."""
@@ -86,7 +89,20 @@ class Pusher:
         return self._ssl
 
     async def push_once(self, session: aiohttp.ClientSession) -> bool:
-        """One push; True when the operator accepted it. Never raises (but cancels)."""
+        """One push; True when the operator accepted it. Never raises (but cancels).
+        A standby replica's refusal is sent again once, at once: it closed the
+        connection, and the Service balances the new one to the leader."""
+        for _ in range(2):
+            standby = await self._push(session)
+            if standby is None:
+                return True
+            if not standby:
+                return False
+        self._failed("two operator standbys in a row answered 503; the next push retries")
+        return False
+
+    async def _push(self, session: aiohttp.ClientSession) -> bool | None:
+        """None when accepted; else whether a standby refused it."""
         try:
             headers = {"Content-Type": "application/json"}
             token = self.token()
@@ -99,6 +115,9 @@ class Pusher:
                 ssl=self.ssl_context(),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
+                if resp.status == 503 and resp.headers.get(HDR_OPERATOR_STANDBY):
+                    self.standby_refusals += 1
+                    return True
                 if resp.status >= 300:
                     detail = (await resp.read())[:300].decode("utf-8", "replace")
                     raise PushError(f"operator answered {resp.status}: {detail}")
@@ -114,7 +133,7 @@ class Pusher:
         self.successes += 1
         if self._on_result:
             self._on_result(True)
-        return True
+        return None
 
     def _failed(self, why: str, *, logged: bool = False) -> None:
         self.failures += 1

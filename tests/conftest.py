@@ -24,5 +24,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()
     op = getattr(item, "funcargs", {}).get("operator")
-    if report.when == "call" and report.failed and op is not None:
+    if report.when == "call" and report.failed and hasattr(op, "log"):
         report.sections.append(("operator log (last 6000 chars)", op.log()[-6000:]))

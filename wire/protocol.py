@@ -43,6 +43,10 @@ HANDLE_EXPIRY_MARGIN_SECONDS: Final = 15
 # ------------------------------------------------------------------ the report endpoint
 
 REPORT_PATH: Final = "/v1/reports"
+# On a 503 from an operator replica that does not hold the leader Lease: the sidecar
+# sends the report again at once, on a new connection (the standby closed this one),
+# which the Service balances to the leader.
+HDR_OPERATOR_STANDBY: Final = "X-Kvferry-Standby"
 # The sidecar's drain, on its internal port: the engine container's preStop hook GETs
 # it and the kubelet stops the engine once it answers (kvferry_sidecar.drain).
 DRAIN_PATH: Final = "/drain"

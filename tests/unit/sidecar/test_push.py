@@ -207,3 +207,41 @@ async def test_pushed_body_is_the_encoded_report(operator: tuple[FakeOperator, s
     async with aiohttp.ClientSession() as session:
         await p.push_once(session)
     assert report.decode(op.bodies[0]) == snap
+
+
+async def test_a_standby_refusal_is_sent_again_to_the_leader_behind_a_balancer(
+    operator: tuple[FakeOperator, str], aiohttp_server: Any
+) -> None:
+    """Two operator replicas behind a round-robin balancer: the standby (its real
+    app) refuses and closes; the push goes again at once and the leader takes it."""
+    from kvferry_operator import standby
+    from tests.roundrobin import RoundRobin
+
+    leader, url = operator
+    standby_server = await aiohttp_server(standby.app_factory())
+    leader_port = int(url.split(":")[2].split("/")[0])
+    balancer = RoundRobin([("127.0.0.1", standby_server.port), ("127.0.0.1", leader_port)])
+    port = await balancer.start()
+    try:
+        p = pusher(f"http://127.0.0.1:{port}/v1/reports")
+        async with aiohttp.ClientSession() as session:
+            assert await p.push_once(session)
+            assert await p.push_once(session)
+        assert (len(leader.bodies), p.standby_refusals, p.failures) == (2, 1, 0)
+        # The standby's answer closed its connection, so the retry was a new one (to
+        # the leader), and the leader's was kept alive for the next push.
+        assert balancer.connections == [1, 1]
+    finally:
+        await balancer.close()
+
+
+async def test_two_standby_refusals_in_a_row_count_as_one_failed_push(
+    aiohttp_server: Any,
+) -> None:
+    from kvferry_operator import standby
+
+    server = await aiohttp_server(standby.app_factory())
+    p = pusher(str(server.make_url("/v1/reports")))
+    async with aiohttp.ClientSession() as session:
+        assert not await p.push_once(session)
+    assert (p.standby_refusals, p.failures, p.successes) == (2, 1, 0)
