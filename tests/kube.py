@@ -275,6 +275,7 @@ class Operator:
         # The CA the rendered ConfigMaps carry (the self-signed certificate is its own).
         self.ca: Path | None = None
         self.extra_env: dict[str, str] = {}
+        self.args: list[str] = []  # after `run --standalone` (--leader-elect, say)
         self.report_port = free_port()
         self.report_url = f"https://127.0.0.1:{self.report_port}/v1/reports"
         self.metrics_port = free_port()
@@ -301,7 +302,7 @@ class Operator:
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            [*self.command, "run", "--standalone"],
+            [*self.command, "run", "--standalone", *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
