@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import inspect
 import json
+import math
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,7 +439,7 @@ def test_every_value_is_used_by_a_template():
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["replicas=2"], "/replicas"),
+        (["replicas=0"], "/replicas"),
         (["nope=1"], "additional properties 'nope' not allowed"),
         (["image.tagg=x"], "additional properties 'tagg' not allowed"),
         (["watchNamespaces={Bad_NS}"], "/watchNamespaces/0"),
@@ -449,7 +450,7 @@ def test_every_value_is_used_by_a_template():
         (["settings.podTemplateAllow={hostPath}"], "/settings/podTemplateAllow/0"),
     ],
     ids=[
-        "replicas-not-1",
+        "replicas-0",
         "unknown-top-key",
         "typo-nested",
         "bad-namespace",
@@ -514,10 +515,20 @@ def test_deploy_manifest_is_current():
 # ------------------------------------------------------------------ the Deployment
 
 
+def _scaled(value: int | str, replicas: int, round_up: bool) -> int:
+    """A rollingUpdate bound as the Deployment controller reads it (intstr: a percentage
+    of the replicas, maxSurge rounded up, maxUnavailable down)."""
+    if isinstance(value, int):
+        return value
+    share = int(value.removesuffix("%")) * replicas / 100
+    return math.ceil(share) if round_up else math.floor(share)
+
+
 class TestOperatorDeployment:
-    def test_runs_standalone_and_leader_elected_clusterwide(self):
-        # One replica elects itself too: no kopf peering, ever.
-        c = operator_container(template())
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    def test_runs_standalone_and_leader_elected_clusterwide_with_any_replicas(self, replicas):
+        # One replica elects itself too: a rollout runs the old and the new pod at once.
+        c = operator_container(template(f"replicas={replicas}"))
         assert c["command"] == ["kvferry-operator"]
         assert c["args"] == ["run", "--standalone", "--leader-elect"]
 
@@ -531,10 +542,69 @@ class TestOperatorDeployment:
             "--namespace=team-b",
         ]
 
-    def test_never_two_replicas_at_once(self):
-        dep = one(template(), "Deployment")
-        assert dep["spec"]["replicas"] == 1
-        assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    def test_two_replicas_by_default_one_on_request(self):
+        assert one(template(), "Deployment")["spec"]["replicas"] == 2
+        assert one(template("replicas=1"), "Deployment")["spec"]["replicas"] == 1
+        assert one(template("replicas=3"), "Deployment")["spec"]["replicas"] == 3
+
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    def test_a_rollout_never_waits_for_a_standby_to_be_ready(self, replicas: int):
+        """Only the leader is Ready, and a new pod is a standby for as long as an old
+        leader runs. A rollout that keeps replicas - maxUnavailable pods available
+        before it stops an old one would wait for the new pods for good: so none may be
+        required. New pods start beside the old ones (maxSurge), the Lease keeps them
+        from working at once."""
+        dep = one(template(f"replicas={replicas}"), "Deployment")
+        strategy = dep["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate"
+        bounds = strategy["rollingUpdate"]
+        surge = _scaled(bounds["maxSurge"], replicas, round_up=True)
+        unavailable = _scaled(bounds["maxUnavailable"], replicas, round_up=False)
+        assert replicas - unavailable <= 0, bounds
+        assert surge >= 1, bounds
+
+    @pytest.mark.parametrize("sets", [[], ["replicas=1"], ["replicas=3"], ALL_OPTIONS])
+    def test_no_disruption_budget_covers_the_operator(self, sets: list[str]):
+        """A budget counts Ready pods as healthy, and only the leader is: with one, the
+        leader could never be evicted (2 pods, maxUnavailable 1: 1 healthy, 1 desired, 0
+        disruptions allowed), and the drain of its node would hang. The standby it
+        would protect takes over on its own."""
+        objs = template(*sets)
+        pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+        assert not [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        ]
+
+    def test_replicas_prefer_different_nodes_unless_affinity_is_set(self):
+        objs = template()
+        pod = one(objs, "Deployment")["spec"]["template"]
+        (term,) = pod["spec"]["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        # The operator's pods, and the same ones the Deployment owns.
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        assert selector == one(objs, "Deployment")["spec"]["selector"]["matchLabels"]
+        assert pod["spec"]["affinity"].keys() == {"podAntiAffinity"}
+        mine = "affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"
+        objs = template(
+            f"{mine}.weight=1",
+            f"{mine}.preference.matchExpressions[0].key=pool",
+            f"{mine}.preference.matchExpressions[0].operator=Exists",
+        )
+        affinity = one(objs, "Deployment")["spec"]["template"]["spec"]["affinity"]
+        assert affinity == {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 1,
+                        "preference": {"matchExpressions": [{"key": "pool", "operator": "Exists"}]},
+                    }
+                ]
+            }
+        }
 
     def test_leader_election_env_names_the_lease_and_the_pod(self):
         for sets, name in (([], RELEASE), (["fullnameOverride=ferry"], "ferry")):
@@ -597,8 +667,14 @@ class TestOperatorDeployment:
 
     def test_probes_hit_the_report_endpoint_health_over_https(self):
         c = operator_container(template())
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/healthz", "port": "reports", "scheme": "HTTPS"}
+        # Alive: leader and standby. Ready: the Lease's holder alone, so that the
+        # Service sends reports to it (a standby answers them 503).
+        for probe, path in (
+            ("startupProbe", "/healthz"),
+            ("readinessProbe", "/readyz"),
+            ("livenessProbe", "/healthz"),
+        ):
+            assert c[probe]["httpGet"] == {"path": path, "port": "reports", "scheme": "HTTPS"}
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
     def test_report_service_forwards_8443_to_the_container(self):
