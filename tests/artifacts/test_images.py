@@ -158,7 +158,10 @@ def test_operator_image_run_as_the_chart_runs_it_makes_a_server_ready(
             return secret_files(chart_install.secret)
         return None
 
-    c = from_pod_spec(pod_spec, container, tmp_path / "pod", files, {})
+    pod_name = f"kvferry-operator-{uuid.uuid4().hex[:6]}"
+    # The downward API, as the kubelet fills it in: the Lease's namespace and holder.
+    fields = {"metadata.namespace": chart_install.namespace, "metadata.name": pod_name}
+    c = from_pod_spec(pod_spec, container, tmp_path / "pod", files, fields)
     # What the kubelet adds: the ServiceAccount token and the API server's address.
     sa_dir = tmp_path / "pod" / "serviceaccount"
     sa_dir.mkdir()
@@ -178,7 +181,7 @@ def test_operator_image_run_as_the_chart_runs_it_makes_a_server_ready(
     assert c.user == 65532 and c.read_only_root and c.cap_drop == ["ALL"], c
     assert c.scratch == ["/tmp"], c.scratch
 
-    name = f"kvferry-operator-{uuid.uuid4().hex[:6]}"
+    name = pod_name
     log_path = tmp_path / "operator-image.log"
     # The tier's operator (this tree) must not do the work.
     operator.stop()

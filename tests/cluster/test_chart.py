@@ -1,6 +1,8 @@
 """The Helm chart on the real control plane: server-side dry runs, install, a no-op
-upgrade, and the operator running as the chart's ServiceAccount (its RBAC suffices
-for a server to become Ready and for reports to land, and it is not cluster-admin)."""
+upgrade, the operator running as the chart's ServiceAccount (its RBAC suffices
+for a server to become Ready and for reports to land, and it is not cluster-admin),
+and the Deployment's two replicas under the real Deployment and disruption
+controllers when only the leader is Ready."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import re
 import socket
 import ssl
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +164,15 @@ def test_chart_service_account_is_not_cluster_admin(sa_kubeconfig: Path, release
     assert can("get", "secrets", "-n", release) == "no"
     assert can("delete", "statefulsets", "-n", "default") == "no"
     assert can("create", "pods", "-n", "default") == "no"
+    # Leader election: its own Lease, in the release namespace, and no other.
+    lease = "leases.coordination.k8s.io"
+    assert can("create", lease, "-n", release) == "yes"
+    for verb in ("get", "update"):
+        assert can(verb, f"{lease}/{RELEASE}", "-n", release) == "yes"
+        assert can(verb, f"{lease}/someone-else", "-n", release) == "no"
+        assert can(verb, f"{lease}/{RELEASE}", "-n", "default") == "no"
+    assert can("create", lease, "-n", "default") == "no"
+    assert can("delete", f"{lease}/{RELEASE}", "-n", release) == "no"
     # Real requests, refused by the API server.
     for args in (
         ("get", "secrets", "-n", release),
@@ -248,3 +260,82 @@ def test_operator_as_chart_service_account_makes_a_server_ready(
             sa_op.stop()
     finally:
         operator.start()
+
+
+def _standby(kubectl: Kubectl, namespace: str, pod: str) -> None:
+    """The pod as a standby looks to the controllers: running, not Ready (its /readyz
+    answers 503). kwok runs no probes: it makes a pod Ready once and leaves it so."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    conditions = [
+        {"type": kind, "status": "False", "lastTransitionTime": now}
+        for kind in ("Ready", "ContainersReady")
+    ]
+    kubectl.run(
+        *("patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=strategic"),
+        *("-p", json.dumps({"status": {"conditions": conditions}})),
+    )
+
+
+def test_with_only_the_leader_ready_it_can_be_evicted_and_a_rollout_stops_it(
+    kubectl: Kubectl, kubeconfig: Path
+):
+    """Only the Lease's holder is Ready. A disruption budget would count the standby
+    as unhealthy and refuse the leader's eviction for good (the drain of its node
+    would hang); a rollout that waited for new pods to be Ready would never stop the
+    old leader, whose Lease keeps every new pod a standby."""
+    name = "ha"  # a release of its own: its cluster-wide objects are ha-kvferry-*
+    namespace = f"kvferry-ha-{uuid.uuid4().hex[:6]}"
+    selector = f"app.kubernetes.io/instance={name}"
+
+    def pods() -> list[dict[str, Any]]:
+        return kubectl.json("get", "pods", "-n", namespace, "-l", selector)["items"]
+
+    try:
+        helm_on(
+            kubeconfig,
+            *("install", name, str(CHART), "-n", namespace, "--create-namespace"),
+            *("--wait", "--timeout", "90s"),
+        )
+        leader, standby = sorted(p["metadata"]["name"] for p in pods())
+        _standby(kubectl, namespace, standby)
+        wait_until(
+            lambda: (
+                kubectl.get("deployment", f"{name}-kvferry", namespace)["status"].get(
+                    "readyReplicas"
+                )
+                == 1
+            ),
+            30,
+            "the Deployment sees one Ready pod, the leader",
+        )
+        # A drain may evict the leader: the API server's dry run, budgets applied.
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": leader, "namespace": namespace},
+            "deleteOptions": {"dryRun": ["All"]},
+        }
+        proc = kubectl.run(
+            *("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{leader}/eviction"),
+            *("-f", "-"),
+            input=json.dumps(eviction),
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        # An upgrade whose new pods are not Ready either: standbys, while the old leader
+        # holds the Lease (here they cannot be scheduled, which the Deployment
+        # controller counts the same way). It must stop the old leader all the same.
+        helm_on(
+            kubeconfig,
+            *("upgrade", name, str(CHART), "-n", namespace, "--reuse-values"),
+            *("--set-string", "nodeSelector.kvferry-test/nowhere=true"),
+        )
+
+        def leader_stopping() -> bool:
+            found = [p for p in pods() if p["metadata"]["name"] == leader]
+            return not found or "deletionTimestamp" in found[0]["metadata"]
+
+        wait_until(leader_stopping, 60, "the rollout stopping the old leader")
+    finally:
+        helm_on(kubeconfig, "uninstall", name, "-n", namespace, "--wait", check=False)
+        kubectl.run("delete", "namespace", namespace, "--wait=false", check=False)

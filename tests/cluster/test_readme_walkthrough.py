@@ -164,7 +164,14 @@ class OperatorPod(threading.Thread):
         self.image = container["image"]
         mounts = self.files(pod, container)
         sa = self.service_account(pod["serviceAccountName"])
-        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+        # The downward API as the kubelet fills it in (the Lease's namespace and holder).
+        fields = {"metadata.namespace": "kvferry-system", "metadata.name": "kvferry-walkthrough"}
+        env = {
+            e["name"]: e["value"]
+            if "value" in e
+            else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            for e in container.get("env", [])
+        }
         # Ports a pod would have to itself: free ones here.
         env["KVFERRY_REPORT_PORT"] = str(free_port())
         env["KVFERRY_METRICS_PORT"] = str(free_port())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import inspect
 import json
+import math
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ from tests.helm import (
 from tests.manifests import EXAMPLES, ROOT, load_example
 
 K8S_VERSION = "1.37.0"
+# The namespaces of the chart's namespaced mode, wherever a test renders it.
+WATCHED = ("team-a", "team-b")
 # Every optional part on (ServiceMonitor is a CRD kind: not in the built-in schemas).
 ALL_OPTIONS = [
     "watchNamespaces={team-a,team-b}",
@@ -54,6 +57,9 @@ ALL_OPTIONS = [
 # ------------------------------------------------------------------ RBAC table
 
 
+ANY = "*"  # a grant's namespace or object name when RBAC does not restrict it
+
+
 @dataclass(frozen=True)
 class Call:
     site: str  # where the code makes the call
@@ -61,6 +67,11 @@ class Call:
     resource: str  # plural, or plural/subresource
     verbs: tuple[str, ...]
     restricted_only: bool = False  # only when the operator watches a namespace list
+    # Where it is made: "served", the namespaces the operator serves (all of them when it
+    # watches the cluster); "cluster", cluster-wide (cluster-scoped resources); "release",
+    # the release namespace alone.
+    where: str = "served"
+    name: str = ANY  # the one object it is made on, where RBAC can hold it to that name
 
 
 # Kind -> (API group, plural) for the objects the operator applies.
@@ -95,7 +106,8 @@ CALLS = [
     Call("kopf watch: handlers.rolescalers/child-rolescalers", "kvferry.io", "rolescalers",
          ("list", "watch")),
     # Cluster-scoped: status says when pods sit on a node that is gone or not Ready.
-    Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch")),
+    Call("kopf watch: handlers.nodes/node_changed", "", "nodes", ("list", "watch"),
+         where="cluster"),
     # Kube.apply (handlers.apply_children): every rendered child.
     Call("Kube.apply StatefulSet", "apps", "statefulsets", ("create", "patch")),
     Call("Kube.apply Service", "", "services", ("create", "patch")),
@@ -142,13 +154,15 @@ CALLS = [
     Call("Kube.list_metadata NetworkPolicy", "networking.k8s.io", "networkpolicies", ("list",)),
     Call("Kube.list_metadata KVCacheStatus", "kvferry.io", "kvcachestatuses", ("list",)),
     # Kube.review_token / Kube.get_pod (endpoint: authenticating a report).
-    Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",)),
+    Call("Kube.review_token", "authentication.k8s.io", "tokenreviews", ("create",),
+         where="cluster"),
     Call("Kube.get_pod", "", "pods", ("get",)),
     # The prerequisite probe (probe.PrerequisiteProbe, from handlers.refresh_status):
     # nodes' GPU/RDMA resources, the namespace's Pod Security label, Multus networks.
-    Call("Kube.list_nodes", "", "nodes", ("list",)),
-    Call("Kube.get_namespace", "", "namespaces", ("get",)),
-    Call("Kube.crd_exists", "apiextensions.k8s.io", "customresourcedefinitions", ("get",)),
+    Call("Kube.list_nodes", "", "nodes", ("list",), where="cluster"),
+    Call("Kube.get_namespace", "", "namespaces", ("get",), where="cluster"),
+    Call("Kube.crd_exists", "apiextensions.k8s.io", "customresourcedefinitions", ("get",),
+         where="cluster"),
     Call("Kube.get_network_attachment_definition", "k8s.cni.cncf.io",
          "network-attachment-definitions", ("get",)),
     # Kube.get StatefulSet (endpoint: is the reporting pod a member of our StatefulSet).
@@ -159,23 +173,42 @@ CALLS = [
     # kopf's observation (kopf/_core/reactor/observation.py): CRD changes always,
     # namespace changes only when restricted to namespaces. Peering: none (--standalone).
     Call("kopf resource_observer", "apiextensions.k8s.io", "customresourcedefinitions",
-         ("list", "watch")),
-    Call("kopf namespace_observer", "", "namespaces", ("list", "watch"), restricted_only=True),
+         ("list", "watch"), where="cluster"),
+    Call("kopf namespace_observer", "", "namespaces", ("list", "watch"), restricted_only=True,
+         where="cluster"),
+    # Leader election (--leader-elect): the Lease KVFERRY_LEADER_ELECTION_ID, the chart's
+    # fullname (RELEASE for this release name), in the pod's namespace. A create cannot be
+    # held to a name: the API server authorizes it before the object has one.
+    Call("Kube.get_lease", "coordination.k8s.io", "leases", ("get",), where="release",
+         name=RELEASE),
+    Call("Kube.create_lease", "coordination.k8s.io", "leases", ("create",), where="release"),
+    Call("Kube.replace_lease", "coordination.k8s.io", "leases", ("update",), where="release",
+         name=RELEASE),
 ]  # fmt: skip
 
-Grant = tuple[str, str, str]  # (group, resource, verb)
+Verb = tuple[str, str, str]  # (group, resource, verb)
+# (group, resource, verb, namespace or ANY, object name or ANY): a verb, and where and on
+# what RBAC allows it.
+Grant = tuple[str, str, str, str, str]
 
 
 def needed(restricted: bool) -> set[Grant]:
-    return {
-        (c.group, c.resource, v)
-        for c in CALLS
-        if restricted or not c.restricted_only
-        for v in c.verbs
-    }
+    """What the calls need, and where: the served namespaces are WATCHED when restricted."""
+    out: set[Grant] = set()
+    for c in CALLS:
+        if c.restricted_only and not restricted:
+            continue
+        if c.where == "release":
+            places: tuple[str, ...] = (NAMESPACE,)
+        elif c.where == "served" and restricted:
+            places = WATCHED
+        else:
+            places = (ANY,)
+        out |= {(c.group, c.resource, v, p, c.name) for v in c.verbs for p in places}
+    return out
 
 
-def grants(rules: list[dict[str, Any]]) -> set[Grant]:
+def grants(rules: list[dict[str, Any]]) -> set[Verb]:
     return {
         (g, r, v)
         for rule in rules
@@ -185,18 +218,43 @@ def grants(rules: list[dict[str, Any]]) -> set[Grant]:
     }
 
 
-def granted(objs: list[dict[str, Any]]) -> set[Grant]:
-    """What the chart's ServiceAccount may do (the union over its bindings)."""
-    roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ClusterRole"}
+def verbs_of(table: set[Grant]) -> set[Verb]:
+    """The verbs alone, wherever they are allowed."""
+    return {g[:3] for g in table}
+
+
+def granted(
+    objs: list[dict[str, Any]], *, sa: str = RELEASE, namespace: str = NAMESPACE
+) -> set[Grant]:
+    """What the chart's ServiceAccount may do, and where (the union over its bindings): a
+    ClusterRoleBinding everywhere, a RoleBinding in its own namespace; a rule with
+    resourceNames on those objects alone."""
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+        for o in objs
+        if o["kind"] in ("ClusterRole", "Role")
+    }
     out: set[Grant] = set()
     for b in objs:
         if b["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
             continue
-        assert b["subjects"] == [
-            {"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}
-        ]
-        out |= grants(roles[b["roleRef"]["name"]]["rules"])
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]
+        where = b["metadata"]["namespace"] if b["kind"] == "RoleBinding" else ANY
+        ref = b["roleRef"]
+        # A Role is found in the binding's namespace; a ClusterRole has none.
+        role = roles[(ref["kind"], where if ref["kind"] == "Role" else None, ref["name"])]
+        for rule in role["rules"]:
+            out |= {
+                (*verb, where, name)
+                for verb in grants([rule])
+                for name in rule.get("resourceNames", [ANY])
+            }
     return out
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """Name -> value, or the valueFrom of a variable the kubelet fills in."""
+    return {e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container["env"]}
 
 
 def kopf_resources() -> dict[tuple[str, str], set[str]]:
@@ -213,7 +271,7 @@ def kopf_resources() -> dict[tuple[str, str], set[str]]:
 class TestRbacMatchesTheCode:
     def test_kopf_registrations_are_in_the_table(self):
         assert handlers.SERVER  # the registrations happen on import
-        table = needed(restricted=False)
+        table = verbs_of(needed(restricted=False))
         for (group, plural), kinds in kopf_resources().items():
             assert {(group, plural, "list"), (group, plural, "watch")} <= table, plural
             # Change handlers, timers and daemons make kopf write finalizers and
@@ -223,7 +281,7 @@ class TestRbacMatchesTheCode:
 
     @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
     def test_every_rendered_child_kind_can_be_applied(self, path: Path):
-        table = needed(restricted=False)
+        table = verbs_of(needed(restricted=False))
         for child in render.render(api.parse_server(load_example(path))):
             assert child["kind"] in KINDS, f"add {child['kind']} to KINDS and CALLS"
             group, plural = KINDS[child["kind"]]
@@ -245,10 +303,39 @@ class TestRbacMatchesTheCode:
 
     @pytest.mark.parametrize("restricted", [False, True], ids=["clusterwide", "namespaces"])
     def test_chart_grants_exactly_what_the_code_calls(self, restricted: bool):
-        objs = template(*(["watchNamespaces={team-a,team-b}"] if restricted else []))
+        objs = template(*([f"watchNamespaces={{{','.join(WATCHED)}}}"] if restricted else []))
         have, want = granted(objs), needed(restricted)
         assert want - have == set(), "missing: the operator would be forbidden"
-        assert have - want == set(), "granted but never used: remove it"
+        assert have - want == set(), "granted but never used (or too widely): remove it"
+
+    @pytest.mark.parametrize(
+        "sets, namespace, name",
+        [
+            ([], NAMESPACE, RELEASE),
+            ([f"watchNamespaces={{{','.join(WATCHED)}}}"], NAMESPACE, RELEASE),
+            (["fullnameOverride=ferry"], "ops", "ferry"),
+        ],
+        ids=["clusterwide", "namespaces", "other-name-and-namespace"],
+    )
+    def test_the_lease_is_granted_by_name_in_the_release_namespace_alone(
+        self, sets: list[str], namespace: str, name: str
+    ):
+        objs = template(*sets, namespace=namespace)
+        lease = ("coordination.k8s.io", "leases")
+        have = {g for g in granted(objs, sa=name, namespace=namespace) if g[:2] == lease}
+        assert have == {
+            (*lease, "create", namespace, ANY),
+            (*lease, "get", namespace, name),
+            (*lease, "update", namespace, name),
+        }
+        # ... the Lease the operator is told to hold: that name, in its pod's namespace,
+        # which is the release's.
+        env = env_of(operator_container(objs))
+        assert env["KVFERRY_LEADER_ELECTION_ID"] == name
+        assert env["KVFERRY_LEADER_ELECTION_NAMESPACE"] == {
+            "fieldRef": {"fieldPath": "metadata.namespace"}
+        }
+        assert one(objs, "Deployment")["metadata"]["namespace"] == namespace
 
     def test_namespace_editors_may_scale_rolescalers_and_nothing_more(self):
         # `kubectl scale rolescaler` by a namespace's edit/admin users; the HPA
@@ -271,7 +358,9 @@ class TestRbacMatchesTheCode:
 
     def test_namespaced_mode_binds_only_the_listed_namespaces(self):
         objs = template("watchNamespaces={team-a,team-b}")
-        workload = [o for o in objs if o["kind"] == "RoleBinding"]
+        workload = [
+            o for o in objs if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == RELEASE
+        ]
         assert sorted(o["metadata"]["namespace"] for o in workload) == ["team-a", "team-b"]
         crbs = [o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"]
         assert crbs == [f"{RELEASE}-cluster"]
@@ -288,7 +377,20 @@ class TestRbacMatchesTheCode:
         objs = template()
         role = one(objs, "ClusterRole", RELEASE)
         role["rules"] = [r for r in role["rules"] if r["resources"] != ["pods"]]
-        assert ("", "pods", "get") in needed(False) - granted(objs)
+        assert ("", "pods", "get", ANY, ANY) in needed(False) - granted(objs)
+
+    def test_the_check_catches_a_lease_grant_for_any_name_or_namespace(self):
+        # ... and a grant wider than the call: every Lease, or the Lease elsewhere.
+        objs = template()
+        role = one(objs, "Role", f"{RELEASE}-leader-election")
+        for rule in role["rules"]:
+            rule.pop("resourceNames", None)
+        lease = ("coordination.k8s.io", "leases")
+        assert (*lease, "get", NAMESPACE, ANY) in granted(objs) - needed(False)
+        objs = template()
+        for kind in ("Role", "RoleBinding"):
+            one(objs, kind, f"{RELEASE}-leader-election")["metadata"]["namespace"] = "default"
+        assert (*lease, "update", NAMESPACE, RELEASE) in needed(False) - granted(objs)
 
 
 # ------------------------------------------------------------------ chart files
@@ -337,7 +439,7 @@ def test_every_value_is_used_by_a_template():
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["replicas=2"], "/replicas"),
+        (["replicas=0"], "/replicas"),
         (["nope=1"], "additional properties 'nope' not allowed"),
         (["image.tagg=x"], "additional properties 'tagg' not allowed"),
         (["watchNamespaces={Bad_NS}"], "/watchNamespaces/0"),
@@ -348,7 +450,7 @@ def test_every_value_is_used_by_a_template():
         (["settings.podTemplateAllow={hostPath}"], "/settings/podTemplateAllow/0"),
     ],
     ids=[
-        "replicas-not-1",
+        "replicas-0",
         "unknown-top-key",
         "typo-nested",
         "bad-namespace",
@@ -383,6 +485,8 @@ def test_optional_objects_are_off_by_default_and_the_operators_policy_on():
             "ClusterRole",  # rolescaler-edit, aggregated into edit and admin
             "ClusterRoleBinding",
             "ClusterRoleBinding",
+            "Role",  # the Lease, in the release namespace
+            "RoleBinding",
             "Deployment",
             "NetworkPolicy",
             "Secret",
@@ -411,20 +515,105 @@ def test_deploy_manifest_is_current():
 # ------------------------------------------------------------------ the Deployment
 
 
+def _scaled(value: int | str, replicas: int, round_up: bool) -> int:
+    """A rollingUpdate bound as the Deployment controller reads it (intstr: a percentage
+    of the replicas, maxSurge rounded up, maxUnavailable down)."""
+    if isinstance(value, int):
+        return value
+    share = int(value.removesuffix("%")) * replicas / 100
+    return math.ceil(share) if round_up else math.floor(share)
+
+
 class TestOperatorDeployment:
-    def test_runs_standalone_and_clusterwide_by_default(self):
-        c = operator_container(template())
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    def test_runs_standalone_and_leader_elected_clusterwide_with_any_replicas(self, replicas):
+        # One replica elects itself too: a rollout runs the old and the new pod at once.
+        c = operator_container(template(f"replicas={replicas}"))
         assert c["command"] == ["kvferry-operator"]
-        assert c["args"] == ["run", "--standalone"]
+        assert c["args"] == ["run", "--standalone", "--leader-elect"]
 
     def test_watch_namespaces_become_namespace_flags(self):
         c = operator_container(template("watchNamespaces={team-a,team-b}"))
-        assert c["args"] == ["run", "--standalone", "--namespace=team-a", "--namespace=team-b"]
+        assert c["args"] == [
+            "run",
+            "--standalone",
+            "--leader-elect",
+            "--namespace=team-a",
+            "--namespace=team-b",
+        ]
 
-    def test_never_two_replicas_at_once(self):
-        dep = one(template(), "Deployment")
-        assert dep["spec"]["replicas"] == 1
-        assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    def test_two_replicas_by_default_one_on_request(self):
+        assert one(template(), "Deployment")["spec"]["replicas"] == 2
+        assert one(template("replicas=1"), "Deployment")["spec"]["replicas"] == 1
+        assert one(template("replicas=3"), "Deployment")["spec"]["replicas"] == 3
+
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    def test_a_rollout_never_waits_for_a_standby_to_be_ready(self, replicas: int):
+        """Only the leader is Ready, and a new pod is a standby for as long as an old
+        leader runs. A rollout that keeps replicas - maxUnavailable pods available
+        before it stops an old one would wait for the new pods for good: so none may be
+        required. New pods start beside the old ones (maxSurge), the Lease keeps them
+        from working at once."""
+        dep = one(template(f"replicas={replicas}"), "Deployment")
+        strategy = dep["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate"
+        bounds = strategy["rollingUpdate"]
+        surge = _scaled(bounds["maxSurge"], replicas, round_up=True)
+        unavailable = _scaled(bounds["maxUnavailable"], replicas, round_up=False)
+        assert replicas - unavailable <= 0, bounds
+        assert surge >= 1, bounds
+
+    @pytest.mark.parametrize("sets", [[], ["replicas=1"], ["replicas=3"], ALL_OPTIONS])
+    def test_no_disruption_budget_covers_the_operator(self, sets: list[str]):
+        """A budget counts Ready pods as healthy, and only the leader is: with one, the
+        leader could never be evicted (2 pods, maxUnavailable 1: 1 healthy, 1 desired, 0
+        disruptions allowed), and the drain of its node would hang. The standby it
+        would protect takes over on its own."""
+        objs = template(*sets)
+        pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+        assert not [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        ]
+
+    def test_replicas_prefer_different_nodes_unless_affinity_is_set(self):
+        objs = template()
+        pod = one(objs, "Deployment")["spec"]["template"]
+        (term,) = pod["spec"]["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        # The operator's pods, and the same ones the Deployment owns.
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        assert selector == one(objs, "Deployment")["spec"]["selector"]["matchLabels"]
+        assert pod["spec"]["affinity"].keys() == {"podAntiAffinity"}
+        mine = "affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"
+        objs = template(
+            f"{mine}.weight=1",
+            f"{mine}.preference.matchExpressions[0].key=pool",
+            f"{mine}.preference.matchExpressions[0].operator=Exists",
+        )
+        affinity = one(objs, "Deployment")["spec"]["template"]["spec"]["affinity"]
+        assert affinity == {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 1,
+                        "preference": {"matchExpressions": [{"key": "pool", "operator": "Exists"}]},
+                    }
+                ]
+            }
+        }
+
+    def test_leader_election_env_names_the_lease_and_the_pod(self):
+        for sets, name in (([], RELEASE), (["fullnameOverride=ferry"], "ferry")):
+            env = env_of(operator_container(template(*sets)))
+            assert env["KVFERRY_LEADER_ELECTION_ID"] == name
+            assert env["KVFERRY_LEADER_ELECTION_NAMESPACE"] == {
+                "fieldRef": {"fieldPath": "metadata.namespace"}
+            }
+            assert env["KVFERRY_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
     def test_non_root_read_only_no_privileges(self):
         pod = one(template(), "Deployment")["spec"]["template"]["spec"]
@@ -452,8 +641,11 @@ class TestOperatorDeployment:
                 "settings.podTemplateAllow={capabilities,privileged}",
             )
         )
-        env = {e["name"]: e["value"] for e in c["env"]}
+        env = env_of(c)
         assert env == {
+            "KVFERRY_LEADER_ELECTION_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            "KVFERRY_LEADER_ELECTION_ID": RELEASE,
+            "KVFERRY_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
             "KVFERRY_SIDECAR_IMAGE": "ghcr.io/kvferry/kvferry-sidecar:9.9",
             "KVFERRY_REPORT_PORT": "9443",
             "KVFERRY_TLS_CERT_FILE": "/etc/kvferry/tls/tls.crt",
@@ -475,8 +667,14 @@ class TestOperatorDeployment:
 
     def test_probes_hit_the_report_endpoint_health_over_https(self):
         c = operator_container(template())
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/healthz", "port": "reports", "scheme": "HTTPS"}
+        # Alive: leader and standby. Ready: the Lease's holder alone, so that the
+        # Service sends reports to it (a standby answers them 503).
+        for probe, path in (
+            ("startupProbe", "/healthz"),
+            ("readinessProbe", "/readyz"),
+            ("livenessProbe", "/healthz"),
+        ):
+            assert c[probe]["httpGet"] == {"path": path, "port": "reports", "scheme": "HTTPS"}
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
     def test_report_service_forwards_8443_to_the_container(self):
