@@ -166,10 +166,11 @@ class OperatorPod(threading.Thread):
         sa = self.service_account(pod["serviceAccountName"])
         # The downward API as the kubelet fills it in (the Lease's namespace and holder).
         fields = {"metadata.namespace": "kvferry-system", "metadata.name": "kvferry-walkthrough"}
+        # The API server drops an empty value's key (`value: ""` reads back as no value).
         env = {
-            e["name"]: e["value"]
-            if "value" in e
-            else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            e["name"]: fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            if "valueFrom" in e
+            else e.get("value", "")
             for e in container.get("env", [])
         }
         # Ports a pod would have to itself: free ones here.
