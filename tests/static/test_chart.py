@@ -542,9 +542,11 @@ class TestOperatorDeployment:
             "--namespace=team-b",
         ]
 
-    def test_two_replicas_by_default_one_on_request(self):
-        assert one(template(), "Deployment")["spec"]["replicas"] == 2
-        assert one(template("replicas=1"), "Deployment")["spec"]["replicas"] == 1
+    def test_one_replica_by_default_more_on_request(self):
+        """1: a standby is never Ready, so with 2 `kubectl rollout status` and Argo CD's
+        health would wait for good (the node tier's `rollout status` did)."""
+        assert one(template(), "Deployment")["spec"]["replicas"] == 1
+        assert one(template("replicas=2"), "Deployment")["spec"]["replicas"] == 2
         assert one(template("replicas=3"), "Deployment")["spec"]["replicas"] == 3
 
     @pytest.mark.parametrize("replicas", [1, 2, 3])
