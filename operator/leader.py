@@ -243,9 +243,9 @@ class Elector:
         """Give the Lease up (a clean stop): a standby takes over at its next try."""
         try:
             lease = self.kube.get_lease(self.namespace, self.name)
-            if lease is None or Record.of(lease).holder != self.me:
+            record = Record.of(lease) if lease is not None else None
+            if record is None or record.holder != self.me:
                 return
-            record = Record.of(lease)
             spec = {
                 "holderIdentity": None,
                 "leaseDurationSeconds": 1,

@@ -14,9 +14,11 @@ target down.
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge
 
 from kvferry_wire.protocol import HDR_OPERATOR_STANDBY, REPORT_PATH
+
+from . import metrics
 
 READY_PATH = "/readyz"
 
@@ -47,10 +49,4 @@ def metrics_app_factory() -> web.Application:
     Gauge(
         "kvferry_operator_leader", "1 on the replica that holds the lease.", registry=registry
     ).set(0)
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    return app
+    return metrics.app_factory(registry)
