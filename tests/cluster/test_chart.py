@@ -294,7 +294,7 @@ def test_with_only_the_leader_ready_it_can_be_evicted_and_a_rollout_stops_it(
         helm_on(
             kubeconfig,
             *("install", name, str(CHART), "-n", namespace, "--create-namespace"),
-            *("--wait", "--timeout", "90s"),
+            *("--set", "replicas=2", "--wait", "--timeout", "90s"),
         )
         leader, standby = sorted(p["metadata"]["name"] for p in pods())
         _standby(kubectl, namespace, standby)
