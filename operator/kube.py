@@ -214,6 +214,24 @@ class Kube:
             raise
         return True
 
+    def label_pod(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
+        """Merge-patch labels onto a pod (None removes one); False when the pod is gone.
+        For the operator's own pod only (leader.PodMark): the chart's Role grants
+        patch on pods in the release namespace alone."""
+        try:
+            client.CoreV1Api(self.api_client).patch_namespaced_pod(
+                name,
+                namespace,
+                {"metadata": {"labels": labels}},
+                field_manager=api.FIELD_MANAGER,
+                _request_timeout=(3.0, 5.0),
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     def patch_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Obj
     ) -> None:

@@ -23,6 +23,14 @@ same Lease fields, so ``kubectl get lease`` reads as it does for theirs:
 - on a clean stop the holder releases the Lease (empty holder), so a standby takes
   over at its next retry instead of waiting out the lease.
 
+Every replica is Ready (alive is enough: a rollout and a disruption budget count
+Ready pods, and a standby that is never Ready would stall both). Reports reach the
+leader alone by a label instead (``PodMark``, Patroni's way): the leader puts
+``LEADER_LABEL`` on its own pod once it holds the Lease, the chart's Service selects
+it, and every replica takes it off its own pod before it serves anything (a restarted
+container's pod still carries its predecessor's label). A leader killed outright
+leaves the label on a pod whose container is not running, which no Service routes to.
+
 The decisions are pure functions; ``Elector`` adds the API calls and the clock.
 """
 
@@ -40,6 +48,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+
+# On the leader's own pod; the chart's Service selects it.
+LEADER_LABEL = "kvferry.io/operator-leader"
 
 LEASE_SECONDS = 15.0
 RENEW_DEADLINE_SECONDS = 10.0
@@ -257,3 +268,57 @@ class Elector:
                 log.info("released lease %s/%s", self.namespace, self.name)
         except Exception as exc:  # it expires on its own
             log.warning("lease %s/%s not released: %s", self.namespace, self.name, exc)
+
+
+class PodApi(Protocol):
+    def label_pod(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool: ...
+
+
+class PodMark:
+    """``LEADER_LABEL`` on this replica's own pod: on (leading) or off."""
+
+    def __init__(self, kube: PodApi, namespace: str, pod: str, max_pause: float = 10.0) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.pod = pod
+        self.max_pause = max_pause
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-mark")
+
+    def set_once(self, leading: bool) -> bool:
+        """One patch; True when it landed or the pod is gone (nothing left to mark)."""
+        value = "true" if leading else None
+        try:
+            if not self.kube.label_pod(self.namespace, self.pod, {LEADER_LABEL: value}):
+                log.warning("pod %s/%s not found: not labelled", self.namespace, self.pod)
+            return True
+        except Exception as exc:
+            if getattr(exc, "status", None) == 403:
+                log.error(
+                    "pod %s/%s: may not patch its own labels (the chart's Role "
+                    "<release>-kvferry-leader-election grants patch on pods): %s",
+                    self.namespace,
+                    self.pod,
+                    str(exc)[:200],
+                )
+                # Without the right the label was never set: nothing to take off.
+                return not leading
+            log.warning(
+                "pod %s/%s: %s %s: %s",
+                self.namespace,
+                self.pod,
+                "labelling" if leading else "unlabelling",
+                LEADER_LABEL,
+                str(exc)[:200],
+            )
+            return False
+
+    async def set(self, leading: bool) -> None:
+        """Patch until it lands, pausing 1, 2, 4 ... ``max_pause`` s between tries:
+        until then reports go nowhere (leading) or may reach a standby (not)."""
+        pause = 1.0
+        loop = asyncio.get_running_loop()
+        while not await loop.run_in_executor(self._executor, self.set_once, leading):
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, self.max_pause)
+        if leading:
+            log.info("pod %s/%s labelled %s=true", self.namespace, self.pod, LEADER_LABEL)

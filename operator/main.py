@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 import kopf
 
@@ -54,7 +55,11 @@ async def operate(namespaces: list[str], standalone: bool, memo: kopf.Memo) -> N
 
 
 async def elected(
-    settings: Settings, namespaces: list[str], standalone: bool, memo: kopf.Memo
+    settings: Settings,
+    namespaces: list[str],
+    standalone: bool,
+    memo: kopf.Memo,
+    kube: Any = None,
 ) -> int:
     """Wait for the Lease as a standby, then run kopf while holding it. Leadership
     lost is the end of the process (exit 1, at once: the handlers' threads must not
@@ -64,8 +69,9 @@ async def elected(
 
     log = logging.getLogger(__name__)
     me = leader.identity(settings.pod_name or socket.gethostname())
+    kube = kube if kube is not None else Kube()
     elector = leader.Elector(
-        Kube(),
+        kube,
         settings.leader_namespace,
         settings.leader_name,
         me,
@@ -73,6 +79,15 @@ async def elected(
         settings.leader_renew_seconds,
         settings.leader_retry_seconds,
     )
+    mark = (
+        leader.PodMark(kube, settings.pod_namespace, settings.pod_name)
+        if settings.pod_namespace and settings.pod_name
+        else None
+    )
+    if mark is not None:
+        # Before anything is served: once Ready, this pod must not be routed to as
+        # the leader its predecessor in this pod may have been.
+        await mark.set(False)
     runners = []
     if settings.tls_cert_file and settings.tls_key_file:
         tls = report_endpoint.tls_context(settings.tls_cert_file, settings.tls_key_file)
@@ -105,12 +120,20 @@ async def elected(
         sys.stderr.flush()
         os._exit(1)
 
-    holding = asyncio.get_running_loop().create_task(keep())
+    loop = asyncio.get_running_loop()
+    holding = loop.create_task(keep())
+    # Beside kopf's start, not before it: the handlers need not wait for the Service.
+    marking = loop.create_task(mark.set(True)) if mark is not None else None
     try:
         await operate(namespaces, standalone, memo)
     finally:
         holding.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, elector.release)
+        if marking is not None:
+            marking.cancel()
+            # Off first, so that the Service stops routing here before a standby leads;
+            # one try: the pod's end takes it out of the Service anyway.
+            await loop.run_in_executor(None, mark.set_once, False)
+        await loop.run_in_executor(None, elector.release)
     return 0
 
 

@@ -81,6 +81,9 @@ class Settings:
     leader_namespace: str = ""
     leader_name: str = "kvferry-operator"
     pod_name: str = ""
+    # With pod_name: the pod the leader labels as such (leader.LEADER_LABEL), which the
+    # chart's Service selects. Empty (a process outside a pod): no label.
+    pod_namespace: str = ""
     leader_lease_seconds: float = 15.0
     leader_renew_seconds: float = 10.0
     leader_retry_seconds: float = 2.0
@@ -127,6 +130,7 @@ def from_env() -> Settings:
         leader_namespace=env("KVFERRY_LEADER_ELECTION_NAMESPACE", ""),
         leader_name=env("KVFERRY_LEADER_ELECTION_ID", "kvferry-operator"),
         pod_name=env("KVFERRY_POD_NAME", ""),
+        pod_namespace=env("KVFERRY_POD_NAMESPACE", ""),
         leader_lease_seconds=float(env("KVFERRY_LEADER_LEASE_SECONDS", "15")),
         leader_renew_seconds=float(env("KVFERRY_LEADER_RENEW_SECONDS", "10")),
         leader_retry_seconds=float(env("KVFERRY_LEADER_RETRY_SECONDS", "2")),

@@ -217,3 +217,111 @@ def test_leader_timings_that_overlap_are_refused_at_start(monkeypatch, caplog):
     monkeypatch.setenv("KVFERRY_LEADER_RENEW_SECONDS", "20")
     assert main.run([], standalone=True, leader_elect=True) == 2
     assert "KVFERRY_LEADER_LEASE_SECONDS" in caplog.text
+
+
+class Pods:
+    """A pod's labels, merge-patched as the API server does; ``fail`` refusals first."""
+
+    def __init__(self, fail: list[Exception] | None = None, log: list[str] | None = None) -> None:
+        self.labels: dict[str, str] = {leader.LEADER_LABEL: "true"}  # a predecessor's
+        self.fail = list(fail or [])
+        self.log = log if log is not None else []
+        self.gone = False
+
+    def label_pod(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
+        if self.fail:
+            raise self.fail.pop(0)
+        if self.gone:
+            return False
+        for key, value in labels.items():
+            if value is None:
+                self.labels.pop(key, None)
+            else:
+                self.labels[key] = value
+        self.log.append(f"label {labels[leader.LEADER_LABEL]}")
+        return True
+
+
+class Forbidden(Exception):
+    status = 403
+
+
+async def test_the_mark_is_patched_until_it_lands():
+    pods = Pods(fail=[OSError("connection refused"), OSError("connection refused")])
+    mark = leader.PodMark(pods, "ops", "op-0", max_pause=0.01)
+    await asyncio.wait_for(mark.set(False), 10)
+    assert leader.LEADER_LABEL not in pods.labels and not pods.fail
+    await asyncio.wait_for(mark.set(True), 10)
+    assert pods.labels[leader.LEADER_LABEL] == "true"
+    pods.gone = True  # nothing left to mark: done, not retried for good
+    await asyncio.wait_for(mark.set(False), 10)
+
+
+async def test_without_the_right_to_patch_the_mark_is_not_taken_off_nor_given_up(caplog):
+    """No right: the label was never set, so a standby goes on; a leader keeps trying
+    (the Service routes nothing to it until the Role is fixed) and says which Role."""
+    pods = Pods(fail=[Forbidden("forbidden")] * 3)
+    mark = leader.PodMark(pods, "ops", "op-0", max_pause=0.01)
+    assert mark.set_once(False) is True
+    assert mark.set_once(True) is False
+    assert "leader-election grants patch on pods" in caplog.text
+
+
+async def test_a_replica_unmarks_before_it_serves_and_marks_only_while_leading(monkeypatch):
+    """The order that keeps reports off a standby: its own pod unlabelled before any
+    port answers, labelled after the Lease is held, unlabelled before it is released."""
+    from kvferry_operator import main, report_endpoint
+    from kvferry_operator.settings import Settings
+
+    events: list[str] = []
+
+    class Api(Leases, Pods):
+        def __init__(self) -> None:
+            Leases.__init__(self)
+            Pods.__init__(self, log=events)
+
+        def create_lease(self, namespace: str, name: str, spec: dict[str, Any]) -> bool:
+            events.append(f"lease {spec['holderIdentity']!r:.6}")
+            return super().create_lease(namespace, name, spec)
+
+        def replace_lease(self, namespace: str, name: str, spec: dict[str, Any], rv: str) -> bool:
+            events.append("lease released" if spec["holderIdentity"] is None else "lease renewed")
+            return super().replace_lease(namespace, name, spec, rv)
+
+    async def serve(*args: Any) -> Any:
+        events.append("serve")
+
+        class Runner:
+            async def cleanup(self) -> None:
+                events.append("standby ports closed")
+
+        return Runner()
+
+    labelled = asyncio.Event()
+
+    async def operate(*args: Any) -> None:
+        events.append("kopf")
+        while "label true" not in events:
+            await asyncio.sleep(0.01)
+        labelled.set()
+
+    monkeypatch.setattr(report_endpoint, "serve", serve)
+    monkeypatch.setattr(main, "operate", operate)
+    monkeypatch.setattr(report_endpoint, "tls_context", lambda *a: None)
+    settings = Settings(
+        sidecar_image="sidecar",
+        resync_seconds=300,
+        leader_namespace="ops",
+        pod_name="op-0",
+        pod_namespace="ops",
+        tls_cert_file="c",
+        tls_key_file="k",
+        metrics_port=0,
+    )
+    api = Api()
+    assert await asyncio.wait_for(main.elected(settings, [], True, None, kube=api), 20) == 0
+    assert labelled.is_set()
+    assert events[:2] == ["label None", "serve"]
+    assert events.index("label true") > events.index("lease 'op-0_")
+    assert events[-2:] == ["label None", "lease released"]
+    assert leader.LEADER_LABEL not in api.labels
