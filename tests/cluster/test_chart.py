@@ -1,8 +1,8 @@
 """The Helm chart on the real control plane: server-side dry runs, install, a no-op
 upgrade, the operator running as the chart's ServiceAccount (its RBAC suffices
 for a server to become Ready and for reports to land, and it is not cluster-admin),
-and the Deployment's two replicas under the real Deployment and disruption
-controllers when only the leader is Ready."""
+the leader's label on its own pod routing the Service, and the Deployment's two
+replicas under the real Deployment and disruption controllers."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import ssl
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvferry_operator.leader import LEADER_LABEL
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import CHILDREN, make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report
@@ -173,6 +175,10 @@ def test_chart_service_account_is_not_cluster_admin(sa_kubeconfig: Path, release
         assert can(verb, f"{lease}/{RELEASE}", "-n", "default") == "no"
     assert can("create", lease, "-n", "default") == "no"
     assert can("delete", f"{lease}/{RELEASE}", "-n", release) == "no"
+    # The leader's label on its own pod: patch, in the release namespace alone.
+    assert can("patch", "pods", "-n", release) == "yes"
+    assert can("patch", "pods", "-n", "default") == "no"
+    assert can("delete", "pods", "-n", release) == "no"
     # Real requests, refused by the API server.
     for args in (
         ("get", "secrets", "-n", release),
@@ -225,8 +231,37 @@ def test_operator_as_chart_service_account_makes_a_server_ready(
             (tls / key).write_bytes(base64.b64decode(secret[key]))
         sa_op = Operator(sa_kubeconfig, tmp_path / "sa-operator.log")
         sa_op.cert, sa_op.key = tls / "tls.crt", tls / "tls.key"
+        # As the chart runs it: elected on the chart's Lease, as one of the chart's pods
+        # (kwok's fakes, with addresses), which it labels for the Service as the leader.
+        (pod, *_) = [
+            p["metadata"]["name"]
+            for p in kubectl.json(
+                "get", "pods", "-n", release, "-l", f"app.kubernetes.io/instance={RELEASE}"
+            )["items"]
+        ]
+        sa_op.args = ["--leader-elect"]
+        sa_op.extra_env = {
+            "KVFERRY_LEADER_ELECTION_NAMESPACE": release,
+            "KVFERRY_LEADER_ELECTION_ID": RELEASE,
+            "KVFERRY_POD_NAME": pod,
+            "KVFERRY_POD_NAMESPACE": release,
+        }
         sa_op.start()
         try:
+            wait_until(
+                lambda: (
+                    kubectl.get("pod", pod, release)["metadata"]["labels"].get(LEADER_LABEL)
+                    == "true"
+                ),
+                60,
+                "the leader labelling its pod as the ServiceAccount",
+            )
+            ip = kubectl.get("pod", pod, release)["status"]["podIP"]
+            wait_until(
+                lambda: _service_addresses(kubectl, release) == {ip},
+                60,
+                "the Service routing to the leader's pod alone",
+            )
             kubectl.apply(make(ns), "--server-side")
             try:
                 wait_ready(kubectl, ns)
@@ -258,13 +293,25 @@ def test_operator_as_chart_service_account_makes_a_server_ready(
             assert "Traceback" not in log, log[-4000:]
         finally:
             sa_op.stop()
+        # A clean stop takes the label off (the Service routes nowhere until the next
+        # leader labels itself) and releases the Lease.
+        assert LEADER_LABEL not in kubectl.get("pod", pod, release)["metadata"]["labels"]
+        lease = kubectl.get("lease", RELEASE, release)["spec"]
+        assert not lease.get("holderIdentity"), lease
     finally:
         operator.start()
 
 
-def _standby(kubectl: Kubectl, namespace: str, pod: str) -> None:
-    """The pod as a standby looks to the controllers: running, not Ready (its /readyz
-    answers 503). kwok runs no probes: it makes a pod Ready once and leaves it so."""
+def _service_addresses(kubectl: Kubectl, namespace: str) -> set[str]:
+    slices = kubectl.json(
+        "get", "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={RELEASE}"
+    )["items"]
+    return {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
+
+
+def _not_ready(kubectl: Kubectl, namespace: str, pod: str) -> None:
+    """The pod as a crash-looping replica looks to the controllers: not Ready. kwok
+    runs no probes: it makes a pod Ready once and leaves it so."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     conditions = [
         {"type": kind, "status": "False", "lastTransitionTime": now}
@@ -276,13 +323,28 @@ def _standby(kubectl: Kubectl, namespace: str, pod: str) -> None:
     )
 
 
-def test_with_only_the_leader_ready_it_can_be_evicted_and_a_rollout_stops_it(
+def _evict(kubectl: Kubectl, namespace: str, pod: str) -> subprocess.CompletedProcess[str]:
+    """A drain's eviction of ``pod``, as a dry run: the API server applies the budgets."""
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": namespace},
+        "deleteOptions": {"dryRun": ["All"]},
+    }
+    return kubectl.run(
+        *("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"),
+        *("-f", "-"),
+        input=json.dumps(eviction),
+        check=False,
+    )
+
+
+def test_the_budget_lets_a_drain_take_one_replica_and_never_blocks_on_a_broken_one(
     kubectl: Kubectl, kubeconfig: Path
 ):
-    """Only the Lease's holder is Ready. A disruption budget would count the standby
-    as unhealthy and refuse the leader's eviction for good (the drain of its node
-    would hang); a rollout that waited for new pods to be Ready would never stop the
-    old leader, whose Lease keeps every new pod a standby."""
+    """Two replicas (the default), both Ready, one budget: a drain may evict either one,
+    not both at once; a replica that is not Ready may always go and then holds the
+    healthy one. An upgrade whose new pods never become Ready stops no old one."""
     name = "ha"  # a release of its own: its cluster-wide objects are ha-kvferry-*
     namespace = f"kvferry-ha-{uuid.uuid4().hex[:6]}"
     selector = f"app.kubernetes.io/instance={name}"
@@ -290,52 +352,56 @@ def test_with_only_the_leader_ready_it_can_be_evicted_and_a_rollout_stops_it(
     def pods() -> list[dict[str, Any]]:
         return kubectl.json("get", "pods", "-n", namespace, "-l", selector)["items"]
 
+    def budget() -> dict[str, Any]:
+        return kubectl.get("pdb", f"{name}-kvferry", namespace) or {}
+
     try:
         helm_on(
             kubeconfig,
             *("install", name, str(CHART), "-n", namespace, "--create-namespace"),
-            *("--set", "replicas=2", "--wait", "--timeout", "90s"),
+            *("--wait", "--timeout", "90s"),
         )
-        leader, standby = sorted(p["metadata"]["name"] for p in pods())
-        _standby(kubectl, namespace, standby)
+        first, second = sorted(p["metadata"]["name"] for p in pods())
         wait_until(
-            lambda: (
-                kubectl.get("deployment", f"{name}-kvferry", namespace)["status"].get(
-                    "readyReplicas"
-                )
-                == 1
-            ),
+            lambda: budget().get("status", {}).get("disruptionsAllowed") == 1,
             30,
-            "the Deployment sees one Ready pod, the leader",
+            "the budget allowing one disruption of two Ready replicas",
         )
-        # A drain may evict the leader: the API server's dry run, budgets applied.
-        eviction = {
-            "apiVersion": "policy/v1",
-            "kind": "Eviction",
-            "metadata": {"name": leader, "namespace": namespace},
-            "deleteOptions": {"dryRun": ["All"]},
-        }
-        proc = kubectl.run(
-            *("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{leader}/eviction"),
-            *("-f", "-"),
-            input=json.dumps(eviction),
-            check=False,
+        for pod in (first, second):
+            proc = _evict(kubectl, namespace, pod)
+            assert proc.returncode == 0, proc.stderr
+        # One replica broken: it may go, and the healthy one must stay.
+        _not_ready(kubectl, namespace, second)
+        wait_until(
+            lambda: budget().get("status", {}).get("currentHealthy") == 1,
+            30,
+            "the budget counting one healthy replica",
         )
-        assert proc.returncode == 0, proc.stderr
-        # An upgrade whose new pods are not Ready either: standbys, while the old leader
-        # holds the Lease (here they cannot be scheduled, which the Deployment
-        # controller counts the same way). It must stop the old leader all the same.
+        assert _evict(kubectl, namespace, second).returncode == 0
+        refused = _evict(kubectl, namespace, first)
+        assert refused.returncode != 0 and "disruption budget" in refused.stderr, refused.stderr
+        # An upgrade whose new pods cannot become Ready (here they cannot be scheduled):
+        # one surge pod, and the old replicas run on (the controller scales the old
+        # ReplicaSet down in the same pass in which it adds the new pod, so once that
+        # pod counts, the old one's size is final).
+        old_hash = kubectl.get("pod", first, namespace)["metadata"]["labels"]["pod-template-hash"]
         helm_on(
             kubeconfig,
             *("upgrade", name, str(CHART), "-n", namespace, "--reuse-values"),
             *("--set-string", "nodeSelector.kvferry-test/nowhere=true"),
         )
-
-        def leader_stopping() -> bool:
-            found = [p for p in pods() if p["metadata"]["name"] == leader]
-            return not found or "deletionTimestamp" in found[0]["metadata"]
-
-        wait_until(leader_stopping, 60, "the rollout stopping the old leader")
+        wait_until(
+            lambda: (
+                kubectl.get("deployment", f"{name}-kvferry", namespace)["status"].get(
+                    "updatedReplicas"
+                )
+                == 1
+            ),
+            60,
+            "the rollout's one surge pod",
+        )
+        old_set = kubectl.get("replicaset", f"{name}-kvferry-{old_hash}", namespace)
+        assert old_set["spec"]["replicas"] == 2, old_set["spec"]
     finally:
         helm_on(kubeconfig, "uninstall", name, "-n", namespace, "--wait", check=False)
         kubectl.run("delete", "namespace", namespace, "--wait=false", check=False)

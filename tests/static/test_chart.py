@@ -184,6 +184,8 @@ CALLS = [
     Call("Kube.create_lease", "coordination.k8s.io", "leases", ("create",), where="release"),
     Call("Kube.replace_lease", "coordination.k8s.io", "leases", ("update",), where="release",
          name=RELEASE),
+    # leader.PodMark: the leader's label on its own pod (KVFERRY_POD_NAME, named at random).
+    Call("Kube.label_pod", "", "pods", ("patch",), where="release"),
 ]  # fmt: skip
 
 Verb = tuple[str, str, str]  # (group, resource, verb)
@@ -489,6 +491,7 @@ def test_optional_objects_are_off_by_default_and_the_operators_policy_on():
             "RoleBinding",
             "Deployment",
             "NetworkPolicy",
+            "PodDisruptionBudget",
             "Secret",
             "Service",
             "ServiceAccount",
@@ -542,41 +545,56 @@ class TestOperatorDeployment:
             "--namespace=team-b",
         ]
 
-    def test_one_replica_by_default_more_on_request(self):
-        """1: a standby is never Ready, so with 2 `kubectl rollout status` and Argo CD's
-        health would wait for good (the node tier's `rollout status` did)."""
-        assert one(template(), "Deployment")["spec"]["replicas"] == 1
-        assert one(template("replicas=2"), "Deployment")["spec"]["replicas"] == 2
+    def test_two_replicas_by_default_one_on_request(self):
+        assert one(template(), "Deployment")["spec"]["replicas"] == 2
+        assert one(template("replicas=1"), "Deployment")["spec"]["replicas"] == 1
         assert one(template("replicas=3"), "Deployment")["spec"]["replicas"] == 3
 
     @pytest.mark.parametrize("replicas", [1, 2, 3])
-    def test_a_rollout_never_waits_for_a_standby_to_be_ready(self, replicas: int):
-        """Only the leader is Ready, and a new pod is a standby for as long as an old
-        leader runs. A rollout that keeps replicas - maxUnavailable pods available
-        before it stops an old one would wait for the new pods for good: so none may be
-        required. New pods start beside the old ones (maxSurge), the Lease keeps them
-        from working at once."""
+    def test_a_rollout_starts_a_new_replica_before_it_stops_an_old_one(self, replicas: int):
+        """Every live replica is Ready (the Service picks the leader by label), so a
+        rollout may wait for new pods: never fewer replicas than asked, one more at a
+        time. The Lease keeps the new ones from working while the old leader runs."""
         dep = one(template(f"replicas={replicas}"), "Deployment")
         strategy = dep["spec"]["strategy"]
         assert strategy["type"] == "RollingUpdate"
         bounds = strategy["rollingUpdate"]
-        surge = _scaled(bounds["maxSurge"], replicas, round_up=True)
-        unavailable = _scaled(bounds["maxUnavailable"], replicas, round_up=False)
-        assert replicas - unavailable <= 0, bounds
-        assert surge >= 1, bounds
+        assert _scaled(bounds["maxUnavailable"], replicas, round_up=False) == 0, bounds
+        assert _scaled(bounds["maxSurge"], replicas, round_up=True) >= 1, bounds
 
     @pytest.mark.parametrize("sets", [[], ["replicas=1"], ["replicas=3"], ALL_OPTIONS])
-    def test_no_disruption_budget_covers_the_operator(self, sets: list[str]):
-        """A budget counts Ready pods as healthy, and only the leader is: with one, the
-        leader could never be evicted (2 pods, maxUnavailable 1: 1 healthy, 1 desired, 0
-        disruptions allowed), and the drain of its node would hang. The standby it
-        would protect takes over on its own."""
+    def test_a_disruption_budget_covers_the_operators_pods_and_never_blocks_a_drain(
+        self, sets: list[str]
+    ):
+        """One replica at a time, counted over the Deployment's pods; an unhealthy one
+        may always go (it would use up the budget and hold the healthy one's drain)."""
         objs = template(*sets)
-        pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-        budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
-        assert not [
-            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-        ]
+        dep = one(objs, "Deployment")
+        budget = one(objs, "PodDisruptionBudget")
+        assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+        assert budget["metadata"]["namespace"] == dep["metadata"]["namespace"]
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        assert "minAvailable" not in budget["spec"]
+
+    def test_the_disruption_budget_is_optional_and_sized_by_values(self):
+        assert "PodDisruptionBudget" not in {
+            o["kind"] for o in template("podDisruptionBudget.enabled=false")
+        }
+        budget = one(template("podDisruptionBudget.maxUnavailable=50%"), "PodDisruptionBudget")
+        assert budget["spec"]["maxUnavailable"] == "50%"
+
+    def test_the_service_routes_to_the_leaders_label_alone(self):
+        """Both replicas are Ready; reports and the ServiceMonitor's scrape must reach
+        the Lease's holder, which labels its own pod (leader.LEADER_LABEL)."""
+        from kvferry_operator import leader
+
+        objs = template()
+        selector = one(objs, "Service")["spec"]["selector"]
+        labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        assert selector.pop(leader.LEADER_LABEL) == "true"
+        assert leader.LEADER_LABEL not in labels  # the leader adds it, the template never
+        assert selector.items() <= labels.items()
 
     def test_replicas_prefer_different_nodes_unless_affinity_is_set(self):
         objs = template()
@@ -616,6 +634,7 @@ class TestOperatorDeployment:
                 "fieldRef": {"fieldPath": "metadata.namespace"}
             }
             assert env["KVFERRY_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+            assert env["KVFERRY_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
     def test_non_root_read_only_no_privileges(self):
         pod = one(template(), "Deployment")["spec"]["template"]["spec"]
@@ -648,6 +667,7 @@ class TestOperatorDeployment:
             "KVFERRY_LEADER_ELECTION_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
             "KVFERRY_LEADER_ELECTION_ID": RELEASE,
             "KVFERRY_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+            "KVFERRY_POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
             "KVFERRY_SIDECAR_IMAGE": "ghcr.io/kvferry/kvferry-sidecar:9.9",
             "KVFERRY_REPORT_PORT": "9443",
             "KVFERRY_TLS_CERT_FILE": "/etc/kvferry/tls/tls.crt",
@@ -669,11 +689,11 @@ class TestOperatorDeployment:
 
     def test_probes_hit_the_report_endpoint_health_over_https(self):
         c = operator_container(template())
-        # Alive: leader and standby. Ready: the Lease's holder alone, so that the
-        # Service sends reports to it (a standby answers them 503).
+        # Alive and Ready: leader and standby alike (the Service selects the leader's
+        # label; a standby answers reports 503).
         for probe, path in (
             ("startupProbe", "/healthz"),
-            ("readinessProbe", "/readyz"),
+            ("readinessProbe", "/healthz"),
             ("livenessProbe", "/healthz"),
         ):
             assert c[probe]["httpGet"] == {"path": path, "port": "reports", "scheme": "HTTPS"}
@@ -687,7 +707,10 @@ class TestOperatorDeployment:
             {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"},
         ]
         labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-        assert svc["spec"]["selector"].items() <= labels.items()
+        selector = {
+            k: v for k, v in svc["spec"]["selector"].items() if k != "kvferry.io/operator-leader"
+        }
+        assert selector.items() <= labels.items()
 
 
 # ------------------------------------------------------------------ TLS
