@@ -133,7 +133,14 @@ def _logs(nodes: NodeCluster) -> str:
         proc = nodes.kubectl.run("logs", "-n", ns, pod, "-c", container, "--tail=40", check=False)
         out.append(f"--- {pod}/{container}\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
     proc = nodes.kubectl.run(
-        "logs", "-n", j.OPERATOR_NAMESPACE, "deploy/kvferry", "--tail=40", check=False
+        "logs",
+        "-n",
+        j.OPERATOR_NAMESPACE,
+        "-l",
+        "app.kubernetes.io/instance=kvferry",
+        "--prefix",
+        "--tail=40",
+        check=False,
     )
     out.append(f"--- operator\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
     return "\n".join(out)
@@ -218,10 +225,10 @@ def test_server_pods_really_run_as_rendered(nodes: NodeCluster, journey: Any) ->
         ).stdout
         assert "ro 30" in out, out  # EROFS
         assert "uid 65532 65532" in out, out
-    (op,) = nodes.kubectl.json(
-        "get", "pods", "-n", j.OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/instance=kvferry"
-    )["items"]
-    assert j.container_status(op, "operator")["restartCount"] == 0, op["status"]
+    ops = _operator_pods(nodes)
+    assert len(ops) == 2, [op["metadata"]["name"] for op in ops]  # the chart's default
+    for op in ops:
+        assert j.container_status(op, "operator")["restartCount"] == 0, op["status"]
 
 
 def test_later_turns_reuse_and_answer_as_recompute(
