@@ -142,6 +142,16 @@ def _bytes(value: float) -> str:
     return f"{value:.0f}B"
 
 
+def window_fields(rep: Report) -> dict[str, Any]:
+    """A pod row's role, preemption counter and its sidecar's start: what a new
+    leader's ``pressure.seed`` reads (an absurd start is left out, not fatal)."""
+    try:
+        started: str | None = iso_time(rep.started_at)
+    except (OverflowError, OSError, ValueError):
+        started = None
+    return {"role": rep.role, "startedAt": started, "preemptions": rep.engine.preemptions}
+
+
 @dataclass(frozen=True)
 class Aggregate:
     status: dict[str, Any]  # KVCacheStatus .status (without lastUpdateTime)
@@ -190,8 +200,11 @@ def aggregate(
     )
     if not left_out:
         return agg
+    reps = {item.report.pod: item.report for item in received}
     rows = agg.status["pods"] + [
-        {"name": pod, "stale": False, "excluded": why} for pod, why in left_out.items()
+        # The pressure window saw this report too: its counter and start, for a new leader.
+        {"name": pod, "stale": False, "excluded": why, **window_fields(reps[pod])}
+        for pod, why in left_out.items()
     ]
     names = ", ".join(sorted(left_out))
     status = {
@@ -235,7 +248,7 @@ def _aggregate(
             "pinnedBytes": r.report.pinned.bytes,
             "oldestPinnedSeconds": round(r.report.pinned.oldest_age_seconds, 1),
             "kvUsage": r.report.engine.kv_usage,
-            "preemptions": r.report.engine.preemptions,
+            **window_fields(r.report),
             "transport": r.report.transport,
             "gigabytesPerSecond": gigabytes_per_second(
                 r.report.transfer.bytes, r.report.transfer.seconds

@@ -5,8 +5,12 @@ Runs on a timer inside the operator. Per server with reports:
      replaced, or silent longer than ``prune_after`` (status lists no ghosts);
   1. aggregate the pods' latest reports (pure, ``aggregate.aggregate``; one
      pod's unusable report is left out, never stops the others), with the
-     decode preemptions of the last minutes (``pressure.PreemptionWindow``: the
-     one piece of state kept between aggregations, in memory);
+     decode preemptions and KV usage peak of the last minutes
+     (``pressure.PreemptionWindow``, ``pressure.UsagePeak``: the state kept
+     between aggregations). They are written to KVCacheStatus with the figures
+     (``status.pressure``, the pod rows' counters) and, on this process's first
+     pass for a server, seeded from it (``pressure.seed``): a new leader or a
+     restarted operator carries on with the window rather than an empty one;
   2. run the tuner (pure, ``tune``) unless the mode is Observe;
   3. write KVCacheStatus status when a figure changed, at most once per
      ``min_write_seconds`` (``lastUpdateTime`` alone never triggers a write);
@@ -119,8 +123,14 @@ class Publisher:
         received = self.store.get(namespace, name)
         fresh = [r.report for r in received if not reports.is_stale(r, now, self.stale_after)]
         key = (namespace, name)
-        preemptions = self._preemptions.setdefault(key, pressure.PreemptionWindow())
-        usage = self._usage.setdefault(key, pressure.UsagePeak())
+        current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
+        if key not in self._preemptions:
+            # This process's first pass for the server: the windows start where the
+            # last writer of its status (a previous leader, this operator before a
+            # restart) left them, not empty.
+            seeded = pressure.seed((current or {}).get("status") or {})
+            self._preemptions[key], self._usage[key] = seeded
+        preemptions, usage = self._preemptions[key], self._usage[key]
         agg = aggregate.aggregate(
             server,
             received,
@@ -133,7 +143,12 @@ class Publisher:
         self._transports[key] = (agg.transport, agg.transport_reason)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
-        status = without_nulls(aggregate.with_recommendations(agg.status, mode, rec, threshold))
+        status = without_nulls(
+            {
+                **aggregate.with_recommendations(agg.status, mode, rec, threshold),
+                "pressure": pressure.status(preemptions, usage),
+            }
+        )
         shown = mode != api.MODE_OBSERVE
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
@@ -146,7 +161,6 @@ class Publisher:
             reporting_pods=len(fresh),
         )
 
-        current = self.kube.get(api.API_VERSION, api.STATUS_KIND, namespace, name)
         old = {
             k: v for k, v in ((current or {}).get("status") or {}).items() if k != "lastUpdateTime"
         }

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+from kvferry_operator import api
 from kvferry_sidecar.promtext import Scrape
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
@@ -45,21 +46,28 @@ EVIDENCE = "TCP: no RDMA device in the pod (/sys/class/infiniband is empty); UCX
 STARTED = time.time() - 60
 
 
-def decode_report(ns: str, server: str, pod: str, preemptions: int = 0) -> bytes:
+def decode_report(
+    ns: str,
+    server: str,
+    pod: str,
+    preemptions: int = 0,
+    started_at: float = STARTED,
+    kv_usage: float | None = None,
+) -> bytes:
     rep = wire.Report(
         version=wire.REPORT_VERSION,
         server=server,
         namespace=ns,
         pod=pod,
         role="decode",
-        started_at=STARTED,
+        started_at=started_at,
         generated_at=time.time(),
         transport="TCPFallback",
         transport_reason=EVIDENCE,
         handles={"consumed": 9, "expired": 1},
         pinned=wire.Pinned(handles=2, blocks=40, bytes=3 * 2**20),
         transfer=wire.Transfer(pulls=9, bytes=2_400_000_000, seconds=2.0, transfers=30),
-        engine=wire.Engine(preemptions=preemptions),
+        engine=wire.Engine(preemptions=preemptions, kv_usage=kv_usage),
     )
     rep.by_turn = {"1": wire.TurnBucket(10, 0, 5000, 0), "2": wire.TurnBucket(10, 9, 6000, 5100)}
     rep.outcomes = {"no-handle": 10, "reused": 9, "expired": 1}
@@ -177,6 +185,64 @@ def test_reports_reach_kv_cache_status(kubectl: Kubectl, operator: Operator, ns:
     assert scraped.total("kvferry_operator_retention_applied_seconds", **labels) == 480
     assert scraped.total("kvferry_operator_decode_preemptions_recent", **labels) == 4
     assert scraped.total("kvferry_operator_transport_info", transport="TCPFallback", **labels) == 1
+
+
+def test_a_restarted_operator_still_counts_the_recent_preemptions(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """A decode sidecar started 20 minutes ago preempts 2 requests (4, then 6); the
+    operator restarts with empty memory and the pod reports 6 again: the 2 are still
+    recent (the window was seeded from KVCacheStatus, written and read back through the
+    API server, which prunes any field its schema does not declare)."""
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    token = bound_token(kubectl, ns, "tiny-decode-0")
+    started = time.time() - 1200
+
+    def report(preemptions: int) -> bytes:
+        return decode_report(ns, "tiny", "tiny-decode-0", preemptions, started, kv_usage=0.5)
+
+    def kvcs() -> dict:
+        return kubectl.get("kvcachestatus", "tiny", ns)["status"]
+
+    def row() -> dict:
+        return next(iter(kvcs().get("pods") or []), {})
+
+    assert push(operator, report(4), token)[0] == 202
+    wait_until(lambda: row().get("preemptions") == 4, 30, "the pod's row with 4 preemptions")
+    assert push(operator, report(6), token)[0] == 202
+    before = wait_until(
+        lambda: (k := kvcs())["retention"]["decodePreemptionsRecent"] == 2 and k,
+        30,
+        "2 recent preemptions",
+    )
+    # The fields a new leader seeds from, as the API server stored them.
+    (pod,) = before["pods"]
+    assert (pod["startedAt"], pod["preemptions"]) == (api.iso_time(started), 6)
+    (rise,) = before["pressure"]["preemptions"]
+    assert rise["count"] == 2 and -1 <= time.time() - api.parse_time(rise["time"]) < 60
+    assert {u["kvUsage"] for u in before["pressure"]["kvUsage"]} == {0.5}
+
+    operator.stop()
+    operator.start()
+
+    def pushed() -> bool:
+        try:
+            return push(operator, report(6), token)[0] == 202
+        except (urllib.error.URLError, ConnectionError):
+            return False  # not listening yet
+
+    wait_until(pushed, 60, "the restarted operator accepting the report")
+    # Its first write: the row shows the report it received, not the one before.
+    after = wait_until(
+        lambda: (k := kvcs())["pods"][0]["lastReport"] > pod["lastReport"] and k,
+        60,
+        "KVCacheStatus written by the restarted operator",
+    )
+    assert after["retention"]["decodePreemptionsRecent"] == 2
+    assert after["retention"]["inputs"]["preemptionsDelta"] == 2
+    assert after["pressure"]["preemptions"] == before["pressure"]["preemptions"]
+    assert "under KV pressure" in after["retention"]["reason"]
 
 
 def kv_transport_false(kubectl: Kubectl, ns: str) -> dict:

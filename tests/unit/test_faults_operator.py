@@ -56,6 +56,21 @@ def test_one_pods_unusable_report_leaves_the_others_figures_standing(bad):
     assert f"left out (report unusable): {bad.pod}" in agg.status["message"]
 
 
+def test_an_unusable_reports_row_keeps_what_the_pressure_window_saw():
+    # The publisher's window counted this report's preemptions too: a new leader seeds
+    # its counter from the row (pressure.seed), or it would count them again.
+    bad = rep("tiny-decode-1", by_turn={"x": wire.TurnBucket(1, 1, 1, 1)})
+    bad.engine.preemptions, bad.started_at = 7, NOW - 60
+    agg = aggregate.aggregate(SERVER, [reports.Received(bad, NOW)], NOW, 480)
+    (row,) = agg.status["pods"]
+    assert row["excluded"]
+    assert (row["role"], row["startedAt"], row["preemptions"]) == (
+        "decode",
+        api.iso_time(NOW - 60),
+        7,
+    )
+
+
 class FakeKube:
     def __init__(self, pods: dict[str, str]) -> None:
         self.pods = pods  # name -> uid

@@ -193,3 +193,81 @@ def test_recommend_mode_ignores_a_leftover_auto_applied_retention():
     assert shown["retention"]["appliedSeconds"] == 480
     assert shown["retention"]["inputs"]["current"] == 480
     assert pub.decisions[("default", "tiny")].applied_retention == 480
+
+
+# ------------------------------------------------------------------ a new leader
+
+
+class MutableStore:
+    """The report store of one decode pod, whose latest report a test replaces."""
+
+    def __init__(self) -> None:
+        self.report: wire.Report | None = None
+
+    def servers(self) -> list[tuple[str, str]]:
+        return [("default", "tiny")]
+
+    def get(self, ns: str, name: str) -> list[reports.Received]:
+        return [reports.Received(self.report, self.report.generated_at)] if self.report else []
+
+    def prune(self, ns: str, name: str, pods: list[str]) -> None:
+        raise AssertionError("nothing here is stale")
+
+
+def decode(preemptions: int, kv_usage: float, at: float) -> wire.Report:
+    rep = wire.Report(
+        version=1,
+        server="tiny",
+        namespace="default",
+        pod="tiny-decode-0",
+        role="decode",
+        started_at=NOW - 1200,  # the sidecar started 20 minutes before
+        generated_at=at,
+        engine=wire.Engine(preemptions=preemptions, kv_usage=kv_usage),
+    )
+    for gap in [25.0] * 50:
+        rep.gaps.observe(gap)
+    return rep
+
+
+def operator_process(kube: MemoryKube, store: MutableStore, clock: list[float]) -> Any:
+    return publisher.Publisher(
+        kube,  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        apply_children=lambda obj: None,
+        clock=lambda: clock[0],
+    )
+
+
+def test_a_new_leader_carries_on_with_the_pressure_window_from_status():
+    obj = server({"cacheTuning": {"mode": "Recommend"}})
+    kube, store, clock = MemoryKube(obj, kvcs()), MutableStore(), [NOW]
+    first = operator_process(kube, store, clock)
+    store.report = decode(4, 0.95, NOW)
+    first.publish("default", "tiny")
+    clock[0], store.report = NOW + 10, decode(6, 0.40, NOW + 10)
+    first.publish("default", "tiny")
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    assert shown["retention"]["decodePreemptionsRecent"] == 2
+    assert shown["pods"][0]["startedAt"] == api.iso_time(NOW - 1200)
+
+    # The leader goes; the next one starts with empty memory and the same pod reports
+    # the same counter again.
+    clock[0], store.report = NOW + 30, decode(6, 0.40, NOW + 30)
+    second = operator_process(kube, store, clock)
+    second.publish("default", "tiny")
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    assert shown["retention"]["decodePreemptionsRecent"] == 2
+    inputs = shown["retention"]["inputs"]
+    assert (inputs["preemptionsDelta"], inputs["decodeKVUsageMax"]) == (2, 0.95)
+    assert "under KV pressure" in shown["retention"]["reason"]
+    assert second.decisions[("default", "tiny")].preemptions_recent == 2
+    # One more rise after the takeover counts once, on top of the two.
+    clock[0], store.report = NOW + 40, decode(7, 0.40, NOW + 40)
+    second.publish("default", "tiny")
+    assert (
+        kube.objs[(api.STATUS_KIND, "tiny")]["status"]["retention"]["decodePreemptionsRecent"] == 3
+    )
