@@ -849,7 +849,15 @@ def server_changed(
         if last is not None
         else body.status.get("observedGeneration") != generation
     )
-    if (type in (None, "ADDED") or new_generation) and apply_or_retry(plain, memo, logger):
+    # The initial listing (a standby taking over, a restart) applies no server whose
+    # status shows its generation landed and that this process has not applied: its
+    # children are as that apply left them, unless they changed since, which the child
+    # watches' own listing re-applies (edited ones) and the first safety pass soon after
+    # start (deleted ones: no event comes for those). Thousands of requests at takeover
+    # otherwise, for hundreds of servers whose children have not changed.
+    landed = last is None and status.generation_landed(dict(body.status), generation)
+    first_sight = type == "ADDED" or (type is None and not landed)
+    if (first_sight or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
     if getattr(memo, "status_queue", None) is not None and servers is not None:
         memo.status_queue.request((body.metadata["namespace"], body.metadata["name"]))
@@ -906,8 +914,27 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
+# The first safety pass comes this long after start (+-1/3 at random: 10-20 s), not a
+# whole interval later: the initial listing applies no server whose generation has
+# landed (server_changed), and a child deleted while no operator ran (a takeover, a
+# restart) has no event to restore it; this pass does. Not at once: kopf's listing and
+# the child watches' first events come first (a pass racing them would re-apply what
+# they are restoring), and replicas started together drift apart.
+FIRST_PASS_SECONDS = 15.0
+FIRST_PASS_SPREAD = 1 / 3
+
+
+def first_pass_delay(resync_seconds: float, rand: float) -> float:
+    """Seconds from start to the first safety pass: ``FIRST_PASS_SECONDS`` +-1/3, or
+    one interval (+-20 %) when ``resync_seconds`` is shorter."""
+    if resync_seconds <= FIRST_PASS_SECONDS:
+        return backoff.jittered(resync_seconds, rand)
+    return backoff.jittered(FIRST_PASS_SECONDS, rand, FIRST_PASS_SPREAD)
+
+
 async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> None:
-    """The safety pass, every ``resync_seconds`` +-20 % (``backoff.jittered``): for
+    """The safety pass, every ``resync_seconds`` +-20 % (``backoff.jittered``), the first
+    soon after start (``first_pass_delay``): for
     missed watch events, and for what changes without an event on our objects (a
     device plugin installed, a namespace relabelled, a network created: status).
 
@@ -920,8 +947,10 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
     every server, and a finalizer would block deleting servers whenever the
     operator is down.
     """
+    delay = first_pass_delay(settings.resync_seconds, random.random())
     while True:
-        await asyncio.sleep(backoff.jittered(settings.resync_seconds, random.random()))
+        await asyncio.sleep(delay)
+        delay = backoff.jittered(settings.resync_seconds, random.random())
         try:
             done = await asyncio.to_thread(safety_pass, memo, settings, logger)
         except Exception as exc:  # the loop must outlive any trouble of one pass
@@ -962,9 +991,13 @@ def needs_apply(
     listed_at: float = 0.0,
     held: str | None = None,
     running: bool = False,
+    landed: bool = False,
 ) -> bool:
     """Whether the safety pass re-applies a server: its generation has not landed
-    whole, or some child is missing or lost one of our fields. Not a server whose
+    whole, or some child is missing or lost one of our fields. Landed is by this
+    process's last whole apply (``last``); without one, by the server's status
+    (``landed``: status.generation_landed), so that the first pass after a takeover
+    or a restart re-applies only a server whose children changed. Not a server whose
     apply ended after the children were listed (``listed_at``, monotonic): the list
     may lack some of its children, and that apply has its own retries. Nor a server
     the settings refuse (``held``, settings_refusal) as they did at its last apply of
@@ -974,11 +1007,19 @@ def needs_apply(
     list may predate its children, and it has its own retries."""
     if running or (last is not None and last.finished > listed_at):
         return False
-    if last is None or last.generation != server.generation:
+    if last is None:
+        # Not applied by this process (a standby that took over, a restart): a
+        # generation the status shows landed (``landed``) is checked for drift as one
+        # it applied, where a child deleted while no operator ran shows as missing.
+        if not landed:
+            return True
+        held_as_before = False
+    elif last.generation != server.generation:
         return True
-    held_as_before = held is not None and last.held == held and not last.refusals
-    if not last.applied and not held_as_before:
-        return True
+    else:
+        held_as_before = held is not None and last.held == held and not last.refusals
+        if not last.applied and not held_as_before:
+            return True
     return not all(
         drift.covers(
             children.get((c["kind"], c["metadata"]["namespace"], c["metadata"]["name"])), c
@@ -1067,7 +1108,10 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         try:
             running, last = claims.apply_state(key) if claims else (False, None)
             held = settings_refusal(server, settings)
-            if needs_apply(server, wanted, children, last, listed_at, held, running) and not (
+            landed = status.generation_landed(body.get("status"), server.generation)
+            if needs_apply(
+                server, wanted, children, last, listed_at, held, running, landed
+            ) and not (
                 _policy_still_refused(server, wanted, last, held, kube, claims, logger)
                 and not _drifted_besides_the_hold(wanted, children)
             ):

@@ -454,6 +454,31 @@ def observed_generation(observed: Observed, old_status: dict[str, Any]) -> int |
     return old if isinstance(old, int) else None
 
 
+def generation_landed(server_status: dict[str, Any] | None, generation: int | None) -> bool:
+    """Whether a server's status, as read, shows ``generation`` landed whole: its
+    observedGeneration is that one (written only for a generation whose children all
+    landed: observed_generation), and Progressing does not say that an apply of it was
+    held back since (refused, held by the settings, a name taken: observedGeneration
+    stays where it was then). What a process that has not applied the server itself
+    (a standby taking over, a restart) goes by: such a server is not applied again."""
+    server_status = server_status or {}
+    observed = server_status.get("observedGeneration")
+    if not isinstance(observed, int) or isinstance(observed, bool) or observed != generation:
+        return False
+    progressing = next(
+        (
+            c
+            for c in server_status.get("conditions") or []
+            if isinstance(c, dict) and c.get("type") == api.COND_PROGRESSING
+        ),
+        {},
+    )
+    held_back = progressing.get("status") == "False" and progressing.get("reason") != (
+        REASON_COMPLETE
+    )
+    return not held_back
+
+
 def event_type(change: ConditionChange) -> str:
     """Normal or Warning for a condition's Event: Warning only for news of a fault
     (alerting pipelines page on Warnings, so a finished rollout must not be one)."""

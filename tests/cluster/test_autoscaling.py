@@ -129,8 +129,9 @@ def test_kubectl_scale_of_each_role_is_followed_and_never_undone(
     kubectl.run("scale", "statefulset", "tiny-prefill", "--replicas=1", "-n", ns)
     wait_until(lambda: sts_replicas(kubectl, ns, "prefill") == 3, TIMEOUT, "drift restored to 3")
 
-    # A restarted operator renders from the RoleScalers too (its first apply of every
-    # server, then a safety pass): nothing goes back to the spec's 1.
+    # A restarted operator renders from the RoleScalers too (the child watches' first
+    # listing, then a safety pass; a landed generation is not applied again): nothing
+    # goes back to the spec's 1.
     operator.stop()
     operator.start()
     start = safety_passes(operator)

@@ -1,7 +1,9 @@
 """Two operator replicas with leader election on the real API server, behind a
 round-robin balancer (kwok routes no Services): the leader is killed in the middle
 of report traffic and a rollout; the standby takes the Lease, the rollout finishes,
-KVCacheStatus keeps moving, and no report is counted twice."""
+KVCacheStatus keeps moving, and no report is counted twice. A second server, Ready
+before the kill and untouched after, costs the new leader no write (issue 23, item 3:
+a takeover re-applies nothing that has landed)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import EVIDENCE, bound_token
-from tests.kube import wait_condition
+from tests.kube import audited_kubeconfig, audited_requests, wait_condition
 from tests.roundrobin import RoundRobinThread
 
 LEASE = "kvferry-failover"
@@ -82,6 +84,16 @@ class Sidecar:
         self._thread.join(15)
 
 
+def writes_to(server: str, ns: str, since: float) -> list:
+    """The audited operator's writes to ``server`` or its children (every child's name
+    is the server's or starts with ``<server>-``), received since ``since``."""
+    return [
+        r
+        for r in audited_requests(since)
+        if r.write and r.namespace == ns and (r.name == server or r.name.startswith(f"{server}-"))
+    ]
+
+
 def kvcs(kubectl: Kubectl, ns: str) -> dict:
     return (kubectl.get("kvcachestatus", "tiny", ns) or {}).get("status") or {}
 
@@ -94,8 +106,11 @@ def test_the_standby_takes_over_a_killed_leader_mid_rollout_and_report_traffic(
     try:
         with RoundRobinThread([]) as balancer:
             url = f"https://127.0.0.1:{balancer.port}/v1/reports"
+            # op-b, the one that takes over, under the audited user: every request it
+            # makes is in the API server's audit log (tests/cluster/test_quiet.py).
+            audited = audited_kubeconfig(kubeconfig, tmp_path)
             for name in ("op-a", "op-b"):
-                op = Operator(kubeconfig, tmp_path / f"{name}.log")
+                op = Operator(audited if name == "op-b" else kubeconfig, tmp_path / f"{name}.log")
                 if replicas:  # one certificate for both, as the chart's Secret is
                     op.cert, op.key = replicas[0].cert, replicas[0].key
                 op.report_url = url  # what the ConfigMaps carry: the Service's address
@@ -110,11 +125,14 @@ def test_the_standby_takes_over_a_killed_leader_mid_rollout_and_report_traffic(
             a, b = replicas
             a.start()
             wait_until(lambda: holder(kubectl, ns).startswith("op-a_"), 60, "op-a leading")
+            b_started = time.time()
             b.start()
             wait_until(lambda: "standby: lease" in b.log(), 60, "op-b waiting as a standby")
 
             kubectl.apply(make(ns), "--server-side")
+            kubectl.apply(make(ns, "quiet"), "--server-side")  # untouched from here on
             wait_ready(kubectl, ns)
+            wait_ready(kubectl, ns, "quiet")
             token_file = tmp_path / "token"
             token_file.write_text(bound_token(kubectl, ns, "tiny-decode-0"))
             with Sidecar(url, token_file, a.cert) as sidecar:
@@ -184,6 +202,13 @@ def test_the_standby_takes_over_a_killed_leader_mid_rollout_and_report_traffic(
                     "prefill rolled",
                 )
                 wait_condition(kubectl, ns, "tiny", "Ready", status="True", timeout=120)
+
+            # The untouched server cost the new leader no write: not from kopf's initial
+            # listing (its generation had landed), nor from the child watches' (its
+            # children hold our fields), nor from a safety pass (none is missing).
+            wait_until(lambda: "safety pass done" in b.log(), 60, "op-b's first safety pass")
+            assert writes_to("quiet", ns, b_started) == []
+            assert writes_to("tiny", ns, b_started), "op-b's requests are not in the audit log"
 
             # Counted once: the cumulative figures as the last report carried them
             # (12 pulls, 1.2 GB in 1.2 s), the preemptions 4 then 6 as 6, not 10.

@@ -49,6 +49,27 @@ def test_a_missing_or_edited_child_or_an_unlanded_generation_needs_one():
     assert handlers.needs_apply(SERVER, WANTED, children, None)
 
 
+def test_a_server_this_process_never_applied_is_checked_by_its_status():
+    # A standby that took over (or a restart) has no apply of its own to go by: the
+    # first pass re-applied every server, thousands of requests for children that had
+    # not changed. A generation the status shows landed is checked for drift instead.
+    children = as_listed(WANTED)
+    assert not handlers.needs_apply(SERVER, WANTED, children, None, landed=True)
+    # A child deleted while no operator ran (no event comes for it): applied.
+    missing = {k: c for k, c in children.items() if k[0] != "ConfigMap"}
+    assert handlers.needs_apply(SERVER, WANTED, missing, None, landed=True)
+    edited = dict(children)
+    key = next(k for k in edited if k[0] == "StatefulSet")
+    edited[key] = {**edited[key], "spec": {**edited[key]["spec"], "replicas": 7}}
+    assert handlers.needs_apply(SERVER, WANTED, edited, None, landed=True)
+    # A status that does not show it landed: applied, as before.
+    assert handlers.needs_apply(SERVER, WANTED, children, None, landed=False)
+    # A whole apply under way still wins; this process's own outcome rules over status.
+    assert not handlers.needs_apply(SERVER, WANTED, {}, None, running=True, landed=True)
+    refused = ownership.ApplyOutcome(SERVER.generation, False, ("StatefulSet x: 422",))
+    assert handlers.needs_apply(SERVER, WANTED, children, refused, landed=True)
+
+
 class ListingKube:
     def __init__(self, children: dict) -> None:
         self.children = children
@@ -78,6 +99,72 @@ def test_a_pass_over_a_server_at_rest_only_lists():
     assert (done.servers, done.applied) == (1, 0)
     assert all(r.startswith("list ") for r in kube.requests), kube.requests
     assert len(kube.requests) == 1 + len(handlers.CHILD_KINDS)
+
+
+def landed_obj(generation: int = 1, observed: int | None = 1, progressing: tuple = ()) -> dict:
+    """SERVER_OBJ at ``generation`` with a status of ``observed`` (observedGeneration;
+    None: none) and a Progressing condition of (status, reason), if given."""
+    status: dict = {} if observed is None else {"observedGeneration": observed}
+    if progressing:
+        status["conditions"] = [
+            {"type": "Progressing", "status": progressing[0], "reason": progressing[1]}
+        ]
+    meta = {**SERVER_OBJ["metadata"], "generation": generation}
+    return {**SERVER_OBJ, "metadata": meta, "status": status}
+
+
+class StatusListingKube(ListingKube):
+    """ListingKube with the server as listed (its status too), and applies counted."""
+
+    def __init__(self, body: dict, children: dict) -> None:
+        super().__init__(children)
+        self.body = body
+        self.applies = 0
+
+    def list_servers(self, namespaces):
+        self.requests.append("list servers")
+        return [self.body]
+
+    def get(self, api_version, kind, namespace, name):
+        return None
+
+    def apply(self, child):
+        self.applies += 1
+        return child
+
+
+def first_pass(body: dict, children: dict) -> tuple[handlers.PassDone, StatusListingKube]:
+    """A safety pass of a process with no apply recorded (a standby that took over)."""
+    kube = StatusListingKube(body, children)
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    return handlers.safety_pass(memo, SETTINGS, logging.getLogger("test")), kube
+
+
+def test_the_first_pass_after_a_takeover_only_lists_a_landed_server_at_rest():
+    body = landed_obj(progressing=("False", "Complete"))
+    wanted = render.render(api.parse_server(body), SETTINGS.render_context())
+    done, kube = first_pass(body, as_listed(wanted))
+    assert (done.servers, done.applied) == (1, 0)
+    assert all(r.startswith("list ") for r in kube.requests), kube.requests
+    # Its ConfigMap deleted while no operator ran: the pass puts it back.
+    missing = {k: c for k, c in as_listed(wanted).items() if k[0] != "ConfigMap"}
+    done, kube = first_pass(body, missing)
+    assert done.applied == 1 and kube.applies > 0
+
+
+def test_the_first_pass_applies_a_server_whose_status_does_not_show_it_landed():
+    for body in (
+        landed_obj(observed=None),  # never landed
+        landed_obj(generation=2, observed=1),  # a new generation, not landed yet
+        # Landed, then an apply of the same generation refused or held back (the
+        # status keeps observedGeneration): the refusal is found again.
+        landed_obj(progressing=("False", "ApplyFailed")),
+        landed_obj(progressing=("False", "HostPathNotAllowed")),
+        landed_obj(progressing=("False", "ChildConflict")),
+    ):
+        wanted = render.render(api.parse_server(body), SETTINGS.render_context())
+        done, _kube = first_pass(body, as_listed(wanted))
+        assert done.applied == 1, body["status"]
 
 
 def test_a_server_applied_since_the_children_were_listed_is_left_to_its_own_apply():
