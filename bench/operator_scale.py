@@ -893,11 +893,11 @@ def run_one(
     try:
         cluster.prepare_namespace()
         op.start()
+        took = wait_for_watches(cluster, op)  # under election: once it holds the Lease
         if with_failover:
             wait_leading(cluster, op)
             replicas[1].start()
             wait_standby(replicas[1])
-        took = wait_for_watches(cluster, op)
         time.sleep(2.0)  # the other watches settle (children, pods)
         startup_rss = process_peak_rss_mb(op.pid)
         say(
