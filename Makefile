@@ -112,6 +112,7 @@ bench-hostile: bench-venv
 bench-eviction: bench-venv
 	$(BIN)/python -m bench.eviction
 
-# 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests.
+# 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests;
+# then the leader of two replicas killed (takeover time and requests) and a graceful handover.
 bench-operator: bench-venv
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m bench.operator_scale

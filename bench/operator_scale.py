@@ -17,7 +17,18 @@ default settings), it applies N servers at once and measures:
 - then an idle window (default 60 s): CPU and requests per server per minute when
   nothing changes. Report authentication (TokenReviews, and the pod and StatefulSet
   reads the report endpoint makes) is counted apart: it follows the reports, not the
-  servers (no sidecar reports here, so it is 0 unless one does).
+  servers (no sidecar reports here, so it is 0 unless one does);
+- then failover (on by default; ``--no-failover`` runs one operator without leader
+  election and skips it). The operator runs as two replicas with ``--leader-elect``
+  from the start, one client certificate (so one audit user; the figures above are
+  the leader's, the Lease's own requests counted apart). After the idle window the
+  leader is SIGKILLed: the seconds until the standby holds the Lease (the admin's
+  watch of it) and until it answers /readyz 200, and the requests it makes in the
+  first 60 s after the kill (``--takeover-window``; after the kill only it runs, so
+  the time tells its requests from the dead leader's), reads and writes by verb and
+  resource, per server. Then a graceful handover: a third replica starts as a
+  standby, the new leader is SIGTERMed (a clean stop releases the Lease), and the
+  seconds until the third holds the Lease.
 
 Targets (issue 13) at N=100: all Ready within 60 s, peak RSS at most 200 MB; (issue
 23) at most 3 Events and 3 status patches per server and 20 requests in all to
@@ -33,13 +44,18 @@ import math
 import os
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +81,13 @@ NAMESPACE = "bench"
 # looks at nodes, the scheduler does.
 GPUS_PER_NODE = 100
 PODS_PER_NODE = 110
+# The failover phase: the replicas' Lease (the chart's is <release> in its own
+# namespace), and how long after a kill the new leader's requests are counted.
+LEASE_NAMESPACE = "kvferry-system"
+LEASE_NAME = "kvferry-operator"
+TAKEOVER_WINDOW_SECONDS = 60.0
+# hack/controlplane.sh takes the API server's port and the 5 above it.
+CONTROL_PLANE_PORTS = 6
 
 AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -258,6 +281,7 @@ class Cluster:
         """The namespace and a bound `models` PVC (kwok has no volume provisioner)."""
         objs = [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LEASE_NAMESPACE}},
             {
                 "apiVersion": "v1",
                 "kind": "PersistentVolume",
@@ -288,6 +312,43 @@ class Cluster:
             input=json.dumps({"kind": "List", "apiVersion": "v1", "items": objs}),
         )
 
+    def serving_cert(self) -> tuple[Path, Path]:
+        """A self-signed serving certificate for 127.0.0.1: the replicas' report
+        endpoint (and its /readyz) starts only with one."""
+        cert, key = self.dir / "serving.crt", self.dir / "serving.key"
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-subj",
+                "/CN=kvferry-operator",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return cert, key
+
+    def lease_holder(self) -> str:
+        """The Lease's spec.holderIdentity as the admin reads it ("" absent or released)."""
+        out = self.kubectl(
+            "get", "lease", LEASE_NAME, "-n", LEASE_NAMESPACE, "--ignore-not-found", "-o", "json"
+        )
+        return ((json.loads(out) if out.strip() else {}).get("spec") or {}).get(
+            "holderIdentity"
+        ) or ""
+
     def ready_count(self) -> tuple[int, int]:
         """(servers Ready=True, servers seen)."""
         items = json.loads(
@@ -310,17 +371,43 @@ class OperatorProcess:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     resync_seconds: float | None = None  # None: the operator's default
+    # Leader election (the failover phase): the replica's pod name (KVFERRY_POD_NAME;
+    # "" runs one operator without election) and its own report and /metrics ports,
+    # the report endpoint on a serving certificate (its /readyz says who leads).
+    pod_name: str = ""
+    report_port: int = 0
+    metrics_port: int = 0
+    serving_cert: tuple[Path, Path] | None = None
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFERRY_", "KUBECONFIG"))}
-        # The chart's defaults otherwise (resync, publish 10 s); no report endpoint
-        # (no TLS certificate) and no /metrics port: no sidecars report here.
+        # The chart's defaults otherwise (resync, publish 10 s). One operator alone has
+        # no report endpoint (no TLS certificate) and no /metrics port: no sidecars
+        # report here. Replicas under election have both, on ports of their own.
         env.update({"KUBECONFIG": str(self.kubeconfig), "KVFERRY_METRICS_PORT": "0"})
+        args = ["run", "--standalone"]
+        if self.pod_name:
+            assert self.serving_cert and self.report_port and self.metrics_port
+            cert, key = self.serving_cert
+            env.update(
+                {
+                    "KVFERRY_LEADER_ELECTION_NAMESPACE": LEASE_NAMESPACE,
+                    "KVFERRY_LEADER_ELECTION_ID": LEASE_NAME,
+                    "KVFERRY_POD_NAME": self.pod_name,
+                    "KVFERRY_TLS_CERT_FILE": str(cert),
+                    "KVFERRY_TLS_KEY_FILE": str(key),
+                    "KVFERRY_REPORT_HOST": "127.0.0.1",
+                    "KVFERRY_REPORT_PORT": str(self.report_port),
+                    "KVFERRY_METRICS_HOST": "127.0.0.1",
+                    "KVFERRY_METRICS_PORT": str(self.metrics_port),
+                }
+            )
+            args.append("--leader-elect")
         if self.resync_seconds is not None:
             env["KVFERRY_RESYNC_SECONDS"] = str(self.resync_seconds)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry_operator.cli", "run", "--standalone"],
+            [sys.executable, "-m", "kvferry_operator.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -336,6 +423,32 @@ class OperatorProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the replica (its process group) and return at once."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig)
+
+    def readyz(self) -> int | None:
+        """The HTTP status of the replica's /readyz (200 leading, 503 standby), None
+        while nothing answers (starting, or between the Lease and kopf's startup)."""
+        url = f"https://127.0.0.1:{self.report_port}/readyz"
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # its own self-signed certificate
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (OSError, ValueError):
+            return None
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -345,6 +458,152 @@ class OperatorProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:``port`` (SO_REUSEADDR: a closed connection's
+    TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def control_plane_port(wanted: int) -> int:
+    """``wanted`` when it and the ports hack/controlplane.sh takes above it are free;
+    else the next free block, 100 up (another run's control plane holds them)."""
+    port = wanted
+    for _ in range(20):
+        if all(port_free(p) for p in range(port, port + CONTROL_PLANE_PORTS)):
+            if port != wanted:
+                say(f"ports {wanted}-{wanted + CONTROL_PLANE_PORTS - 1} are taken; using {port}")
+            return port
+        port += 100
+    raise SystemExit(f"no free block of {CONTROL_PLANE_PORTS} ports from {wanted}")
+
+
+def free_ports(start: int, count: int) -> list[int]:
+    """``count`` free ports from ``start`` up (below the ephemeral range, as the control
+    plane's: a port there can be taken by any outgoing connection)."""
+    out = [p for p in range(start, start + 200) if port_free(p)][:count]
+    if len(out) < count:
+        raise SystemExit(f"fewer than {count} free ports from {start}")
+    return out
+
+
+def wait_leading(cluster: Cluster, op: OperatorProcess, timeout: float = 120) -> None:
+    """Until ``op`` holds the Lease (setup, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not op.alive():
+            raise SystemExit(f"the operator exited; log {op.log_path}")
+        if cluster.lease_holder().startswith(op.pod_name + "_"):
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"{op.pod_name} did not take the Lease in {timeout:.0f} s; log {op.log_path}")
+
+
+def wait_standby(op: OperatorProcess, timeout: float = 120) -> None:
+    """Until ``op`` has read the Lease as another's (it logs it once)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not op.alive():
+            raise SystemExit(f"the operator exited; log {op.log_path}")
+        if "standby: lease" in op.log():
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"{op.pod_name} is no standby after {timeout:.0f} s; log {op.log_path}")
+
+
+def wait_readyz(op: OperatorProcess, since: float, timeout: float) -> float | None:
+    """Seconds from ``since`` (monotonic) until the replica's /readyz answers 200
+    (asked every 0.1 s); None when it does not within ``timeout`` of ``since``."""
+    while time.monotonic() < since + timeout:
+        if op.readyz() == 200:
+            return time.monotonic() - since
+        if not op.alive():
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def wait_exit(op: OperatorProcess, since: float, timeout: float) -> float | None:
+    """Seconds from ``since`` (monotonic) until the replica's process has exited."""
+    assert op.proc is not None
+    try:
+        op.proc.wait(timeout=max(0.0, since + timeout - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+    return time.monotonic() - since
+
+
+@dataclass(frozen=True)
+class LeaseSeen:
+    at: float  # monotonic, when the admin's watch printed it
+    holder: str  # spec.holderIdentity; "" released
+    acquired: str  # spec.acquireTime as the holder wrote it
+
+
+class LeaseWatch:
+    """The Lease as the admin's ``kubectl get --watch`` prints each change (every
+    renewal is one), timed as the line arrives; a thread reads them, ``wait`` waits
+    on them. The watch is the admin's: the audit log records the operator only."""
+
+    FORMAT = 'jsonpath={.spec.holderIdentity}|{.spec.acquireTime}{"\\n"}'
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.seen: list[LeaseSeen] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # fmt: off
+            cmd = [
+                "kubectl", "--kubeconfig", str(self.cluster.admin_kubeconfig), "get", "lease",
+                LEASE_NAME, "-n", LEASE_NAMESPACE, "--watch", "-o", self.FORMAT,
+            ]
+            # fmt: on
+            self._proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                holder, _, acquired = line.rstrip("\n").partition("|")
+                with self._cond:
+                    self.seen.append(LeaseSeen(time.monotonic(), holder, acquired))
+                    self._cond.notify_all()
+            self._proc.wait()
+            self._stop.wait(0.5)  # the server ended the watch: watch again
+
+    def wait(self, pred: Any, after: float, timeout: float) -> LeaseSeen | None:
+        """The first change printed at or after ``after`` (monotonic) that ``pred``
+        accepts; None when none comes within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for seen in self.seen:
+                    if seen.at >= after and pred(seen):
+                        return seen
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+        self._thread.join(timeout=5)
 
 
 # ----------------------------------------------------------------------------- audit
@@ -361,6 +620,173 @@ REPORT_AUTH = {"create tokenreviews", "get pods", "get statefulsets"}
 
 def is_report_auth(r: Request) -> bool:
     return f"{r.verb} {r.resource}" in REPORT_AUTH
+
+
+def is_lease(r: Request) -> bool:
+    """Leader election's own requests (every replica's reads, the leader's renewals):
+    counted apart, they follow the replicas, not the servers."""
+    return r.resource == "leases"
+
+
+def by_verb_resource(rs: list[Request]) -> dict[str, int]:
+    return dict(Counter(f"{r.verb} {r.resource}" for r in rs).most_common())
+
+
+READ_VERBS = ("get", "list", "watch")
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
+def _rfc3339(stamp: str) -> float | None:
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- failover
+
+
+@dataclass
+class Failover:
+    """The leader SIGKILLed (its standby takes over), then the new leader SIGTERMed
+    beside a fresh standby (a clean stop releases the Lease). Seconds are from the
+    signal; ``None``: not within the phase's timeout."""
+
+    lease_seconds: float | None  # the admin's watch shows the standby holding the Lease
+    lease_acquire_seconds: float | None  # the acquireTime the new holder wrote
+    ready_seconds: float | None  # the new leader's /readyz answers 200
+    watch_seconds: float | None  # its first watch of the servers (audit log)
+    last_write_seconds: float | None  # its last write inside the window
+    window_seconds: float
+    requests_by: dict[str, int]  # the new leader's in the window, the Lease's apart
+    lease_requests: int
+    ready_servers_after: int  # servers Ready at the end of the window
+    handover_seconds: float | None  # the fresh standby holds the Lease
+    handover_release_seconds: float | None  # the Lease shows no holder
+    handover_ready_seconds: float | None  # the fresh standby's /readyz answers 200
+    handover_exit_seconds: float | None  # the old leader's process has exited
+
+    @property
+    def requests(self) -> int:
+        return sum(self.requests_by.values())
+
+    @property
+    def reads_by(self) -> dict[str, int]:
+        return {k: v for k, v in self.requests_by.items() if k.split()[0] in READ_VERBS}
+
+    @property
+    def writes_by(self) -> dict[str, int]:
+        return {k: v for k, v in self.requests_by.items() if k.split()[0] not in READ_VERBS}
+
+    def json(self, n: int) -> dict[str, Any]:
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 2)
+
+        return {
+            "leaseTakenSeconds": r(self.lease_seconds),
+            "leaseAcquireTimeSeconds": r(self.lease_acquire_seconds),
+            "newLeaderReadySeconds": r(self.ready_seconds),
+            "newLeaderWatchingServersSeconds": r(self.watch_seconds),
+            "newLeaderLastWriteSeconds": r(self.last_write_seconds),
+            "windowSeconds": self.window_seconds,
+            "apiRequests": self.requests,
+            "apiRequestsPerServer": round(self.requests / n, 2),
+            "readsPerServer": round(sum(self.reads_by.values()) / n, 2),
+            "writesPerServer": round(sum(self.writes_by.values()) / n, 2),
+            "readsByVerbResource": self.reads_by,
+            "writesByVerbResource": self.writes_by,
+            "leaseRequests": self.lease_requests,
+            "serversReadyAfterWindow": self.ready_servers_after,
+            "gracefulHandoverSeconds": r(self.handover_seconds),
+            "gracefulReleaseSeconds": r(self.handover_release_seconds),
+            "gracefulNewLeaderReadySeconds": r(self.handover_ready_seconds),
+            "gracefulOldLeaderExitSeconds": r(self.handover_exit_seconds),
+        }
+
+
+def failover(
+    cluster: Cluster,
+    leader: OperatorProcess,
+    standby: OperatorProcess,
+    fresh: OperatorProcess,
+    n: int,
+    window: float,
+    timeout: float = 120,
+) -> Failover:
+    """Kill the leader, time the standby's takeover and count its requests over the
+    window (the same user as the leader's: after the kill only the standby runs, so
+    time tells them apart); then start ``fresh`` as a standby, SIGTERM the new leader
+    and time the handover."""
+    watch = LeaseWatch(cluster)
+    try:
+        if watch.wait(lambda s: s.holder.startswith(leader.pod_name + "_"), 0.0, 30) is None:
+            raise SystemExit(f"the Lease is not {leader.pod_name}'s: {cluster.lease_holder()!r}")
+        say(f"N={n}: failover: SIGKILL of the leader {leader.pod_name}")
+        kill_wall, kill = time.time(), time.monotonic()
+        leader.send(signal.SIGKILL)
+        assert leader.proc is not None
+        leader.proc.wait(timeout=30)
+        taken = watch.wait(lambda s: s.holder.startswith(standby.pod_name + "_"), kill, timeout)
+        lease_s = taken.at - kill if taken else None
+        acquired = _rfc3339(taken.acquired) if taken else None
+        ready_s = wait_readyz(standby, kill, timeout) if taken else None
+        say(
+            f"N={n}: failover: {standby.pod_name} holds the Lease after {_secs(lease_s)}, "
+            f"/readyz 200 after {_secs(ready_s)} (- : not in {timeout:.0f} s); counting its "
+            f"requests to {window:.0f} s after the kill"
+        )
+        # The window is what is measured: the survivor alone runs in it.
+        rest = kill + window - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
+        ready_after, _ = cluster.ready_count()
+
+        handover = release = handover_ready = exited = None
+        if taken is not None and standby.alive():
+            fresh.start()
+            wait_standby(fresh)
+            say(
+                f"N={n}: handover: SIGTERM of the leader {standby.pod_name}; "
+                f"{fresh.pod_name} waits as a standby"
+            )
+            term = time.monotonic()
+            standby.send(signal.SIGTERM)
+            got = watch.wait(lambda s: s.holder.startswith(fresh.pod_name + "_"), term, timeout)
+            handover = got.at - term if got else None
+            gone = watch.wait(lambda s: not s.holder, term, 0)
+            release = gone.at - term if gone and (not got or gone.at <= got.at) else None
+            handover_ready = wait_readyz(fresh, term, timeout) if got else None
+            exited = wait_exit(standby, term, timeout)
+            say(
+                f"N={n}: handover: {fresh.pod_name} holds the Lease after {_secs(handover)} "
+                f"(released after {_secs(release)})"
+            )
+    finally:
+        watch.close()
+    reqs = between(read_audit(cluster.audit_log, OPERATOR_USER), kill_wall, kill_wall + window)
+    work = [r for r in reqs if not is_lease(r)]
+    watching = next(
+        (r.at for r in work if r.verb == "watch" and r.resource == "disaggregatedservers"), None
+    )
+    writes = [r.at for r in work if r.write]
+    return Failover(
+        lease_seconds=lease_s,
+        lease_acquire_seconds=acquired - kill_wall if acquired is not None else None,
+        ready_seconds=ready_s,
+        watch_seconds=watching - kill_wall if watching is not None else None,
+        last_write_seconds=max(writes) - kill_wall if writes else None,
+        window_seconds=window,
+        requests_by=by_verb_resource(work),
+        lease_requests=len(reqs) - len(work),
+        ready_servers_after=ready_after,
+        handover_seconds=handover,
+        handover_release_seconds=release,
+        handover_ready_seconds=handover_ready,
+        handover_exit_seconds=exited,
+    )
 
 
 # ----------------------------------------------------------------------------- one run
@@ -384,6 +810,10 @@ class Run:
     control_plane_cpu: dict[str, float]  # CPU seconds to Ready, per component
     events_by_reason: dict[str, int] = field(default_factory=dict)
     idle_report_auth: int = 0
+    # Leader election's requests (both replicas), apart from the figures above.
+    lease_requests: int = 0
+    idle_lease_requests: int = 0
+    failover: Failover | None = None
 
     @property
     def requests_per_server(self) -> float:
@@ -420,8 +850,16 @@ def wait_for_watches(cluster: Cluster, op: OperatorProcess, timeout: float = 120
 
 
 def run_one(
-    n: int, work: Path, port: int, idle: float, ready_timeout: float, resync: float | None = None
+    n: int,
+    work: Path,
+    port: int,
+    idle: float,
+    ready_timeout: float,
+    resync: float | None = None,
+    with_failover: bool = True,
+    window: float = TAKEOVER_WINDOW_SECONDS,
 ) -> Run:
+    port = control_plane_port(port)
     cluster = Cluster(work / f"n{n}", port, nodes_for(n))
     shutil.rmtree(cluster.dir, ignore_errors=True)
     say(
@@ -429,16 +867,44 @@ def run_one(
         f"(port {port}) ..."
     )
     cluster.up()
-    op = OperatorProcess(
-        cluster.operator_kubeconfig(), cluster.dir / "operator.log", resync_seconds=resync
-    )
+    kubeconfig = cluster.operator_kubeconfig()
+    if with_failover:
+        # Two replicas from the start (the third is the handover's fresh standby): one
+        # client certificate, so one audit user, as the chart's pods share a ServiceAccount.
+        cert = cluster.serving_cert()
+        ports = iter(free_ports(port + CONTROL_PLANE_PORTS + 4, 6))
+        replicas = [
+            OperatorProcess(
+                kubeconfig,
+                cluster.dir / f"{name}.log",
+                resync_seconds=resync,
+                pod_name=name,
+                report_port=next(ports),
+                metrics_port=next(ports),
+                serving_cert=cert,
+            )
+            for name in ("op-a", "op-b", "op-c")
+        ]
+    else:
+        replicas = [
+            OperatorProcess(kubeconfig, cluster.dir / "operator.log", resync_seconds=resync)
+        ]
+    op = replicas[0]  # the leader: the figures to Ready and idle are its own
     try:
         cluster.prepare_namespace()
         op.start()
-        took = wait_for_watches(cluster, op)
+        took = wait_for_watches(cluster, op)  # under election: once it holds the Lease
+        if with_failover:
+            wait_leading(cluster, op)
+            replicas[1].start()
+            wait_standby(replicas[1])
         time.sleep(2.0)  # the other watches settle (children, pods)
         startup_rss = process_peak_rss_mb(op.pid)
-        say(f"N={n}: operator watching after {took:.1f} s (RSS {startup_rss:.0f} MB); applying")
+        say(
+            f"N={n}: operator watching after {took:.1f} s (RSS {startup_rss:.0f} MB"
+            + (f"; {replicas[1].pod_name} standby" if with_failover else "")
+            + "); applying"
+        )
         manifest = {
             "apiVersion": "v1",
             "kind": "List",
@@ -488,9 +954,11 @@ def run_one(
         wall2 = time.time()
         rss = max(rss, process_peak_rss_mb(op.pid))
         reqs = read_audit(cluster.audit_log, OPERATOR_USER)
-        busy = between(reqs, wall0, wall1)
+        busy_all = between(reqs, wall0, wall1)
+        busy = [r for r in busy_all if not is_lease(r)]
         quiet_all = between(reqs, wall1, wall2)
-        quiet = [r for r in quiet_all if not is_report_auth(r)]
+        quiet = [r for r in quiet_all if not is_report_auth(r) and not is_lease(r)]
+        idle_lease = sum(1 for r in quiet_all if is_lease(r))
         events = Counter()
         for ev in json.loads(cluster.kubectl("get", "events", "-n", NAMESPACE, "-o", "json"))[
             "items"
@@ -498,9 +966,9 @@ def run_one(
             # Only the operator posts Events about servers (kopf's and its own).
             if (ev.get("involvedObject") or {}).get("kind") == "DisaggregatedServer":
                 events[ev.get("reason", "?")] += int(ev.get("count") or 1)
-
-        def by(rs: list[Request]) -> dict[str, int]:
-            return dict(Counter(f"{r.verb} {r.resource}" for r in rs).most_common())
+        fo = None
+        if with_failover:
+            fo = failover(cluster, op, replicas[1], replicas[2], n, window)
 
         return Run(
             n=n,
@@ -509,19 +977,23 @@ def run_one(
             cpu_seconds=cpu1 - cpu0,
             peak_rss_mb=rss,
             requests=len(busy),
-            requests_by=by(busy),
+            requests_by=by_verb_resource(busy),
             idle_seconds=wall2 - wall1,
             idle_cpu_seconds=cpu2 - cpu1,
             idle_requests=len(quiet),
-            idle_requests_by=by(quiet),
+            idle_requests_by=by_verb_resource(quiet),
             startup_rss_mb=startup_rss,
             apply_seconds=applied,
             control_plane_cpu={k: round(cp1[k] - cp0.get(k, 0.0), 1) for k in cp1},
             events_by_reason=dict(events.most_common()),
-            idle_report_auth=len(quiet_all) - len(quiet),
+            idle_report_auth=len(quiet_all) - len(quiet) - idle_lease,
+            lease_requests=len(busy_all) - len(busy),
+            idle_lease_requests=idle_lease,
+            failover=fo,
         )
     finally:
-        op.stop()
+        for replica in replicas:
+            replica.stop()
         cluster.down()
 
 
@@ -611,7 +1083,22 @@ def main(argv: list[str] | None = None) -> int:
         "safety pass inside the idle window",
     )
     p.add_argument(
-        "--port", type=int, default=int(os.environ.get("KVFERRY_BENCH_CP_PORT", "29443"))
+        "--no-failover",
+        dest="failover",
+        action="store_false",
+        help="one operator without leader election, and no failover phase",
+    )
+    p.add_argument(
+        "--takeover-window",
+        type=float,
+        default=TAKEOVER_WINDOW_SECONDS,
+        help="seconds after the kill in which the new leader's requests are counted",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("KVFERRY_BENCH_CP_PORT", "29443")),
+        help="the API server's port (it and the 5 above it; the next free block when taken)",
     )
     p.add_argument("--work", type=Path, default=Path(f"/tmp/kvferry-bench-operator-{os.getpid()}"))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -630,6 +1117,15 @@ def main(argv: list[str] | None = None) -> int:
         "operatorSettings": "chart defaults"
         + (f", KVFERRY_RESYNC_SECONDS={args.resync:g}" if args.resync else ""),
         "server": "examples/minimal.yaml shape: 1 P + 1 D pod, 1 GPU each, 8 children",
+        "failover": (
+            "2 replicas with --leader-elect from the start (one client certificate), the "
+            "Lease's default timings (15 s lease, 10 s renew deadline, 2 s retry); after "
+            "the idle window the leader SIGKILLed, then the new one SIGTERMed beside a "
+            "fresh standby"
+            if args.failover
+            else "off: one operator without leader election"
+        ),
+        "takeoverWindowSeconds": args.takeover_window if args.failover else None,
     }
     print(result.header())
     started = time.monotonic()
@@ -637,7 +1133,16 @@ def main(argv: list[str] | None = None) -> int:
     with _interruptible():
         for n in args.servers:
             runs.append(
-                run_one(n, args.work, args.port, args.idle, args.ready_timeout, args.resync)
+                run_one(
+                    n,
+                    args.work,
+                    args.port,
+                    args.idle,
+                    args.ready_timeout,
+                    args.resync,
+                    args.failover,
+                    args.takeover_window,
+                )
             )
     result.seconds = round(time.monotonic() - started, 1)
     rows = [
@@ -673,6 +1178,37 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    failovers = [(r, r.failover) for r in runs if r.failover is not None]
+    if failovers:
+        print()
+        print(
+            table(
+                (
+                    "servers",
+                    "Lease taken (s)",
+                    "new leader /readyz (s)",
+                    f"req/server in {failovers[0][1].window_seconds:.0f} s",
+                    "reads/server",
+                    "writes/server",
+                    "last write (s)",
+                    "graceful handover (s)",
+                ),
+                [
+                    (
+                        r.n,
+                        f.lease_seconds,
+                        f.ready_seconds,
+                        f.requests / r.n,
+                        sum(f.reads_by.values()) / r.n,
+                        sum(f.writes_by.values()) / r.n,
+                        f.last_write_seconds,
+                        f.handover_seconds,
+                    )
+                    for r, f in failovers
+                ],
+            )
+        )
+        print("(seconds after the leader's SIGKILL; the handover's after the SIGTERM)")
     if len(runs) >= 2:
         a, b = runs[0], runs[-1]
         if a.ready_seconds and b.ready_seconds:
@@ -699,6 +1235,30 @@ def main(argv: list[str] | None = None) -> int:
             f"N={r.n} CPU seconds to Ready: operator {r.cpu_seconds:.0f}, {cpu}; "
             f"kubectl apply of the {r.n} servers alone took {r.apply_seconds:.0f} s"
         )
+        f = r.failover
+        if f is None:
+            continue
+        print(
+            f"N={r.n} leader election apart (both replicas' Lease requests): "
+            f"{r.lease_requests} to Ready, {r.idle_lease_requests} in the idle window"
+        )
+
+        def per_server(d: dict[str, int], n: int = r.n) -> str:
+            return ", ".join(f"{k} {v / n:.2f}" for k, v in d.items()) or "none"
+
+        print(
+            f"N={r.n} after the kill: the new leader watched servers after "
+            f"{_secs(f.watch_seconds)}; its requests per server in {f.window_seconds:.0f} s: "
+            f"reads {sum(f.reads_by.values()) / r.n:.2f} ({per_server(f.reads_by)}); writes "
+            f"{sum(f.writes_by.values()) / r.n:.2f} ({per_server(f.writes_by)}); Lease apart: "
+            f"{f.lease_requests}; {f.ready_servers_after}/{r.n} servers Ready at the window's end"
+        )
+        print(
+            f"N={r.n} graceful handover: the Lease released {_secs(f.handover_release_seconds)}, "
+            f"the fresh standby holding it {_secs(f.handover_seconds)} and answering /readyz "
+            f"200 {_secs(f.handover_ready_seconds)}, the old leader exited "
+            f"{_secs(f.handover_exit_seconds)} after the SIGTERM"
+        )
     result.results = {
         "runs": [
             {
@@ -721,6 +1281,9 @@ def main(argv: list[str] | None = None) -> int:
                 "idleApiRequestsPerServerPerMinute": round(r.idle_requests_per_server_minute, 2),
                 "idleApiRequestsByVerbResource": r.idle_requests_by,
                 "readyTimeline": r.ready_timeline,
+                "leaseRequests": r.lease_requests,
+                "idleLeaseRequests": r.idle_lease_requests,
+                "failover": r.failover.json(r.n) if r.failover else None,
             }
             for r in runs
         ]
