@@ -40,6 +40,7 @@ import asyncio
 import datetime
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -191,6 +192,9 @@ class Elector:
         self._wall = wall
         self._observed = Observed(clock)
         self.holder = ""  # the holder as last read, for the standby's log
+        # When the last write that kept the Lease was sent (this clock): the deadline
+        # counts from the request, not from its answer, as client-go's does.
+        self.renewed_at: float | None = None
         # Its own thread: a renewal never queues behind the operator's handlers.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-lease")
 
@@ -214,7 +218,11 @@ class Elector:
             return False
 
     async def _try(self) -> bool:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.try_once)
+        sent = self._clock()
+        held = await asyncio.get_running_loop().run_in_executor(self._executor, self.try_once)
+        if held:
+            self.renewed_at = sent
+        return held
 
     def _pause(self) -> float:
         # client-go's jitter: standbys started together do not ask together.
@@ -230,18 +238,30 @@ class Elector:
             await asyncio.sleep(self._pause())
         log.info("leading: lease %s/%s acquired as %s", self.namespace, self.name, self.me)
 
+    def _left(self) -> float:
+        renewed = self.renewed_at if self.renewed_at is not None else self._clock()
+        return renewed + self.renew_deadline - self._clock()
+
     async def hold(self) -> None:
         """Renew until a renewal has not succeeded for the renew deadline; then return
-        (leadership lost: the caller must stop at once)."""
-        renewed = self._clock()
+        (leadership lost: the caller must stop at once). A try that has not answered
+        by the deadline is a lost Lease too: a call to a slow API server (timeouts and
+        the client's own retries) can outlast the lease, and a standby may hold it."""
+        if self.renewed_at is None:
+            self.renewed_at = self._clock()
         while True:
             await asyncio.sleep(self.retry_seconds)
-            if await self._try():
-                renewed = self._clock()
-            elif self.holder and self.holder != self.me:
+            left = self._left()
+            try:
+                held = left > 0 and await asyncio.wait_for(self._try(), left)
+            except TimeoutError:
+                held = False
+            if held:
+                continue
+            if self.holder and self.holder != self.me:
                 log.error("lost lease %s/%s to %s", self.namespace, self.name, self.holder)
                 return
-            elif self._clock() - renewed > self.renew_deadline:
+            if self._left() <= 0:
                 log.error(
                     "lost lease %s/%s: not renewed for %.0fs",
                     self.namespace,
@@ -249,6 +269,29 @@ class Elector:
                     self.renew_deadline,
                 )
                 return
+
+    def watch(self, on_lost: Callable[[], None], period: float | None = None) -> threading.Event:
+        """A thread apart from the event loop that calls ``on_lost`` once the last
+        renewal is older than the renew deadline: a stuck event loop renews nothing,
+        and the handlers' threads must not write on while a standby takes over. Set
+        the returned event to stop it (a clean stop, before the Lease is released)."""
+        stop = threading.Event()
+        pause = period if period is not None else self.retry_seconds / 2
+
+        def run() -> None:
+            while not stop.wait(pause):
+                if self.renewed_at is not None and self._left() <= 0:
+                    log.error(
+                        "lost lease %s/%s: not renewed for %.0fs (watchdog)",
+                        self.namespace,
+                        self.name,
+                        self.renew_deadline,
+                    )
+                    on_lost()
+                    return
+
+        threading.Thread(target=run, name="kvferry-lease-watchdog", daemon=True).start()
+        return stop
 
     def release(self) -> None:
         """Give the Lease up (a clean stop): a standby takes over at its next try."""
@@ -311,6 +354,11 @@ class PodMark:
                 str(exc)[:200],
             )
             return False
+
+    async def set_once_in_order(self, leading: bool) -> bool:
+        """One patch, after any still running (one thread: they land in order)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.set_once, leading)
 
     async def set(self, leading: bool) -> None:
         """Patch until it lands, pausing 1, 2, 4 ... ``max_pause`` s between tries:

@@ -88,6 +88,12 @@ async def elected(
         # Before anything is served: once Ready, this pod must not be routed to as
         # the leader its predecessor in this pod may have been.
         await mark.set(False)
+    else:
+        log.warning(
+            "KVFERRY_POD_NAME or KVFERRY_POD_NAMESPACE unset: the leader labels no pod, "
+            "so a Service that selects %s (the chart's) routes reports nowhere",
+            leader.LEADER_LABEL,
+        )
     runners = []
     if settings.tls_cert_file and settings.tls_key_file:
         tls = report_endpoint.tls_context(settings.tls_cert_file, settings.tls_key_file)
@@ -108,31 +114,39 @@ async def elected(
             )
         except OSError as exc:
             log.error("standby metrics off: port %d: %s", settings.metrics_port, exc)
-    try:
-        await elector.acquire()
-    finally:
-        for runner in runners:  # the leader's endpoints take these ports
-            await runner.cleanup()
 
-    async def keep() -> None:
-        await elector.hold()
+    def lost() -> None:
         log.error("leadership lost: exiting so that no handler writes again")
         sys.stderr.flush()
         os._exit(1)
 
+    async def keep() -> None:
+        await elector.hold()
+        lost()
+
     loop = asyncio.get_running_loop()
-    holding = loop.create_task(keep())
+    try:
+        await elector.acquire()
+        # The deadline runs from the Lease's acquisition: watched from here on, by the
+        # loop and by a thread of its own (a stuck loop renews nothing).
+        holding = loop.create_task(keep())
+        watchdog = elector.watch(lost)
+    finally:
+        for runner in runners:  # the leader's endpoints take these ports
+            await runner.cleanup()
     # Beside kopf's start, not before it: the handlers need not wait for the Service.
     marking = loop.create_task(mark.set(True)) if mark is not None else None
     try:
         await operate(namespaces, standalone, memo)
     finally:
+        watchdog.set()
         holding.cancel()
         if marking is not None:
             marking.cancel()
             # Off first, so that the Service stops routing here before a standby leads;
-            # one try: the pod's end takes it out of the Service anyway.
-            await loop.run_in_executor(None, mark.set_once, False)
+            # one try (the pod's end takes it out of the Service anyway), after a
+            # labelling patch still under way.
+            await mark.set_once_in_order(False)
         await loop.run_in_executor(None, elector.release)
     return 0
 

@@ -4,6 +4,8 @@ behaves as the API server does: replace needs the current resourceVersion."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -325,3 +327,47 @@ async def test_a_replica_unmarks_before_it_serves_and_marks_only_while_leading(m
     assert events.index("label true") > events.index("lease 'op-0_")
     assert events[-2:] == ["label None", "lease released"]
     assert leader.LEADER_LABEL not in api.labels
+
+
+async def test_a_renewal_that_hangs_past_the_deadline_is_a_lost_lease():
+    """A call to a slow API server (timeouts, the client's retries) may outlast the
+    lease; the holder must stop by its deadline, not when the call gives up."""
+    leases = Leases()
+    a = leader.Elector(leases, "ops", "kvferry", "a", 3, 1, 0.05)
+    await a.acquire()
+    answer = threading.Event()
+    real_get = leases.get_lease
+
+    def hanging_get(namespace: str, name: str) -> dict[str, Any] | None:
+        answer.wait(30)  # the API server answers only when the test says so
+        return real_get(namespace, name)
+
+    leases.get_lease = hanging_get  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(a.hold(), 10)
+        assert time.monotonic() - started < 1 + 0.05 + 0.5  # the deadline, one retry, slack
+    finally:
+        answer.set()
+
+
+def test_the_watchdog_stops_the_holder_whose_loop_renews_nothing():
+    """A thread apart from the event loop: a stuck loop cannot renew, and must not
+    keep its handler threads writing while a standby takes over."""
+    clock = Clock()
+    a = leader.Elector(Leases(), "ops", "kvferry", "a", 15, 10, 2, clock=clock, wall=clock)
+    a.renewed_at = clock.t
+    lost = threading.Event()
+    stop = a.watch(lost.set, period=0.01)
+    clock.t += 9.9
+    assert not lost.wait(0.2)
+    clock.t += 0.2
+    assert lost.wait(5)
+    stop.set()
+    # Stopped (a clean stop, before the release): it never fires.
+    b = leader.Elector(Leases(), "ops", "kvferry", "b", 15, 10, 2, clock=clock, wall=clock)
+    b.renewed_at = clock.t
+    fired = threading.Event()
+    b.watch(fired.set, period=0.01).set()
+    clock.t += 60
+    assert not fired.wait(0.2)
