@@ -948,6 +948,7 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
     operator is down.
     """
     delay = first_pass_delay(settings.resync_seconds, random.random())
+    completed = False
     while True:
         await asyncio.sleep(delay)
         delay = backoff.jittered(settings.resync_seconds, random.random())
@@ -955,7 +956,12 @@ async def _resync_forever(memo: kopf.Memo, settings: Settings, logger: logging.L
             done = await asyncio.to_thread(safety_pass, memo, settings, logger)
         except Exception as exc:  # the loop must outlive any trouble of one pass
             logger.warning("safety pass failed: %s", _brief(exc))
+            if not completed:
+                # The first pass is what restores children deleted while no operator
+                # ran: an API hiccup at takeover must not put it off a whole interval.
+                delay = first_pass_delay(settings.resync_seconds, random.random())
             continue
+        completed = True
         memo.indexes["passes"] = memo.indexes.get("passes", 0) + 1
         logger.info(
             "safety pass done: %d servers, %d re-applied, %d status written",

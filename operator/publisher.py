@@ -282,8 +282,15 @@ def recommendation_message(rec: tune.Recommendation) -> str:
 
 
 def _nulls_for_removed(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A merge patch keeps keys it does not mention; null out the ones now gone."""
-    return {**{k: None for k in old if k not in new}, **new}
+    """A merge patch keeps keys it does not mention, at every depth: null out the ones
+    now gone (``status.pressure.preemptions`` once the window's rises expire, a
+    figure that became unknown). Lists are replaced whole."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        both = isinstance(before, dict) and isinstance(value, dict)
+        out[key] = _nulls_for_removed(before, value) if both else value
+    return out
 
 
 async def publish_forever(publisher: Publisher, interval: float, logger: logging.Logger) -> None:

@@ -27,7 +27,6 @@ from tests.roundrobin import RoundRobinThread
 LEASE = "kvferry-failover"
 # The chart's timings (client-go's): a killed leader's Lease is taken 15-17 s later.
 TAKEOVER_BUDGET_S = 30.0
-STARTED = time.time() - 60  # the fake sidecar's start: inside the pressure window
 
 
 def holder(kubectl: Kubectl, ns: str) -> str:
@@ -35,14 +34,14 @@ def holder(kubectl: Kubectl, ns: str) -> str:
     return (lease.get("spec") or {}).get("holderIdentity") or ""
 
 
-def report(ns: str, pulls: int, preemptions: int) -> bytes:
+def report(ns: str, pulls: int, preemptions: int, started: float) -> bytes:
     rep = wire.Report(
         version=wire.REPORT_VERSION,
         server="tiny",
         namespace=ns,
         pod="tiny-decode-0",
         role="decode",
-        started_at=STARTED,
+        started_at=started,
         generated_at=time.time(),
         transport="TCPFallback",
         transport_reason=EVIDENCE,
@@ -136,7 +135,10 @@ def test_the_standby_takes_over_a_killed_leader_mid_rollout_and_report_traffic(
             token_file = tmp_path / "token"
             token_file.write_text(bound_token(kubectl, ns, "tiny-decode-0"))
             with Sidecar(url, token_file, a.cert) as sidecar:
-                sidecar.body = report(ns, pulls=9, preemptions=4)
+                # The fake sidecar started a minute ago: inside the pressure window, so
+                # op-a, seeing its pod first, counts its 4 preemptions as recent.
+                started = time.time() - 60
+                sidecar.body = report(ns, pulls=9, preemptions=4, started=started)
                 wait_until(
                     lambda: (
                         kvcs(kubectl, ns).get("retention", {}).get("decodePreemptionsRecent") == 4
@@ -154,7 +156,7 @@ def test_the_standby_takes_over_a_killed_leader_mid_rollout_and_report_traffic(
                 generation = kubectl.get("dserver", "tiny", ns)["metadata"]["generation"]
                 a.stop(signal.SIGKILL)
                 killed = time.monotonic()
-                sidecar.body = report(ns, pulls=12, preemptions=6)
+                sidecar.body = report(ns, pulls=12, preemptions=6, started=started)
 
                 wait_until(
                     lambda: holder(kubectl, ns).startswith("op-b_"), 60, "op-b taking the lease"

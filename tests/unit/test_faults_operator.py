@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import types
 
 import kopf
 import pytest
@@ -388,3 +389,46 @@ def test_two_refreshes_from_the_same_old_status_post_a_change_once():
         )
     assert posted.count("TCPFallback") == 1
     assert len(posted) == len(set(posted))
+
+
+async def test_a_failed_first_safety_pass_is_tried_again_soon_not_an_interval_later(
+    monkeypatch,
+):
+    """The first pass restores children deleted while no operator ran: one that fails
+    (an API hiccup at takeover) is tried again after the first pass's short delay."""
+    from kvferry_operator import handlers
+    from kvferry_operator.settings import Settings
+
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+        await real_sleep(0)
+
+    outcomes = iter([RuntimeError("API server away"), RuntimeError("still away"), None])
+
+    def safety_pass(memo, settings, logger):
+        outcome = next(outcomes, None)
+        if outcome is not None:
+            raise outcome
+        return handlers.PassDone()
+
+    # The loop's own asyncio alone (patching asyncio.sleep would time this test too).
+    monkeypatch.setattr(
+        handlers, "asyncio", types.SimpleNamespace(sleep=sleep, to_thread=asyncio.to_thread)
+    )
+    monkeypatch.setattr(handlers, "safety_pass", safety_pass)
+    settings = Settings(sidecar_image="", resync_seconds=300)
+    memo = kopf.Memo(indexes={})
+    task = asyncio.ensure_future(
+        handlers._resync_forever(memo, settings, logging.getLogger("test"))
+    )
+    try:
+        await asyncio.wait_for(_until(lambda: len(delays) >= 5), 5)
+    finally:
+        task.cancel()
+    short = handlers.FIRST_PASS_SECONDS * (1 + handlers.FIRST_PASS_SPREAD)
+    # Three tries at the short delay (two failed), then the interval (+-20 %).
+    assert all(d <= short for d in delays[:3]), delays
+    assert all(d >= 300 * 0.8 for d in delays[3:]), delays

@@ -105,7 +105,7 @@ def test_unknown_figures_are_left_out_not_written_as_null():
     publish(kube, gaps=[])  # no measurements at all
     assert kube.patches
     for kind, body in kube.patches:
-        # Top-level nulls are deliberate: they delete figures no longer shown.
+        # Nulls only delete figures no longer shown (none on a first write).
         assert null_paths({k: v for k, v in body.items() if v is not None}) == [], kind
 
 
@@ -117,6 +117,20 @@ def null_paths(value: Any, path: str = "status") -> list[str]:
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in null_paths(v, f"{path}[{i}]")]
     return []
+
+
+def test_a_figure_gone_at_any_depth_is_deleted_by_the_merge_patch():
+    """A merge patch keeps what it does not mention: the rises of an expired window
+    (status.pressure.preemptions) must go while its usage peaks stay."""
+    old = {
+        "pressure": {"preemptions": [{"time": "t", "count": 2}], "kvUsage": [{"kvUsage": 0.9}]},
+        "retention": {"appliedSeconds": 480, "gapSeconds": 30},
+        "phase": "Reporting",
+    }
+    new = {"pressure": {"kvUsage": [{"kvUsage": 0.8}]}, "retention": {"appliedSeconds": 480}}
+    patch = publisher._nulls_for_removed(old, new)
+    assert merge_patch(old, patch) == new
+    assert patch["pressure"]["preemptions"] is None and patch["phase"] is None
 
 
 def test_without_nulls_drops_null_keys_at_any_depth():
