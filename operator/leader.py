@@ -242,25 +242,19 @@ class Elector:
         renewed = self.renewed_at if self.renewed_at is not None else self._clock()
         return renewed + self.renew_deadline - self._clock()
 
-    async def hold(self) -> None:
-        """Renew until a renewal has not succeeded for the renew deadline; then return
-        (leadership lost: the caller must stop at once). A try that has not answered
-        by the deadline is a lost Lease too: a call to a slow API server (timeouts and
-        the client's own retries) can outlast the lease, and a standby may hold it."""
+    def renew_forever(self, stop: threading.Event) -> bool:
+        """Blocking: renew every ``retry`` seconds until ``stop`` is set (False) or the
+        Lease is lost (True): another holder seen, or no renewal for the deadline."""
         if self.renewed_at is None:
             self.renewed_at = self._clock()
-        while True:
-            await asyncio.sleep(self.retry_seconds)
-            left = self._left()
-            try:
-                held = left > 0 and await asyncio.wait_for(self._try(), left)
-            except TimeoutError:
-                held = False
-            if held:
+        while not stop.wait(self.retry_seconds):
+            sent = self._clock()
+            if self.try_once():
+                self.renewed_at = sent
                 continue
             if self.holder and self.holder != self.me:
                 log.error("lost lease %s/%s to %s", self.namespace, self.name, self.holder)
-                return
+                return True
             if self._left() <= 0:
                 log.error(
                     "lost lease %s/%s: not renewed for %.0fs",
@@ -268,29 +262,47 @@ class Elector:
                     self.name,
                     self.renew_deadline,
                 )
-                return
+                return True
+        return False
 
-    def watch(self, on_lost: Callable[[], None], period: float | None = None) -> threading.Event:
-        """A thread apart from the event loop that calls ``on_lost`` once the last
-        renewal is older than the renew deadline: a stuck event loop renews nothing,
-        and the handlers' threads must not write on while a standby takes over. Set
-        the returned event to stop it (a clean stop, before the Lease is released)."""
+    def keep(self, on_lost: Callable[[], None], period: float | None = None) -> threading.Event:
+        """Hold the Lease from threads of its own, not the event loop: a busy operator
+        starves its loop (at 1,000 servers a renewal on the loop waited 30 s, and the
+        standby had held the Lease for 31 s when the old leader noticed). One thread
+        renews; a watchdog beside it calls ``on_lost`` once the last renewal is older
+        than the deadline, also while a renewal call hangs (a slow API server's
+        timeouts and the client's own retries can outlast the lease). ``on_lost``
+        runs on one of those threads. Set the returned event to stop both (a clean
+        stop, before the Lease is released)."""
         stop = threading.Event()
+        if self.renewed_at is None:
+            self.renewed_at = self._clock()
+        fired = threading.Lock()
+
+        def lost_once() -> None:
+            if fired.acquire(blocking=False):
+                on_lost()
+
+        def renew() -> None:
+            if self.renew_forever(stop):
+                lost_once()
+
         pause = period if period is not None else self.retry_seconds / 2
 
-        def run() -> None:
+        def watch() -> None:
             while not stop.wait(pause):
-                if self.renewed_at is not None and self._left() <= 0:
+                if self._left() <= 0:
                     log.error(
                         "lost lease %s/%s: not renewed for %.0fs (watchdog)",
                         self.namespace,
                         self.name,
                         self.renew_deadline,
                     )
-                    on_lost()
+                    lost_once()
                     return
 
-        threading.Thread(target=run, name="kvferry-lease-watchdog", daemon=True).start()
+        for target, name in ((renew, "kvferry-lease-renew"), (watch, "kvferry-lease-watchdog")):
+            threading.Thread(target=target, name=name, daemon=True).start()
         return stop
 
     def release(self) -> None:

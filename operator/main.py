@@ -115,22 +115,16 @@ async def elected(
         except OSError as exc:
             log.error("standby metrics off: port %d: %s", settings.metrics_port, exc)
 
-    def lost() -> None:
+    def lost() -> None:  # on the Lease's threads
         log.error("leadership lost: exiting so that no handler writes again")
         sys.stderr.flush()
         os._exit(1)
 
-    async def keep() -> None:
-        await elector.hold()
-        lost()
-
     loop = asyncio.get_running_loop()
     try:
         await elector.acquire()
-        # The deadline runs from the Lease's acquisition: watched from here on, by the
-        # loop and by a thread of its own (a stuck loop renews nothing).
-        holding = loop.create_task(keep())
-        watchdog = elector.watch(lost)
+        # The deadline runs from the Lease's acquisition.
+        holding = elector.keep(lost)
     finally:
         for runner in runners:  # the leader's endpoints take these ports
             await runner.cleanup()
@@ -139,8 +133,7 @@ async def elected(
     try:
         await operate(namespaces, standalone, memo)
     finally:
-        watchdog.set()
-        holding.cancel()
+        holding.set()
         if marking is not None:
             marking.cancel()
             # Off first, so that the Service stops routing here before a standby leads;

@@ -160,22 +160,39 @@ def test_timings_must_let_the_holder_give_up_before_a_standby_takes_over(timings
         leader.check_timings(*timings)
 
 
-async def test_hold_returns_when_renewals_fail_past_the_deadline_and_when_displaced():
+async def test_the_holder_is_lost_when_renewals_fail_past_the_deadline_and_when_displaced():
     leases = Leases()
     a = leader.Elector(leases, "ops", "kvferry", "a", 3, 2, 0.05)
     await a.acquire()
+    lost_a = threading.Event()
+    a.keep(lost_a.set)
     leases.down = True
-    await asyncio.wait_for(a.hold(), 10)  # returned: not renewed for 2 s
+    assert await asyncio.to_thread(lost_a.wait, 10)  # not renewed for 2 s
     leases.down = False
     b = leader.Elector(leases, "ops", "kvferry", "b", 3, 2, 0.05)
     await asyncio.wait_for(b.acquire(), 10)  # a's record stopped changing: b takes it
     assert leases.holder == "b"
-    holding = asyncio.ensure_future(b.hold())
-    await asyncio.sleep(0.2)
-    assert not holding.done()
+    lost_b = threading.Event()
+    stop_b = b.keep(lost_b.set)
+    assert not await asyncio.to_thread(lost_b.wait, 0.3)  # renewing
     # Someone else writes the Lease (b's clock was wrong, an admin): b stops at once.
     leases._store({"holderIdentity": "c", "leaseDurationSeconds": 15})
-    await asyncio.wait_for(holding, 5)
+    assert await asyncio.to_thread(lost_b.wait, 5)
+    stop_b.set()
+
+
+async def test_renewals_do_not_wait_for_the_event_loop():
+    """A busy operator starves its loop (at 1,000 servers a renewal on it waited 30 s):
+    the Lease is renewed from a thread while the loop is blocked."""
+    leases = Leases()
+    a = leader.Elector(leases, "ops", "kvferry", "a", 3, 1, 0.05)
+    await a.acquire()
+    lost = threading.Event()
+    stop = a.keep(lost.set)
+    version = leases.version
+    time.sleep(1.5)  # the loop blocked past the renew deadline
+    assert leases.version > version and not lost.is_set()
+    stop.set()
 
 
 def test_identity_differs_per_process():
@@ -329,12 +346,12 @@ async def test_a_replica_unmarks_before_it_serves_and_marks_only_while_leading(m
     assert leader.LEADER_LABEL not in api.labels
 
 
-async def test_a_renewal_that_hangs_past_the_deadline_is_a_lost_lease():
+def test_a_renewal_that_hangs_past_the_deadline_is_a_lost_lease():
     """A call to a slow API server (timeouts, the client's retries) may outlast the
     lease; the holder must stop by its deadline, not when the call gives up."""
     leases = Leases()
     a = leader.Elector(leases, "ops", "kvferry", "a", 3, 1, 0.05)
-    await a.acquire()
+    assert a.try_once()
     answer = threading.Event()
     real_get = leases.get_lease
 
@@ -343,31 +360,23 @@ async def test_a_renewal_that_hangs_past_the_deadline_is_a_lost_lease():
         return real_get(namespace, name)
 
     leases.get_lease = hanging_get  # type: ignore[method-assign]
+    lost = threading.Event()
     started = time.monotonic()
+    stop = a.keep(lost.set, period=0.01)
     try:
-        await asyncio.wait_for(a.hold(), 10)
-        assert time.monotonic() - started < 1 + 0.05 + 0.5  # the deadline, one retry, slack
+        assert lost.wait(10)
+        assert time.monotonic() - started < 1 + 0.5  # the deadline, and slack
     finally:
         answer.set()
+        stop.set()
 
 
-def test_the_watchdog_stops_the_holder_whose_loop_renews_nothing():
-    """A thread apart from the event loop: a stuck loop cannot renew, and must not
-    keep its handler threads writing while a standby takes over."""
+def test_a_stopped_keeper_never_reports_a_loss():
+    """A clean stop sets the event before the Lease is released: no exit after it."""
     clock = Clock()
     a = leader.Elector(Leases(), "ops", "kvferry", "a", 15, 10, 2, clock=clock, wall=clock)
-    a.renewed_at = clock.t
-    lost = threading.Event()
-    stop = a.watch(lost.set, period=0.01)
-    clock.t += 9.9
-    assert not lost.wait(0.2)
-    clock.t += 0.2
-    assert lost.wait(5)
-    stop.set()
-    # Stopped (a clean stop, before the release): it never fires.
-    b = leader.Elector(Leases(), "ops", "kvferry", "b", 15, 10, 2, clock=clock, wall=clock)
-    b.renewed_at = clock.t
+    assert a.try_once()
     fired = threading.Event()
-    b.watch(fired.set, period=0.01).set()
+    a.keep(fired.set, period=0.01).set()
     clock.t += 60
-    assert not fired.wait(0.2)
+    assert not fired.wait(0.3)
