@@ -17,7 +17,9 @@ same Lease fields, so ``kubectl get lease`` reads as it does for theirs:
 - the holder renews every ``retry`` seconds; when no renewal has succeeded for
   ``renew_deadline`` (shorter than the lease) it stops leading at once (the caller
   exits the process, as controller-runtime does, and the kubelet restarts it as a
-  candidate): it has stopped before any standby may take over;
+  candidate): it has stopped before any standby may take over. Renewals and the
+  deadline run on threads of their own (``Elector.keep``), never on the event loop,
+  which a busy operator starves;
 - every write is a replace carrying the read's resourceVersion: of two candidates
   racing for an expired Lease one wins, the other gets a 409 and reads again;
 - on a clean stop the holder releases the Lease (empty holder), so a standby takes
