@@ -275,14 +275,16 @@ class NameLookup:
             with self._lock:
                 listed = self._listed.get(key)
             if listed is None:
-                at = self._clock()
                 # Only what conflict() reads: a metadata list still carries every
                 # annotation (last-applied-configuration holds a whole object).
                 holders = {
                     (o.get("metadata") or {}).get("name", ""): _slim(o)
                     for o in self._list(api_version, kind, namespace)
                 }
-                listed = _Listed(at, holders)
+                # Fresh from its arrival: a list that took longer than the window (a
+                # few thousand objects) would otherwise be stale on arrival, and every
+                # thread of the burst would list again behind it.
+                listed = _Listed(self._clock(), holders)
                 with self._lock:
                     self._listed[key] = listed
         return listed.holders.get(name)
