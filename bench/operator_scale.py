@@ -170,6 +170,10 @@ class Cluster:
             "KVFERRY_CP_DIR": str(self.state),
             "KVFERRY_CP_PORT": str(self.port),
             "KVFERRY_CP_NODES": "2",
+            # Each server has a ClusterIP Service: the default /24 holds 254, and past
+            # that every apply of one failed ("range is full"), was retried and posted
+            # ApplyFailed (at 300 and 1,000 servers, before this range).
+            "KVFERRY_CP_SERVICE_CIDR": "10.0.0.0/16",
             "KVFERRY_CP_APISERVER_ARGS": (
                 f"--audit-policy-file={policy} --audit-log-path={self.audit_log} "
                 "--audit-log-format=json --audit-log-maxsize=0"
