@@ -61,6 +61,7 @@ from typing import Any
 
 from kvferry_dev.audit import AuditedRequest as Request
 from kvferry_dev.audit import read_audit
+from kvferry_dev.certs import self_signed_cert
 
 from .common import (
     DEFAULT_OUT,
@@ -317,32 +318,8 @@ class Cluster:
         )
 
     def serving_cert(self) -> tuple[Path, Path]:
-        """A self-signed serving certificate for 127.0.0.1: the replicas' report
-        endpoint (and its /readyz) starts only with one."""
-        cert, key = self.dir / "serving.crt", self.dir / "serving.key"
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "2",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-                "-subj",
-                "/CN=kvferry-operator",
-                "-addext",
-                "subjectAltName=IP:127.0.0.1",
-            ],
-            check=True,
-            capture_output=True,
-        )
-        return cert, key
+        """The replicas' report endpoint (and its /readyz) starts only with one."""
+        return self_signed_cert(self.dir)
 
     def lease_holder(self) -> str:
         """The Lease's spec.holderIdentity as the admin reads it ("" absent or released)."""

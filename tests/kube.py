@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvferry_dev.audit import AuditedRequest, read_audit
+from kvferry_dev.certs import self_signed_cert
 from tests.manifests import ROOT
 from tests.progress import step
 
@@ -198,34 +199,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def self_signed_cert(folder: Path) -> tuple[Path, Path]:
-    """A serving certificate for 127.0.0.1 (the chart makes one the same way)."""
-    cert, key = folder / "tls.crt", folder / "tls.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-subj",
-            "/CN=kvferry-operator",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 def _openssl(*args: str) -> None:
