@@ -61,18 +61,25 @@ def kvcs() -> dict[str, Any]:
     return {"kind": api.STATUS_KIND, "metadata": {"name": "tiny"}, "status": {}}
 
 
-def store_with(gaps: list[float]) -> Any:
+def decode_report(gaps: list[float], started_at: float, generated_at: float, **fields: Any):
+    """tiny-decode-0's report with these gaps between turns."""
     rep = wire.Report(
         version=1,
         server="tiny",
         namespace="default",
         pod="tiny-decode-0",
         role="decode",
-        started_at=NOW - 600,
-        generated_at=NOW,
+        started_at=started_at,
+        generated_at=generated_at,
+        **fields,
     )
     for gap in gaps:
         rep.gaps.observe(gap)
+    return rep
+
+
+def store_with(gaps: list[float]) -> Any:
+    rep = decode_report(gaps, NOW - 600, NOW)
 
     class Store:
         def servers(self) -> list[tuple[str, str]]:
@@ -229,19 +236,12 @@ class MutableStore:
 
 
 def decode(preemptions: int, kv_usage: float, at: float) -> wire.Report:
-    rep = wire.Report(
-        version=1,
-        server="tiny",
-        namespace="default",
-        pod="tiny-decode-0",
-        role="decode",
-        started_at=NOW - 1200,  # the sidecar started 20 minutes before
-        generated_at=at,
+    return decode_report(
+        [25.0] * 50,
+        NOW - 1200,  # the sidecar started 20 minutes before
+        at,
         engine=wire.Engine(preemptions=preemptions, kv_usage=kv_usage),
     )
-    for gap in [25.0] * 50:
-        rep.gaps.observe(gap)
-    return rep
 
 
 def operator_process(kube: MemoryKube, store: MutableStore, clock: list[float]) -> Any:
