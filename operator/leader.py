@@ -197,12 +197,20 @@ class Elector:
         # When the last write that kept the Lease was sent (this clock): the deadline
         # counts from the request, not from its answer, as client-go's does.
         self.renewed_at: float | None = None
-        # Its own thread: a renewal never queues behind the operator's handlers.
+        # Its own thread for the standby's tries (acquire): never behind kopf's handlers.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-lease")
 
     def try_once(self) -> bool:
         """One read and, when due, one write; True when this replica holds the Lease
-        afterwards. API trouble is False (the deadline decides what it costs)."""
+        afterwards (``renewed_at`` then says when the read was sent). API trouble is
+        False (the deadline decides what it costs)."""
+        sent = self._clock()
+        held = self._attempt()
+        if held:
+            self.renewed_at = sent
+        return held
+
+    def _attempt(self) -> bool:
         try:
             lease = self.kube.get_lease(self.namespace, self.name)
             record = Record.of(lease) if lease is not None else None
@@ -220,11 +228,7 @@ class Elector:
             return False
 
     async def _try(self) -> bool:
-        sent = self._clock()
-        held = await asyncio.get_running_loop().run_in_executor(self._executor, self.try_once)
-        if held:
-            self.renewed_at = sent
-        return held
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.try_once)
 
     def _pause(self) -> float:
         # client-go's jitter: standbys started together do not ask together.
@@ -247,12 +251,8 @@ class Elector:
     def renew_forever(self, stop: threading.Event) -> bool:
         """Blocking: renew every ``retry`` seconds until ``stop`` is set (False) or the
         Lease is lost (True): another holder seen, or no renewal for the deadline."""
-        if self.renewed_at is None:
-            self.renewed_at = self._clock()
         while not stop.wait(self.retry_seconds):
-            sent = self._clock()
             if self.try_once():
-                self.renewed_at = sent
                 continue
             if self.holder and self.holder != self.me:
                 log.error("lost lease %s/%s to %s", self.namespace, self.name, self.holder)
@@ -378,8 +378,7 @@ class PodMark:
         """Patch until it lands, pausing 1, 2, 4 ... ``max_pause`` s between tries:
         until then reports go nowhere (leading) or may reach a standby (not)."""
         pause = 1.0
-        loop = asyncio.get_running_loop()
-        while not await loop.run_in_executor(self._executor, self.set_once, leading):
+        while not await self.set_once_in_order(leading):
             await asyncio.sleep(pause)
             pause = min(pause * 2, self.max_pause)
         if leading:
