@@ -450,6 +450,9 @@ def test_every_value_is_used_by_a_template():
         (["settings.hostPathPrefixes={var/cache}"], "/settings/hostPathPrefixes/0"),
         (["settings.hostPathPrefixes={/a:/b}"], "/settings/hostPathPrefixes/0"),
         (["settings.podTemplateAllow={hostPath}"], "/settings/podTemplateAllow/0"),
+        # 0 would block every drain of an operator's node.
+        (["podDisruptionBudget.maxUnavailable=0"], "/podDisruptionBudget/maxUnavailable"),
+        (["podDisruptionBudget.maxUnavailable=150%"], "/podDisruptionBudget/maxUnavailable"),
     ],
     ids=[
         "replicas-0",
@@ -460,6 +463,8 @@ def test_every_value_is_used_by_a_template():
         "host-path-prefix-relative",
         "host-path-prefix-colon",
         "pod-template-allow-unknown",
+        "budget-blocks-every-drain",
+        "budget-over-100-percent",
     ],
 )
 def test_values_schema_rejects(sets: list[str], message: str):
