@@ -283,6 +283,9 @@ class Elector:
 
         def lost_once() -> None:
             if fired.acquire(blocking=False):
+                # The renewer stops first: once the watchdog has called the Lease lost,
+                # a renewal that works again (the API server back) must not hold it on.
+                stop.set()
                 on_lost()
 
         def renew() -> None:

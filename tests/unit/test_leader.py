@@ -181,6 +181,41 @@ async def test_the_holder_is_lost_when_renewals_fail_past_the_deadline_and_when_
     stop_b.set()
 
 
+class HungLeases(Leases):
+    """A replace that hangs until ``answer`` is set, then lands (a slow API server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = False
+        self.hung = threading.Event()
+        self.answer = threading.Event()
+
+    def replace_lease(self, namespace: str, name: str, spec: dict[str, Any], rv: str) -> bool:
+        if self.hang:
+            self.hang = False
+            self.hung.set()
+            self.answer.wait(30)
+        return super().replace_lease(namespace, name, spec, rv)
+
+
+async def test_a_lease_called_lost_is_not_renewed_when_the_call_comes_back():
+    """The watchdog calls the Lease lost while a renewal hangs; that renewal then
+    lands. Lost is lost: the renewer stops (a standby may hold the Lease by now)."""
+    leases = HungLeases()
+    a = leader.Elector(leases, "ops", "kvferry", "a", 3, 1, 0.05)
+    await a.acquire()
+    leases.hang = True
+    lost = threading.Event()
+    stop = a.keep(lost.set)
+    assert await asyncio.to_thread(leases.hung.wait, 10)
+    renewer = next(t for t in threading.enumerate() if t.name == "kvferry-lease-renew")
+    assert await asyncio.to_thread(lost.wait, 10)  # the watchdog, by the deadline
+    leases.answer.set()
+    await asyncio.to_thread(renewer.join, 10)
+    assert not renewer.is_alive()
+    stop.set()
+
+
 async def test_renewals_do_not_wait_for_the_event_loop():
     """A busy operator starves its loop (at 1,000 servers a renewal on it waited 30 s):
     the Lease is renewed from a thread while the loop is blocked."""
