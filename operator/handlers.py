@@ -405,7 +405,9 @@ def _apply_children(
     refused = settings_refusal(server, settings)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
-    for child in render.render(server, settings.render_context()):
+    children = render.render(server, settings.render_context())
+    rendered = render.digest(children)
+    for child in children:
         meta = child["metadata"]
         # A StatefulSet re-applied alone (drift) still goes with the NetworkPolicy
         # (rendered first): its pods must not come back without it if it went too.
@@ -483,7 +485,12 @@ def _apply_children(
     if only is None:
         # What status may call observed: only a generation whose children all landed.
         outcome = ownership.ApplyOutcome(
-            server.generation, ok is Applied.ALL, tuple(refusals), refused, time.monotonic()
+            server.generation,
+            ok is Applied.ALL,
+            tuple(refusals),
+            refused,
+            render=rendered,
+            finished=time.monotonic(),
         )
         claims.applied(server_key, outcome)
     return ok
@@ -855,7 +862,11 @@ def server_changed(
     # watches' own listing re-applies (edited ones) and the first safety pass soon after
     # start (deleted ones: no event comes for those). Thousands of requests at takeover
     # otherwise, for hundreds of servers whose children have not changed.
-    landed = last is None and status.generation_landed(dict(body.status), generation)
+    landed = (
+        type is None
+        and last is None
+        and status.generation_landed(dict(body.status), generation, _render_digest(plain, memo))
+    )
     first_sight = type == "ADDED" or (type is None and not landed)
     if (first_sight or new_generation) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
@@ -875,6 +886,18 @@ def server_changed(
         memory=getattr(memo, "status_memory", None),
         seen=_seen(memo),
     )
+
+
+def _render_digest(body: dict[str, Any], memo: kopf.Memo) -> str | None:
+    """This process's render.digest of the server; None for a spec that does not parse
+    (its apply posts why) or before start-up made the settings."""
+    settings: Settings | None = getattr(memo, "settings", None)
+    if settings is None:
+        return None
+    try:
+        return render.digest(render.render(parse(body, _seen(memo)), settings.render_context()))
+    except api.SpecError:
+        return None
 
 
 def _refresh_from_index(memo: kopf.Memo, key: tuple[str, str]) -> bool:
@@ -1114,7 +1137,9 @@ def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> 
         try:
             running, last = claims.apply_state(key) if claims else (False, None)
             held = settings_refusal(server, settings)
-            landed = status.generation_landed(body.get("status"), server.generation)
+            landed = status.generation_landed(
+                body.get("status"), server.generation, render.digest(wanted)
+            )
             if needs_apply(
                 server, wanted, children, last, listed_at, held, running, landed
             ) and not (

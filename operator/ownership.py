@@ -56,6 +56,8 @@ class ApplyOutcome:
     # The operator's settings refused the server (a hostPath, a podTemplate field): why.
     # It held the StatefulSets and the ConfigMap; the same refusal holds them again.
     held: str | None = None
+    # The render this apply sent (render.digest): status.renderHash once it landed.
+    render: str | None = field(default=None, compare=False)
     # When the apply ended (the caller's monotonic clock): a list taken before that
     # may lack some of its children (handlers.needs_apply).
     finished: float = field(default=0.0, compare=False)

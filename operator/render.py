@@ -22,6 +22,7 @@ engine's own command line (args, KV configs, environment) is ``engine_config``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -735,3 +736,13 @@ def render(server: Server, ctx: Context | None = None) -> list[Obj]:
         *(build_pdb(server, r) for r in roles),
         build_kv_cache_status(server),
     ]
+
+
+def digest(children: list[Obj]) -> str:
+    """A short hash of a whole render, kept in the server's status as
+    ``status.renderHash`` once every child of it landed. A process that has not
+    applied the server itself (a standby taking over, a restart, an upgrade) applies
+    it again only when its own render differs: a field the new version renders or no
+    longer renders, a changed setting (the sidecar image), a RoleScaler's count."""
+    canonical = json.dumps(children, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -454,14 +454,33 @@ def observed_generation(observed: Observed, old_status: dict[str, Any]) -> int |
     return old if isinstance(old, int) else None
 
 
-def generation_landed(server_status: dict[str, Any] | None, generation: int | None) -> bool:
+def observed_render(observed: Observed, old_status: dict[str, Any]) -> str | None:
+    """The render.digest of the last whole apply that landed (status.renderHash), with
+    observedGeneration: what a process that did not apply the server itself compares
+    its own render with (generation_landed)."""
+    last = observed.last_apply
+    if last is not None and last.applied and last.render:
+        return last.render
+    old = old_status.get("renderHash")
+    return old if isinstance(old, str) else None
+
+
+def generation_landed(
+    server_status: dict[str, Any] | None, generation: int | None, rendered: str | None = None
+) -> bool:
     """Whether a server's status, as read, shows ``generation`` landed whole: its
     observedGeneration is that one (written only for a generation whose children all
     landed: observed_generation), and Progressing does not say that an apply of it was
     held back since (refused, held by the settings, a name taken: observedGeneration
     stays where it was then). What a process that has not applied the server itself
-    (a standby taking over, a restart) goes by: such a server is not applied again."""
+    (a standby taking over, a restart) goes by: such a server is not applied again.
+    ``rendered``: that process's own render.digest of the server, which must be the
+    one that landed (status.renderHash): a new operator version or new settings that
+    render the children otherwise apply them again, once. A status without the hash
+    (written before it existed) is not landed for this."""
     server_status = server_status or {}
+    if rendered is not None and server_status.get("renderHash") != rendered:
+        return False
     observed = server_status.get("observedGeneration")
     if not isinstance(observed, int) or isinstance(observed, bool) or observed != generation:
         return False
@@ -593,9 +612,11 @@ def compute_status(
         old_status.get("conditions") or [], compute_conditions(server, observed), now
     )
     generation = observed_generation(observed, old_status)
+    rendered = observed_render(observed, old_status)
     status = {
         **{k: v for k, v in old_status.items() if k == "retention"},
         **({"observedGeneration": generation} if generation is not None else {}),
+        **({"renderHash": rendered} if rendered is not None else {}),
         "endpoint": entry_url(server),
         "transport": observed.transport,
         **({"transportReason": observed.transport_reason} if observed.transport_reason else {}),

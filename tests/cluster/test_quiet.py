@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from kvferry_operator import api, handlers, render
+from kvferry_wire import protocol
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, uid, wait_ready
 from tests.kube import (
@@ -275,3 +276,56 @@ def failed_configmap_applies(ns: str, since: float) -> list[Any]:
         for r in audited_requests(since)
         if r.namespace == ns and r.resource == "configmaps" and r.verb == "patch" and r.code >= 500
     ]
+
+
+SCRAPER_NS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+SCRAPER_POD = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def metrics_peers(kubectl: Kubectl, ns: str) -> list[dict[str, Any]]:
+    policy = kubectl.json("get", "networkpolicy", "tiny", "-n", ns)
+    return [
+        peer
+        for rule in policy["spec"]["ingress"]
+        if any(p.get("port") == protocol.SIDECAR_METRICS_PORT for p in rule.get("ports") or [])
+        for peer in rule["from"]
+    ]
+
+
+def render_hash(kubectl: Kubectl, ns: str) -> str | None:
+    return kubectl.json("get", "dserver", "tiny", "-n", ns).get("status", {}).get("renderHash")
+
+
+def test_a_restart_drops_a_field_no_longer_rendered_and_one_rendering_alike_writes_nothing(
+    kubectl: Kubectl, audited: Callable[[float], Operator], ns: str
+):
+    # An operator whose settings (or version) stop rendering a field: the scrapers'
+    # podSelector. Nothing else changes, so no child differs in a field the new render
+    # sets (drift sees none), and the generation has landed: only the render hash in
+    # the server's status tells the new process that what landed is not its render.
+    op = audited(3600)
+    op.stop()
+    op.extra_env["KVFERRY_METRICS_CLIENTS"] = json.dumps([{**SCRAPER_NS, **SCRAPER_POD}])
+    op.start()
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    assert metrics_peers(kubectl, ns) == [{**SCRAPER_NS, **SCRAPER_POD}]
+    first = render_hash(kubectl, ns)
+    assert first
+    op.stop()
+    op.extra_env["KVFERRY_METRICS_CLIENTS"] = json.dumps([SCRAPER_NS])
+    op.start()
+    wait_until(lambda: metrics_peers(kubectl, ns) == [SCRAPER_NS], 90, "the podSelector dropped")
+    # Its status records the new render (a stop before that write would leave the old
+    # hash, and the next start would apply once more).
+    wait_until(lambda: render_hash(kubectl, ns) not in (None, first), 60, "the new render hash")
+    wait_ready(kubectl, ns)
+    # The same settings again: nothing to apply, by the listing or the first pass.
+    op.stop()
+    restarted, offset = time.time(), len(op.log())
+    op.start()
+    wait_until(lambda: "safety pass done" in op.log()[offset:], 60, "the first safety pass")
+    log = op.log()[offset:]
+    assert "applied children" not in log and "re-applying" not in log, log[-3000:]
+    writes = [r for r in audited_requests(restarted) if r.namespace == ns and r.write]
+    assert writes == [], Counter(f"{r.verb} {r.resource}" for r in writes)

@@ -24,7 +24,16 @@ from typing import Any
 import pytest
 from kubernetes import config as kube_config
 
-from kvferry_operator import aggregate, api, handlers, publisher, reports, settings, status
+from kvferry_operator import (
+    aggregate,
+    api,
+    handlers,
+    ownership,
+    publisher,
+    reports,
+    settings,
+    status,
+)
 from kvferry_operator.kube import Kube
 from kvferry_operator.reports import ReportStore
 from kvferry_wire import report as wire
@@ -139,8 +148,11 @@ class Spy:
         self.kube.patch_status(api_version, kind, ns, name, body)
 
 
-def server_status(server: api.Server) -> dict[str, Any]:
-    """What the reconcile writes for a settled server (conditions of every kind)."""
+def server_status(
+    server: api.Server, last_apply: ownership.ApplyOutcome | None = None
+) -> dict[str, Any]:
+    """What the reconcile writes for a settled server (conditions of every kind; with
+    ``last_apply`` landed, observedGeneration and renderHash too)."""
     roles = {
         r: status.RoleObserved(
             exists=True,
@@ -154,7 +166,7 @@ def server_status(server: api.Server) -> dict[str, Any]:
         )
         for r in api.ROLES
     }
-    observed = status.Observed(roles=roles, transport="RDMA")
+    observed = status.Observed(roles=roles, transport="RDMA", last_apply=last_apply)
     new, _ = status.compute_status(server, observed, {}, api.iso_time(NOW))
     return new
 
@@ -175,7 +187,8 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
 
         # 1. The reconcile: children (the KVCacheStatus gets its NoReports status) and
         #    the server's status.
-        assert handlers.apply_children(body, kube, ours, LOG)
+        claims = ownership.Claims()
+        assert handlers.apply_children(body, kube, ours, LOG, claims=claims)
         kvcs = kube.get(api.API_VERSION, api.STATUS_KIND, ns, "tiny")
         assert (
             differences(
@@ -184,7 +197,8 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
             )
             == []
         )
-        written = server_status(server)
+        written = server_status(server, claims.last_apply((ns, "tiny")))
+        assert {"observedGeneration", "renderHash"} <= set(written)
         kube.patch_status(api.API_VERSION, api.SERVER_KIND, ns, "tiny", written)
         back = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"]
         assert differences(written, back) == []

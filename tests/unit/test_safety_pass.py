@@ -101,16 +101,29 @@ def test_a_pass_over_a_server_at_rest_only_lists():
     assert len(kube.requests) == 1 + len(handlers.CHILD_KINDS)
 
 
-def landed_obj(generation: int = 1, observed: int | None = 1, progressing: tuple = ()) -> dict:
+def landed_obj(
+    generation: int = 1,
+    observed: int | None = 1,
+    progressing: tuple = (),
+    render_hash: str | None = "ours",
+) -> dict:
     """SERVER_OBJ at ``generation`` with a status of ``observed`` (observedGeneration;
-    None: none) and a Progressing condition of (status, reason), if given."""
+    None: none), a Progressing condition of (status, reason), if given, and the
+    renderHash of ``render_hash`` ("ours": this operator's render of it; None: none)."""
     status: dict = {} if observed is None else {"observedGeneration": observed}
     if progressing:
         status["conditions"] = [
             {"type": "Progressing", "status": progressing[0], "reason": progressing[1]}
         ]
     meta = {**SERVER_OBJ["metadata"], "generation": generation}
-    return {**SERVER_OBJ, "metadata": meta, "status": status}
+    body = {**SERVER_OBJ, "metadata": meta, "status": status}
+    if render_hash == "ours":
+        render_hash = render.digest(
+            render.render(api.parse_server(body), SETTINGS.render_context())
+        )
+    if render_hash is not None:
+        status["renderHash"] = render_hash
+    return body
 
 
 class StatusListingKube(ListingKube):
@@ -161,6 +174,10 @@ def test_the_first_pass_applies_a_server_whose_status_does_not_show_it_landed():
         landed_obj(progressing=("False", "ApplyFailed")),
         landed_obj(progressing=("False", "HostPathNotAllowed")),
         landed_obj(progressing=("False", "ChildConflict")),
+        # Landed as another render (another operator version or its settings), or by
+        # one that wrote no hash: what this one renders has not landed.
+        landed_obj(progressing=("False", "Complete"), render_hash="0123456789abcdef"),
+        landed_obj(progressing=("False", "Complete"), render_hash=None),
     ):
         wanted = render.render(api.parse_server(body), SETTINGS.render_context())
         done, _kube = first_pass(body, as_listed(wanted))

@@ -56,12 +56,17 @@ class Kube:
         self.statuses.append((kind, body))
 
 
-def listed(obj: dict[str, Any], type: str | None = None, claims: Any = None) -> Kube:
+def listed(
+    obj: dict[str, Any],
+    type: str | None = None,
+    claims: Any = None,
+    settings: Settings = SETTINGS,
+) -> Kube:
     """The server's event through server_changed (type None: the initial listing)."""
     kube = Kube()
     memo = kopf.Memo(
         kube=kube,
-        settings=SETTINGS,
+        settings=settings,
         probe=None,
         indexes={},
         claims=claims if claims is not None else ownership.Claims(),
@@ -78,11 +83,33 @@ def listed(obj: dict[str, Any], type: str | None = None, claims: Any = None) -> 
     return kube
 
 
+def rendered(obj: dict[str, Any], settings: Settings = SETTINGS) -> str:
+    """The render.digest this operator's settings give the server."""
+    return render.digest(render.render(api.parse_server(obj), settings.render_context()))
+
+
+def landed(generation: int = 1) -> dict[str, Any]:
+    obj = tiny(generation=generation, observedGeneration=generation, conditions=[COMPLETE])
+    obj["status"]["renderHash"] = rendered(obj)
+    return obj
+
+
 def test_the_initial_listing_applies_no_server_whose_generation_landed():
     # A standby taking over applied every server: an ownership read and an apply of
     # each of ~10 children, thousands of requests for servers that had not changed.
-    kube = listed(tiny(observedGeneration=1, conditions=[COMPLETE]))
+    kube = listed(landed())
     assert kube.applied == []
+
+
+def test_the_hash_an_apply_lands_in_status_is_the_one_a_later_listing_matches():
+    first = listed(tiny())
+    assert first.applied
+    written = [body for kind, body in first.statuses if kind == api.SERVER_KIND]
+    assert written and written[-1]["renderHash"] == rendered(tiny())
+    # The next process (a standby, a restart) reads that status back: nothing to do.
+    again = tiny(**written[-1])
+    assert again["status"]["observedGeneration"] == 1
+    assert listed(again).applied == []
 
 
 @pytest.mark.parametrize(
@@ -101,8 +128,20 @@ def test_the_initial_listing_applies_no_server_whose_generation_landed():
                 {"type": "Progressing", "status": "False", "reason": "PodTemplateNotAllowed"}
             ],
         ),
+        # Landed, by an operator that rendered it otherwise (another version, another
+        # sidecar image): applied once, so that what this one renders (and no longer
+        # renders) lands; and by one that wrote no hash yet (an upgrade to this one).
+        tiny(observedGeneration=1, conditions=[COMPLETE], renderHash="0123456789abcdef"),
+        tiny(observedGeneration=1, conditions=[COMPLETE]),
     ],
-    ids=["no-observed-generation", "older", "apply-failed", "settings-held"],
+    ids=[
+        "no-observed-generation",
+        "older",
+        "apply-failed",
+        "settings-held",
+        "other-render",
+        "no-render-hash",
+    ],
 )
 def test_the_initial_listing_applies_a_server_whose_status_does_not_show_it_landed(obj):
     kube = listed(obj)
@@ -110,15 +149,24 @@ def test_the_initial_listing_applies_a_server_whose_status_does_not_show_it_land
     assert len(kube.applied) == len(wanted)
 
 
+def test_new_settings_that_render_the_children_otherwise_apply_a_landed_server():
+    obj = landed()
+    other = Settings(sidecar_image="registry.invalid/sidecar:next", resync_seconds=300)
+    assert rendered(obj, other) != obj["status"]["renderHash"]
+    assert len(listed(obj, settings=other).applied) == len(
+        render.render(api.parse_server(obj), other.render_context())
+    )
+
+
 def test_a_new_server_and_one_this_process_applied_are_applied_as_before():
-    landed = tiny(observedGeneration=1, conditions=[COMPLETE])
-    assert listed(landed, type="ADDED").applied
+    landed_ = landed()
+    assert listed(landed_, type="ADDED").applied
     # A re-listing (a watch restarted) of a server this process applied: as before.
     claims = ownership.Claims()
     claims.applied(("ns", "tiny"), ownership.ApplyOutcome(1, True))
-    assert listed(landed, claims=claims).applied
+    assert listed(landed_, claims=claims).applied
     # Our own status write coming back: no apply.
-    assert listed(landed, type="MODIFIED").applied == []
+    assert listed(landed_, type="MODIFIED").applied == []
 
 
 def test_generation_landed_reads_observed_generation_and_progressing():
@@ -130,6 +178,10 @@ def test_generation_landed_reads_observed_generation_and_progressing():
     assert not status.generation_landed({}, 3)
     assert not status.generation_landed(None, 3)
     assert not status.generation_landed({"observedGeneration": "3"}, 3)
+    # With this process's render: only the one that landed.
+    assert status.generation_landed({"observedGeneration": 3, "renderHash": "ab"}, 3, "ab")
+    assert not status.generation_landed({"observedGeneration": 3, "renderHash": "ab"}, 3, "cd")
+    assert not status.generation_landed({"observedGeneration": 3}, 3, "ab")
     for reason in ("ApplyFailed", "ChildConflict", "HostPathNotAllowed"):
         held = {"type": "Progressing", "status": "False", "reason": reason}
         assert not status.generation_landed({"observedGeneration": 3, "conditions": [held]}, 3)
