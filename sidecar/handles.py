@@ -6,6 +6,11 @@ Rules (each has a test named after it):
 - expiry: a handle is dropped ``margin`` seconds before D frees its blocks; P would
   decline the read anyway (vLLM's own 5 s margin) or, without the deadline, read
   freed blocks.
+- live retention: a handle is also dropped ``margin`` seconds before its receipt plus
+  the retention in force *now* (``retention``, the live policy's), so a policy
+  change reaches the handles already held; D's deadline (``expires_at``, at most the
+  ceiling) stays the bound. ``engine_expiring`` tells the two apart: a handle the
+  policy let go while D still holds it must be released, one near D's deadline not.
 - LRU cap: at most ``cap`` handles; the least recently stored goes first.
 - bound to the owner: with owners on (``owners.py``) a handle's slot digests its
   owner with the key, so another owner's turn looks up another slot and finds nothing.
@@ -42,6 +47,7 @@ from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Retention = Callable[[], float]  # the retention in force now (policy.LivePolicy)
 # A deadline further than retention + this from "now" is not on a clock we know.
 CLOCK_SLACK_S = 60.0
 
@@ -109,8 +115,10 @@ class HandleStore:
         on_drop: DropHook | None = None,
         on_evict: EvictHook | None = None,
         owner_caps: CapsSource | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._cap = cap
+        self._retention = retention
         self._on_evict = on_evict
         self._owner_caps = owner_caps
         self._owned: dict[OwnerTag, _Owned] = {}
@@ -139,11 +147,19 @@ class HandleStore:
             self._on_drop(fate, handle)
 
     def _usable_until(self, handle: KVHandle) -> float | None:
-        return None if handle.expires_at is None else handle.expires_at - self._margin_s
+        ends = [] if handle.expires_at is None else [handle.expires_at]
+        if self._retention is not None:
+            ends.append(handle.created_at + self._retention())
+        return min(ends) - self._margin_s if ends else None
 
     def is_expired(self, handle: KVHandle, now: float) -> bool:
+        """No longer offered: within the margin of D's deadline or of the retention."""
         until = self._usable_until(handle)
         return until is not None and now >= until
+
+    def engine_expiring(self, handle: KVHandle, now: float) -> bool:
+        """Within the margin of D's own deadline: D frees it soon, releasing it is moot."""
+        return handle.expires_at is not None and now >= handle.expires_at - self._margin_s
 
     def _pop(self, session: SessionTag) -> KVHandle | None:
         """Remove a handle from the store and from its owner's account."""

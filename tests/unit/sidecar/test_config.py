@@ -261,7 +261,7 @@ KEPT_FIELDS = (
     "role", "listen_host", "listen_port", "internal_port", "engine_url", "prefill_engines",
     "decode_sidecars", "ordinal", "model", "engine_build", "bidirectional",
     "diagnostic_headers", "session_keys", "skip_prefill_below_tokens", "recompute_threshold",
-    "retention_seconds", "local_handle_seconds", "handle_store_cap", "release_after_seconds",
+    "retention_seconds", "retention_ceiling_seconds", "local_handle_seconds", "handle_store_cap", "release_after_seconds",
     "block_size", "streaming_handles", "tag_session_id", "probe_interval_seconds",
     "connect_timeout_seconds", "prefill_timeout_seconds", "decode_timeout_seconds",
     "stream_idle_timeout_seconds", "drain_seconds", "server", "pod_name", "namespace",
