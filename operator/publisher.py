@@ -227,18 +227,18 @@ class Publisher:
         mode = server.spec.cache_tuning.mode
         st = obj.get("status") or {}
         old = st.get("retention") or {}
-        applying = False
+        decision = None
         if mode == api.MODE_AUTO and rec is not None:
             decision = tune.plan_live_apply(
                 mode, rec.value, server.decode_retention_seconds, policy.retention_ceiling(server)
             )
             if decision.apply:
-                applying = True
+                # In force from this pass's policy on: no child changes, nothing restarts.
                 server = dataclasses.replace(server, applied_retention=rec.value)
-            auto_decision = decision.reason
+        applying = decision is not None and decision.apply
         new = without_nulls(retention_status(old, server, rec, mode))
-        if mode == api.MODE_AUTO and rec is not None:
-            new["autoDecision"] = auto_decision
+        if decision is not None:
+            new["autoDecision"] = decision.reason
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
             agg.transport,
             agg.transport_reason,
