@@ -26,8 +26,9 @@ Rules (each has a test named after it):
 Clocks: vLLM stamps ``remote_blocks_expiry_time`` with D's ``time.perf_counter()``,
 which on Linux is CLOCK_MONOTONIC, shared by every process on the node, so the
 sidecar (same pod as D) can compare it with its own ``perf_counter``. The deadline
-is also bounded by receipt time + retention, and an expiry on an unrecognised clock
-falls back to that bound alone.
+is also bounded by receipt time + D's hold (``retention_s`` of ``local_deadline``: the
+ceiling, ``decoder_kv_blocks_ttl``, or D's lease for a turn it prefilled alone), and
+an expiry on an unrecognised clock falls back to that bound alone.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def local_deadline(
     retention_s: float,
 ) -> float:
     """D's block deadline on the store clock (perf_counter), never later than receipt +
-    retention."""
+    ``retention_s`` (D's own hold: the ceiling, or its lease)."""
     bound = received_at + retention_s
     raw = params.get(K_REMOTE_EXPIRY)
     if not isinstance(raw, (int, float)) or isinstance(raw, bool):

@@ -42,6 +42,17 @@ class PushError(Exception):
     pass
 
 
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or its first ``limit`` bytes: one ``read`` returns what has arrived."""
+    out = bytearray()
+    while len(out) < limit:
+        chunk = await resp.content.read(limit - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
 class Pusher:
     def __init__(
         self,
@@ -132,7 +143,7 @@ class Pusher:
                 if resp.status >= 300:
                     detail = (await resp.read())[:300].decode("utf-8", "replace")
                     raise PushError(f"operator answered {resp.status}: {detail}")
-                answer = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+                answer = await _read_at_most(resp, MAX_RESPONSE_BYTES + 1)
         except asyncio.CancelledError:
             raise
         except (PushError, aiohttp.ClientError, TimeoutError, ssl.SSLError, OSError) as exc:
