@@ -159,17 +159,28 @@ class Publisher:
         self._transports[key] = (agg.transport, agg.transport_reason)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
+        # Auto's decision first: both statuses and the sidecars' answer show its policy.
+        decision = auto_decision(server, rec)
+        if decision is not None and decision.apply and rec is not None:
+            # In force from this pass on: no child changes, nothing restarts.
+            server = dataclasses.replace(server, applied_retention=rec.value)
         status = without_nulls(
             {
                 **aggregate.with_recommendations(agg.status, mode, rec, threshold),
                 "pressure": pressure.status(preemptions, usage),
+                "policy": policy_status(server),
             }
         )
+        if server.decode_retention_seconds != applied:
+            # Auto applied a new one this pass: the figures show it in force (the
+            # tuner's inputs keep the one it worked from).
+            status["summary"]["retention"] = f"{server.decode_retention_seconds}s"
+            status["retention"]["appliedSeconds"] = server.decode_retention_seconds
         shown = mode != api.MODE_OBSERVE
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
             server=name,
-            applied_retention=applied,
+            applied_retention=server.decode_retention_seconds,
             recommended_retention=rec.value if rec and shown else None,
             recommended_threshold=threshold.value if threshold and shown else None,
             preemptions_recent=agg.tuning.preemptions_delta if agg.tuning else 0,
@@ -194,7 +205,7 @@ class Publisher:
             )
             self._last_write[key] = now
 
-        server = self._publish_retention(obj, server, rec, agg)
+        self._publish_retention(obj, server, rec, decision, agg)
         self._policies[key] = wire_policy.encode(policy.build_policy(server))
 
     def prune(self, namespace: str, name: str, now: float) -> None:
@@ -220,21 +231,14 @@ class Publisher:
         obj: dict[str, Any],
         server: api.Server,
         rec: tune.Recommendation | None,
+        decision: tune.ApplyDecision | None,
         agg: aggregate.Aggregate,
-    ) -> api.Server:
-        """Write ``status.retention`` and the transport; returns the server as it is
-        now (with Auto's decision), whose policy the sidecars are told."""
+    ) -> None:
+        """Write ``status.retention`` (``server`` is the server with Auto's decision
+        in force) and the transport."""
         mode = server.spec.cache_tuning.mode
         st = obj.get("status") or {}
         old = st.get("retention") or {}
-        decision = None
-        if mode == api.MODE_AUTO and rec is not None:
-            decision = tune.plan_live_apply(
-                mode, rec.value, server.decode_retention_seconds, policy.retention_ceiling(server)
-            )
-            if decision.apply:
-                # In force from this pass's policy on: no child changes, nothing restarts.
-                server = dataclasses.replace(server, applied_retention=rec.value)
         applying = decision is not None and decision.apply
         new = without_nulls(retention_status(old, server, rec, mode))
         if decision is not None:
@@ -244,7 +248,7 @@ class Publisher:
             agg.transport_reason,
         )
         if new == old and not transport_changed:
-            return server
+            return
         patch: dict[str, Any] = {
             "retention": new,
             "transport": agg.transport,
@@ -264,7 +268,28 @@ class Publisher:
                 f"{new['policyRevision']}, no restart): the sidecars hold handles for it "
                 "from their next report",
             )
-        return server
+
+
+def auto_decision(server: api.Server, rec: tune.Recommendation | None) -> tune.ApplyDecision | None:
+    """Auto's decision on a recommendation (None: not Auto, or nothing recommended)."""
+    if server.spec.cache_tuning.mode != api.MODE_AUTO or rec is None:
+        return None
+    return tune.plan_live_apply(
+        api.MODE_AUTO, rec.value, server.decode_retention_seconds, policy.retention_ceiling(server)
+    )
+
+
+def policy_status(server: api.Server) -> dict[str, Any]:
+    """KVCacheStatus ``status.policy``: the live policy the sidecars are told, and the
+    ceiling over its retention."""
+    told = policy.build_policy(server)
+    return {
+        "revision": told.revision(),
+        "retentionSeconds": server.decode_retention_seconds,
+        "recomputeThreshold": told.recompute_threshold,
+        "skipPrefillBelowTokens": told.skip_prefill_below_tokens,
+        "ceilingSeconds": policy.retention_ceiling(server),
+    }
 
 
 def recommendation_message(rec: tune.Recommendation) -> str:

@@ -125,6 +125,25 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
     assert shown["ceiling"] == 1800
     assert shown["policyRevision"] == told[wire_policy.K_REVISION]
     assert "restarts" not in shown
+    # KVCacheStatus shows the whole policy in force (its fields declared: read back).
+    kvcs = wait_until(
+        lambda: (
+            ((kubectl.get("kvcachestatus", "tiny", ns) or {}).get("status") or {})
+            .get("policy", {})
+            .get("revision")
+            == told[wire_policy.K_REVISION]
+            and kubectl.get("kvcachestatus", "tiny", ns)["status"]["policy"]
+        ),
+        30,
+        "KVCacheStatus shows the new policy",
+    )
+    assert kvcs == {
+        "revision": told[wire_policy.K_REVISION],
+        "retentionSeconds": 120,
+        "recomputeThreshold": 32,
+        "skipPrefillBelowTokens": 100,
+        "ceilingSeconds": 1800,
+    }
 
 
 def test_only_the_ceiling_rolls_decode(kubectl: Kubectl, operator: Operator, ns: str):

@@ -169,6 +169,17 @@ def test_auto_applies_live_and_logs_no_restart():
     assert told is not None
     assert told[wire_policy.K_RETENTION] == retention["applied"]
     assert told[wire_policy.K_REVISION] == retention["policyRevision"]
+    # KVCacheStatus shows the same policy in force, in the same pass.
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    assert shown["policy"] == {
+        "revision": retention["policyRevision"],
+        "retentionSeconds": retention["applied"],
+        "recomputeThreshold": 64,
+        "skipPrefillBelowTokens": 256,
+        "ceilingSeconds": 1800,
+    }
+    assert shown["summary"]["retention"] == f"{retention['applied']}s"
+    assert shown["retention"]["inputs"]["current"] == 480  # what the tuner worked from
 
 
 def test_auto_applies_past_the_old_restart_budget():
