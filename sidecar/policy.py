@@ -7,7 +7,8 @@ has a test named after it, ``tests/unit/sidecar/test_policy.py``):
 - config until told: before any policy arrives the settings file's values are in
   force (the operator renders the spec's values there), source ``config``;
 - field by field: a policy's good fields are applied, each refused one is logged
-  with its name and reason and keeps its last good value;
+  with its name and reason and keeps its last good value (logged again only when the
+  refusals change: every push answer carries the policy);
 - under the ceiling: the retention is at most the pod's ceiling (D's
   ``decoder_kv_blocks_ttl``, the ``retentionCeilingSeconds`` setting): D frees a
   handle's blocks at the ceiling whatever the policy says, so a longer retention
@@ -63,6 +64,7 @@ class LivePolicy:
         self._on_change = on_change
         self.refusals = 0  # policy fields refused (for tests and the log's count)
         self._clamped_from: float | None = None  # logged once per value over the ceiling
+        self._last_errors: dict[str, str] = {}  # logged once until they change
         self.current = InForce(
             min(retention_seconds, ceiling_seconds),
             recompute_threshold,
@@ -87,9 +89,11 @@ class LivePolicy:
         """Apply what is good in a policy from the operator; returns the refused
         fields with their reasons (each also logged, naming the field)."""
         decoded = wire.decode(raw)
-        for name, why in decoded.errors.items():
-            self.refusals += 1
-            log.warning("policy field refused field=%s err=%s; keeping the last good", name, why)
+        self.refusals += len(decoded.errors)
+        if decoded.errors != self._last_errors:
+            for name, why in decoded.errors.items():
+                log.warning("policy field refused field=%s err=%s; keeping the last", name, why)
+            self._last_errors = decoded.errors
         fields = decoded.fields
         old = self.current
         retention = float(fields.get(wire.K_RETENTION, old.retention_seconds))

@@ -127,6 +127,11 @@ def test_field_by_field(caplog):
     assert values(p) == (120, 32, 100)
     assert "field=retentionSeconds" in caplog.text
     assert p.refusals == 1 and len(changes) == 2
+    # The same refusal in the next answer is counted, not logged again.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvferry_sidecar.policy"):
+        p.offer({**GOOD, wire.K_RETENTION: -3, wire.K_SKIP: 100})
+    assert caplog.text == "" and p.refusals == 2
 
 
 def test_under_the_ceiling():
