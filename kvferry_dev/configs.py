@@ -16,7 +16,9 @@ SERVED_MODEL_ALIAS = "tiny-llama-b"
 # Defaults for local runs (see tests/engine/README.md for why).
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
-DECODE_RETENTION_SECONDS = 45  # decoder_kv_blocks_ttl; short so a pinned handle stops D spinning
+# The retention and, by default, the ceiling (decoder_kv_blocks_ttl): short, so a pinned
+# handle stops D spinning soon.
+DECODE_RETENTION_SECONDS = 45
 
 
 def tiny_server_manifest(
@@ -27,8 +29,13 @@ def tiny_server_manifest(
     bidirectional: bool = True,
     skip_prefill_below_tokens: int = 256,
     name: str = "tiny-llama",
+    max_retention_seconds: int | None = None,
 ) -> dict[str, Any]:
-    """A DisaggregatedServer for the tiny model, 1 P + 1 D, as a user would write it."""
+    """A DisaggregatedServer for the tiny model, 1 P + 1 D, as a user would write it.
+
+    ``max_retention_seconds`` is the ceiling, D's ``decoder_kv_blocks_ttl``; by default
+    the retention itself, so D frees a handle no release reached at the retention (short:
+    a pinned handle keeps vLLM 0.32's engine loop busy) rather than the CRD's 1800 s."""
     return {
         "apiVersion": "kvferry.io/v1alpha1",
         "kind": "DisaggregatedServer",
@@ -50,6 +57,9 @@ def tiny_server_manifest(
                 "recomputeThreshold": recompute_threshold,
                 "leaseSeconds": lease_seconds,
                 "decodeRetentionSeconds": decode_retention_seconds,
+            },
+            "cacheTuning": {
+                "maxRetentionSeconds": max_retention_seconds or decode_retention_seconds
             },
             # The harness reads the per-turn X-Kvferry-* headers (off by default).
             "routing": {

@@ -394,7 +394,11 @@ class Server:
 
     @property
     def decode_retention_seconds(self) -> int:
-        return self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
+        """The retention in force (the live policy's, ``policy.py``): Auto's applied
+        value, else the spec's, at most the ceiling (``cacheTuning.maxRetentionSeconds``,
+        decode's ``decoder_kv_blocks_ttl``)."""
+        wanted = self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
+        return min(wanted, self.spec.cache_tuning.max_retention_seconds)
 
     def replicas(self, role: str) -> int:
         """The count the role runs at, the one home of that rule: its RoleScaler's

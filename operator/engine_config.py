@@ -15,7 +15,7 @@ from typing import Any
 
 from kvferry_wire import protocol
 
-from . import api, resources
+from . import api, policy, resources
 from .api import Role, Server, ServerSpec
 
 MODELS_MOUNT = "/models"
@@ -96,12 +96,16 @@ def decode_lease_seconds(server: Server) -> int:
 def build_kv_transfer_config(server: Server, role: str) -> Obj:
     """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode).
 
-    ``decoder_kv_blocks_ttl`` matters only on decode; prefill keeps the spec's
-    value so that Auto tuning restarts decode pods alone.
+    ``decoder_kv_blocks_ttl`` matters only on decode, where it is the server's
+    retention ceiling (``policy.retention_ceiling``), not the retention: the sidecars
+    apply that live. Nothing of the live policy is here (a pod template must not
+    change with it); ``kv_recompute_threshold`` is fixed per role (``policy.py``).
     """
     kv = server.spec.kv_transfer
     ttl = (
-        server.decode_retention_seconds if role == api.ROLE_DECODE else kv.decode_retention_seconds
+        policy.retention_ceiling(server)
+        if role == api.ROLE_DECODE
+        else policy.PREFILL_DECODER_TTL_SECONDS
     )
     # NIXL on the CPU build takes only a cpu buffer (vLLM's _NIXL_SUPPORTED_DEVICE); its
     # platform default is that too, but said here the config reads as what it is, and
@@ -119,7 +123,7 @@ def build_kv_transfer_config(server: Server, role: str) -> Obj:
         "kv_connector_extra_config": {
             "bidirectional_kv_xfer": kv.bidirectional,
             "decoder_kv_blocks_ttl": ttl,
-            "kv_recompute_threshold": kv.recompute_threshold,
+            "kv_recompute_threshold": policy.ENGINE_RECOMPUTE_THRESHOLD[role],
             "kv_lease_duration": (
                 decode_lease_seconds(server) if role == api.ROLE_DECODE else kv.lease_seconds
             ),

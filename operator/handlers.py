@@ -128,6 +128,15 @@ async def configure(
     memo.retries = ApplyRetries(loop, retry)
     memo.reports = reports.ReportStore()
     memo.report_runner = None
+    residency = publisher.Publisher(
+        memo.kube,
+        memo.reports,
+        stale_after=ours.report_stale_seconds,
+        min_write_seconds=ours.min_status_write_seconds,
+        emit=memo.kube.create_event,
+        prune_after=ours.report_prune_seconds,
+    )
+    memo.publisher = residency
     if ours.tls_cert_file and ours.tls_key_file:
         kube: Kube = memo.kube
         # Short deadlines: a sidecar retries on its next push, a thread must not wait.
@@ -141,6 +150,8 @@ async def configure(
             get_statefulset=lambda ns, name: kube.get(
                 "apps/v1", "StatefulSet", ns, name, timeout=deadline
             ),
+            # Each server's live policy as the publisher last saw it: no API call.
+            policy_for=residency.policy,
         )
         tls = report_endpoint.tls_context(ours.tls_cert_file, ours.tls_key_file)
         memo.report_runner = await report_endpoint.serve(
@@ -152,16 +163,6 @@ async def configure(
             "report endpoint off: set KVFERRY_TLS_CERT_FILE and KVFERRY_TLS_KEY_FILE "
             "(the chart does); KVCacheStatus will show no reports"
         )
-    residency = publisher.Publisher(
-        memo.kube,
-        memo.reports,
-        stale_after=ours.report_stale_seconds,
-        min_write_seconds=ours.min_status_write_seconds,
-        emit=memo.kube.create_event,
-        apply_children=lambda body: apply_or_retry(body, memo, logger),
-        prune_after=ours.report_prune_seconds,
-    )
-    memo.publisher = residency
     memo.tasks.append(
         loop.create_task(publisher.publish_forever(residency, ours.publish_seconds, logger))
     )

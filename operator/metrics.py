@@ -4,7 +4,7 @@ The sidecars export what happened in each pod; only the operator knows what it
 recommends and applies. Series (labels ``namespace``, ``server``):
 
 - ``kvferry_operator_retention_applied_seconds`` / ``..._recommended_seconds``:
-  decodeRetentionSeconds running and recommended (the recommendation history);
+  the retention in force (the live policy) and recommended (the recommendation history);
 - ``kvferry_operator_recompute_threshold_recommended_tokens``;
 - ``kvferry_operator_decode_preemptions_recent``: the tuner's pressure input;
 - ``kvferry_operator_transport_info{transport}``: the server's transport;
@@ -55,7 +55,7 @@ class DecisionCollector(Collector):
 
         applied = gauge(
             "kvferry_operator_retention_applied_seconds",
-            "decodeRetentionSeconds the decode pods run with.",
+            "The retention the decode sidecars hold handles for (the live policy in force).",
         )
         recommended = gauge(
             "kvferry_operator_retention_recommended_seconds",

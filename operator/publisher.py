@@ -18,20 +18,28 @@ Runs on a timer inside the operator. Per server with reports:
      deletes a null's key: it would read back as a change on every pass);
   4. write the server's ``status.retention`` when the recommendation changed,
      with an Event (reason and inputs) in Recommend and Auto modes; Auto also
-     applies it (``tune.plan_apply``), which re-renders the decode pods; and the
-     server's ``status.transport`` / ``transportReason`` (the KVTransport
-     condition is computed from them by the status handler).
+     applies it (``tune.plan_live_apply``) live: it changes the server's policy and
+     no child object, so nothing restarts; and the server's ``status.transport`` /
+     ``transportReason`` (the KVTransport condition is computed from them by the
+     status handler);
+  5. keep the server's live policy (``policy.build_policy``, after Auto's decision)
+     for the report endpoint, which answers each of the server's sidecars with it
+     (``policy``): a policy reaches the sidecars within a publish interval plus a
+     report interval of the change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import aggregate, api, pressure, reports, tune
+from kvferry_wire import policy as wire_policy
+
+from . import aggregate, api, policy, pressure, reports, tune
 from .kube import Kube
 from .metrics import Decision
 
@@ -48,16 +56,17 @@ def without_nulls(value: Any) -> Any:
     return value
 
 
-def restart_times(value: Any) -> list[float]:
-    """``status.retention.restarts`` (RFC 3339 times) as unix seconds."""
-    times = [api.parse_time(v) for v in value or []]
-    return [t for t in times if t is not None]
-
-
 def retention_status(
-    old: dict[str, Any], applied: int, rec: tune.Recommendation | None, mode: str
+    old: dict[str, Any], server: api.Server, rec: tune.Recommendation | None, mode: str
 ) -> dict[str, Any]:
-    out = {**old, "applied": applied}
+    """``status.retention``: the policy in force (``applied``, its ``policyRevision``,
+    the ``ceiling`` over it) and the tuner's recommendation."""
+    out = {
+        **old,
+        "applied": server.decode_retention_seconds,
+        "ceiling": policy.retention_ceiling(server),
+        "policyRevision": policy.build_policy(server).revision(),
+    }
     if rec is not None and mode != api.MODE_OBSERVE:
         out["recommended"] = rec.value
         out["reason"] = rec.reason
@@ -72,7 +81,6 @@ class Publisher:
         stale_after: float,
         min_write_seconds: float,
         emit: Callable[[dict[str, Any], str, str, str], None],
-        apply_children: Callable[[dict[str, Any]], Any],
         clock: Callable[[], float] = time.time,
         prune_after: float = 600.0,
     ) -> None:
@@ -81,7 +89,6 @@ class Publisher:
         self.stale_after = stale_after
         self.min_write_seconds = min_write_seconds
         self.emit = emit
-        self.apply_children = apply_children
         self.clock = clock
         self.prune_after = prune_after
         self._last_write: dict[tuple[str, str], float] = {}
@@ -91,6 +98,8 @@ class Publisher:
         self.decisions: dict[tuple[str, str], Decision] = {}
         # (transport, evidence) as last aggregated, for the status handlers.
         self._transports: dict[tuple[str, str], tuple[str, str]] = {}
+        # Each server's live policy as of its last pass, encoded for the report answer.
+        self._policies: dict[tuple[str, str], dict[str, Any]] = {}
 
     def publish_all(self, logger: logging.Logger) -> None:
         for namespace, name in self.store.servers():
@@ -105,6 +114,11 @@ class Publisher:
         the handler threads."""
         return self._transports.get(key)
 
+    def policy(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The server's live policy as the report answer carries it; None before its
+        first pass (the sidecars keep what they have). A dict read, as ``transport``."""
+        return self._policies.get((namespace, name))
+
     def publish(self, namespace: str, name: str) -> None:
         obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
         if obj is None:
@@ -113,12 +127,14 @@ class Publisher:
             self._usage.pop((namespace, name), None)
             self.decisions.pop((namespace, name), None)
             self._transports.pop((namespace, name), None)
+            self._policies.pop((namespace, name), None)
             return
         server = api.parse_server(obj)
         now = self.clock()
         self.prune(namespace, name, now)
         mode = server.spec.cache_tuning.mode
-        # What the pods render (Auto's applied value, else the spec's): one function.
+        # The retention in force (Auto's applied value, else the spec's, under the
+        # ceiling): one function.
         applied = server.decode_retention_seconds
         received = self.store.get(namespace, name)
         fresh = [r.report for r in received if not reports.is_stale(r, now, self.stale_after)]
@@ -143,17 +159,28 @@ class Publisher:
         self._transports[key] = (agg.transport, agg.transport_reason)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
+        # Auto's decision first: both statuses and the sidecars' answer show its policy.
+        decision = auto_decision(server, rec)
+        if decision is not None and decision.apply and rec is not None:
+            # In force from this pass on: no child changes, nothing restarts.
+            server = dataclasses.replace(server, applied_retention=rec.value)
         status = without_nulls(
             {
                 **aggregate.with_recommendations(agg.status, mode, rec, threshold),
                 "pressure": pressure.status(preemptions, usage),
+                "policy": policy_status(server),
             }
         )
+        if server.decode_retention_seconds != applied:
+            # Auto applied a new one this pass: the figures show it in force (the
+            # tuner's inputs keep the one it worked from).
+            status["summary"]["retention"] = f"{server.decode_retention_seconds}s"
+            status["retention"]["appliedSeconds"] = server.decode_retention_seconds
         shown = mode != api.MODE_OBSERVE
         self.decisions[(namespace, name)] = Decision(
             namespace=namespace,
             server=name,
-            applied_retention=applied,
+            applied_retention=server.decode_retention_seconds,
             recommended_retention=rec.value if rec and shown else None,
             recommended_threshold=threshold.value if threshold and shown else None,
             preemptions_recent=agg.tuning.preemptions_delta if agg.tuning else 0,
@@ -178,7 +205,8 @@ class Publisher:
             )
             self._last_write[key] = now
 
-        self._publish_retention(obj, server, applied, rec, agg, now)
+        self._publish_retention(obj, server, rec, decision, agg)
+        self._policies[key] = wire_policy.encode(policy.build_policy(server))
 
     def prune(self, namespace: str, name: str, now: float) -> None:
         """Drop rows of pods that are gone, replaced, or silent past ``prune_after``.
@@ -202,52 +230,19 @@ class Publisher:
         self,
         obj: dict[str, Any],
         server: api.Server,
-        applied: int,
         rec: tune.Recommendation | None,
+        decision: tune.ApplyDecision | None,
         agg: aggregate.Aggregate,
-        now: float,
     ) -> None:
+        """Write ``status.retention`` (``server`` is the server with Auto's decision
+        in force) and the transport."""
         mode = server.spec.cache_tuning.mode
         st = obj.get("status") or {}
         old = st.get("retention") or {}
-        new = without_nulls(retention_status(old, applied, rec, mode))
-        # Only an Auto decision re-renders the pods: a changed `applied` alone may be
-        # the status catching up with what the pods already run (a leftover Auto value
-        # after a switch to Recommend or Observe), which applies nothing.
-        applying = False
-        if mode == api.MODE_AUTO and rec is not None:
-            ready = any(
-                c.get("type") == api.COND_READY and c.get("status") == "True"
-                for c in st.get("conditions") or []
-            )
-            rolling = next(
-                (
-                    r
-                    for r in api.ROLES
-                    # desiredReplicas: the RoleScaler's count under External, which
-                    # this server read alone does not carry.
-                    if (st.get(r) or {}).get("updatedReplicas", 0)
-                    < (st.get(r) or {}).get("desiredReplicas", server.replicas(r))
-                ),
-                None,
-            )
-            restarts = restart_times(old.get("restarts"))
-            decision = tune.plan_apply(
-                mode,
-                rec.value,
-                applied,
-                ready,
-                restarts,
-                now,
-                server.spec.cache_tuning.max_restarts_per_day,
-                rolling,
-            )
+        applying = decision is not None and decision.apply
+        new = without_nulls(retention_status(old, server, rec, mode))
+        if decision is not None:
             new["autoDecision"] = decision.reason
-            if decision.apply:
-                applying = rec.value != applied
-                new["applied"] = rec.value
-                recent = [t for t in restarts if now - t < tune.DAY_SECONDS]
-                new["restarts"] = [api.iso_time(t) for t in [*recent, now]]
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
             agg.transport,
             agg.transport_reason,
@@ -269,10 +264,32 @@ class Publisher:
                 obj,
                 "Normal",
                 EVENT_APPLIED,
-                f"applying decodeRetentionSeconds {new['applied']}s (rolling decode pods)",
+                f"applied decodeRetentionSeconds {new['applied']}s live (policy "
+                f"{new['policyRevision']}, no restart): the sidecars hold handles for it "
+                "from their next report",
             )
-            obj = {**obj, "status": {**st, "retention": new}}
-            self.apply_children(obj)
+
+
+def auto_decision(server: api.Server, rec: tune.Recommendation | None) -> tune.ApplyDecision | None:
+    """Auto's decision on a recommendation (None: not Auto, or nothing recommended)."""
+    if server.spec.cache_tuning.mode != api.MODE_AUTO or rec is None:
+        return None
+    return tune.plan_live_apply(
+        api.MODE_AUTO, rec.value, server.decode_retention_seconds, policy.retention_ceiling(server)
+    )
+
+
+def policy_status(server: api.Server) -> dict[str, Any]:
+    """KVCacheStatus ``status.policy``: the live policy the sidecars are told, and the
+    ceiling over its retention."""
+    told = policy.build_policy(server)
+    return {
+        "revision": told.revision(),
+        "retentionSeconds": server.decode_retention_seconds,
+        "recomputeThreshold": told.recompute_threshold,
+        "skipPrefillBelowTokens": told.skip_prefill_below_tokens,
+        "ceilingSeconds": policy.retention_ceiling(server),
+    }
 
 
 def recommendation_message(rec: tune.Recommendation) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from kvferry_wire import protocol
 from kvferry_wire import settings as wire_settings
 
-from . import api, podtemplate
+from . import api, podtemplate, policy
 from .api import Role, Server, ServerSpec
 from .engine_config import (
     HF_CACHE_MOUNT,
@@ -464,6 +464,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
     operator decides (the rest keeps the sidecar's defaults), as a JSON object."""
     spec = server.spec
     ctx = ctx or Context()
+    live = policy.config_policy(server)
     report: Obj = {}
     # Only what spec.owners sets: unset, the sidecar keeps today's one store (no owners)
     # and derives an owner's caps itself, so servers without owners render as before.
@@ -493,11 +494,14 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
             internal_port=protocol.SIDECAR_INTERNAL_PORT,
             metrics_port=protocol.SIDECAR_METRICS_PORT,
             bidirectional=spec.kv_transfer.bidirectional,
-            recompute_threshold=spec.kv_transfer.recompute_threshold,
-            retention_seconds=server.decode_retention_seconds,
+            # The live policy's values until the operator's first report answer: the
+            # spec's (never Auto's: a tuning decision rewrites no child).
+            recompute_threshold=live.recompute_threshold,
+            retention_seconds=live.retention_seconds,
+            retention_ceiling_seconds=policy.retention_ceiling(server),
             local_handle_seconds=decode_lease_seconds(server),
             session_keys=tuple(spec.routing.session_keys),
-            skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+            skip_prefill_below_tokens=live.skip_prefill_below_tokens,
             diagnostic_headers=spec.routing.diagnostic_headers,
             requested_transport=kv_transport(spec),
             rdma_enabled=spec.network.rdma.enabled,
@@ -507,15 +511,19 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
     )
 
 
+# Settings the live policy changes without a restart (policy.py): in the file as what
+# a sidecar starts with, in no pod's hash (either role), so changing them rolls nothing.
+LIVE_SETTINGS = tuple(
+    wire_settings.file_key(name)
+    for name in ("retention_seconds", "skip_prefill_below_tokens", "recompute_threshold")
+)
 # Settings only the decode sidecar reads: changing them must not restart prefill.
 DECODE_ONLY_SETTINGS = tuple(
     wire_settings.file_key(name)
     for name in (
-        "retention_seconds",
+        "retention_ceiling_seconds",
         "local_handle_seconds",
         "session_keys",
-        "skip_prefill_below_tokens",
-        "recompute_threshold",
         "diagnostic_headers",
         "owner_header",
         "owner_max_handles",
@@ -527,7 +535,9 @@ DECODE_ONLY_SETTINGS = tuple(
 def sidecar_config_hash(server: Server, role: str, ctx: Context) -> str:
     """What restarts a role's pods when settings change. Topology (replica
     counts) is not in it: sidecars re-read topology.json live."""
-    settings = build_sidecar_settings(server, ctx)
+    settings = {
+        k: v for k, v in build_sidecar_settings(server, ctx).items() if k not in LIVE_SETTINGS
+    }
     if role == api.ROLE_PREFILL:
         settings = {k: v for k, v in settings.items() if k not in DECODE_ONLY_SETTINGS}
     return stable_hash(settings)

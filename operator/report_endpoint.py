@@ -15,6 +15,12 @@ A report is accepted only when
 
 Anything else gets a 4xx naming the reason and changes nothing.
 
+An accepted report is answered 202 with ``{"accepted": true}`` and, once the
+publisher has passed over the server, ``"policy"``: the live policy of the server the
+checks above proved the pod is a member of (``kvferry_wire.policy``; ``policy_for``
+gives it). The report's server is the pod's own (its label, its StatefulSet's owner),
+so a sidecar can learn no other server's policy, whatever its report says.
+
 Bounded under load (a flood of forged or valid reports must not starve the
 operator or grow its memory; ``Limits`` holds the numbers):
 - requests in progress are capped; beyond that a 503 with Retry-After;
@@ -50,6 +56,7 @@ import jwt
 from aiohttp import web
 from cachetools import TTLCache
 
+from kvferry_wire.policy import RESPONSE_KEY as POLICY_KEY
 from kvferry_wire.protocol import REPORT_PATH, REPORT_TOKEN_AUDIENCE
 from kvferry_wire.report import MAX_REPORT_BYTES, Report, ReportError, decode
 
@@ -120,6 +127,13 @@ class Identity:
 ReviewToken = Callable[[str], dict[str, Any]]
 GetPod = Callable[[str, str], dict[str, Any] | None]
 GetStatefulSet = Callable[[str, str], dict[str, Any] | None]
+# (namespace, server) -> the server's encoded live policy, None while unknown.
+PolicyFor = Callable[[str, str], dict[str, Any] | None]
+
+
+def no_policy(namespace: str, server: str) -> dict[str, Any] | None:
+    return None
+
 
 # ------------------------------------------------------------------ pure checks
 
@@ -402,6 +416,7 @@ def app_factory(
     get_statefulset: GetStatefulSet,
     clock: Callable[[], float] = time.time,
     limits: Limits = Limits(),
+    policy_for: PolicyFor = no_policy,
 ) -> web.Application:
     # The endpoint's own threads: a flood of reports never takes the default
     # executor's threads, which the publisher and the resync loop run on.
@@ -473,7 +488,12 @@ def app_factory(
         finally:
             in_flight -= 1
         store.put(Received(report, clock(), uid))
-        return web.json_response({"accepted": True}, status=202)
+        answer: dict[str, Any] = {"accepted": True}
+        # report.server passed check_pod and check_membership: the pod's own server.
+        live = policy_for(report.namespace, report.server)
+        if live is not None:
+            answer[POLICY_KEY] = live
+        return web.json_response(answer, status=202)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")

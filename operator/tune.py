@@ -27,9 +27,15 @@ The algorithm, per DisaggregatedServer:
 Every recommendation carries the inputs it used and a one-line reason, and is
 deterministic for its inputs.
 
-:func:`plan_apply` decides, for ``Auto``, whether to roll the pods now:
-never while the server is not Ready, at most ``maxRestartsPerDay`` in any
-24 h, one role at a time.
+:func:`plan_live_apply` decides, for ``Auto``, whether to apply a recommendation:
+the retention is live (``policy.py``: the sidecars are told with their next report
+answer, no pod restarts), so any change under the ceiling is applied at once, and a
+value over the ceiling (``maxRetentionSeconds``, which also bounds the
+recommendation) never is: raising the ceiling is the user's spec change.
+:func:`plan_apply` is the earlier rule, when applying meant a rolling restart
+(never while not Ready, at most ``maxRestartsPerDay`` in 24 h, one role at a time):
+the operator no longer uses it; ``bench/eviction.py`` replays it as the policy it
+replaced.
 """
 
 from __future__ import annotations
@@ -219,6 +225,19 @@ def recommend_threshold(inp: TuningInputs) -> Recommendation:
 class ApplyDecision:
     apply: bool
     reason: str
+
+
+def plan_live_apply(mode: str, recommended: int, applied: int, ceiling: int) -> ApplyDecision:
+    """Whether ``Auto`` applies ``recommended`` now (live: nothing restarts)."""
+    if mode != MODE_AUTO:
+        return ApplyDecision(False, f"mode {mode}: recommendations are not applied")
+    if recommended == applied:
+        return ApplyDecision(False, "already in force")
+    if recommended > ceiling:
+        return ApplyDecision(
+            False, f"{recommended}s is over the ceiling maxRetentionSeconds {ceiling}s"
+        )
+    return ApplyDecision(True, f"applied {recommended}s live (was {applied}s)")
 
 
 def plan_apply(

@@ -44,6 +44,8 @@ _HELP = {
     "owner_header": "header the gateway sets to the authenticated client (default: no owners)",
     "owner_max_handles": "handles one owner keeps (default: handle_store_cap / 8)",
     "owner_max_pinned_tokens": "tokens one owner's handles pin (default: D's KV / 8)",
+    "retention_seconds": "hold handles this long until the operator's policy says (live)",
+    "retention_ceiling_seconds": "D's decoder_kv_blocks_ttl (default: --retention-seconds)",
 }
 
 

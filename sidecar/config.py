@@ -49,6 +49,12 @@ class Settings(wire.SidecarSettings, frozen=True, kw_only=True):
     topology_path: str | None = None
 
     @property
+    def retention_ceiling(self) -> float:
+        """D's decoder_kv_blocks_ttl: the longest any policy may hold a handle."""
+        ceiling = self.retention_ceiling_seconds
+        return self.retention_seconds if ceiling is None else ceiling
+
+    @property
     def forwarding(self) -> bool:
         return self.ordinal is not None and len(self.decode_sidecars) > 1
 
@@ -184,6 +190,8 @@ def validate(settings: Settings) -> Settings:
         raise ConfigError("block_size must be >= 1")
     if settings.retention_seconds <= 0:
         raise ConfigError("retention_seconds must be > 0")
+    if settings.retention_ceiling_seconds is not None and settings.retention_ceiling_seconds <= 0:
+        raise ConfigError("retention_ceiling_seconds must be > 0")
     if settings.local_handle_seconds <= 0:
         raise ConfigError("local_handle_seconds must be > 0")
     for name in (

@@ -6,6 +6,11 @@ Rules (each has a test named after it):
 - expiry: a handle is dropped ``margin`` seconds before D frees its blocks; P would
   decline the read anyway (vLLM's own 5 s margin) or, without the deadline, read
   freed blocks.
+- live retention: a handle is also dropped ``margin`` seconds before its receipt plus
+  the retention in force *now* (``retention``, the live policy's), so a policy
+  change reaches the handles already held; D's deadline (``expires_at``, at most the
+  ceiling) stays the bound. ``engine_expiring`` tells the two apart: a handle the
+  policy let go while D still holds it must be released, one near D's deadline not.
 - LRU cap: at most ``cap`` handles; the least recently stored goes first.
 - bound to the owner: with owners on (``owners.py``) a handle's slot digests its
   owner with the key, so another owner's turn looks up another slot and finds nothing.
@@ -21,8 +26,9 @@ Rules (each has a test named after it):
 Clocks: vLLM stamps ``remote_blocks_expiry_time`` with D's ``time.perf_counter()``,
 which on Linux is CLOCK_MONOTONIC, shared by every process on the node, so the
 sidecar (same pod as D) can compare it with its own ``perf_counter``. The deadline
-is also bounded by receipt time + retention, and an expiry on an unrecognised clock
-falls back to that bound alone.
+is also bounded by receipt time + D's hold (``retention_s`` of ``local_deadline``: the
+ceiling, ``decoder_kv_blocks_ttl``, or D's lease for a turn it prefilled alone), and
+an expiry on an unrecognised clock falls back to that bound alone.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Retention = Callable[[], float]  # the retention in force now (policy.LivePolicy)
 # A deadline further than retention + this from "now" is not on a clock we know.
 CLOCK_SLACK_S = 60.0
 
@@ -54,7 +61,7 @@ def local_deadline(
     retention_s: float,
 ) -> float:
     """D's block deadline on the store clock (perf_counter), never later than receipt +
-    retention."""
+    ``retention_s`` (D's own hold: the ceiling, or its lease)."""
     bound = received_at + retention_s
     raw = params.get(K_REMOTE_EXPIRY)
     if not isinstance(raw, (int, float)) or isinstance(raw, bool):
@@ -109,8 +116,10 @@ class HandleStore:
         on_drop: DropHook | None = None,
         on_evict: EvictHook | None = None,
         owner_caps: CapsSource | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._cap = cap
+        self._retention = retention
         self._on_evict = on_evict
         self._owner_caps = owner_caps
         self._owned: dict[OwnerTag, _Owned] = {}
@@ -139,11 +148,19 @@ class HandleStore:
             self._on_drop(fate, handle)
 
     def _usable_until(self, handle: KVHandle) -> float | None:
-        return None if handle.expires_at is None else handle.expires_at - self._margin_s
+        ends = [] if handle.expires_at is None else [handle.expires_at]
+        if self._retention is not None:
+            ends.append(handle.created_at + self._retention())
+        return min(ends) - self._margin_s if ends else None
 
     def is_expired(self, handle: KVHandle, now: float) -> bool:
+        """No longer offered: within the margin of D's deadline or of the retention."""
         until = self._usable_until(handle)
         return until is not None and now >= until
+
+    def engine_expiring(self, handle: KVHandle, now: float) -> bool:
+        """Within the margin of D's own deadline: D frees it soon, releasing it is moot."""
+        return handle.expires_at is not None and now >= handle.expires_at - self._margin_s
 
     def _pop(self, session: SessionTag) -> KVHandle | None:
         """Remove a handle from the store and from its owner's account."""

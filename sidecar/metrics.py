@@ -32,6 +32,7 @@ from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .config import ROLE_DECODE, Settings
+from .policy import InForce
 from .types import Stage, TurnReport
 
 log = logging.getLogger("kvferry_sidecar.turn")
@@ -46,12 +47,39 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._decode = False  # the policy series are a decode pod's (bind_settings)
         # process_cpu_seconds_total, process_resident_memory_bytes, ...: the
         # sidecar's own cost, next to the time it adds to a turn (stage "queue").
         ProcessCollector(registry=r)
+        # The live policy in force (policy.LivePolicy), on decode pods.
         self.retention = Gauge(
             "kvferry_retention_seconds",
-            "decodeRetentionSeconds this decode pod's engine runs with (decoder_kv_blocks_ttl).",
+            "How long this decode sidecar holds a handle for the next turn: the live "
+            "policy's retention in force (at most the ceiling).",
+            registry=r,
+        )
+        self.retention_ceiling = Gauge(
+            "kvferry_retention_ceiling_seconds",
+            "D's decoder_kv_blocks_ttl: the longest any policy may hold a handle "
+            "(raising it restarts the decode pods).",
+            registry=r,
+        )
+        self.recompute_threshold = Gauge(
+            "kvferry_recompute_threshold_tokens",
+            "The live policy's recompute threshold in force: shorter usable prefixes are "
+            "not pulled.",
+            registry=r,
+        )
+        self.skip_prefill_below = Gauge(
+            "kvferry_skip_prefill_below_tokens",
+            "The live policy's skip-prefill bound in force: D prefills alone below it.",
+            registry=r,
+        )
+        self.policy_info = Gauge(
+            "kvferry_policy_info",
+            "1 for the live policy in force: its revision and source (config: the "
+            "settings file's, no operator policy heard yet; operator).",
+            ["revision", "source"],
             registry=r,
         )
         self.turns = Counter(
@@ -131,8 +159,19 @@ class Metrics:
                 self.turns.labels(outcome.value, route.value)
 
     def bind_settings(self, settings: Settings) -> None:
-        if settings.role == ROLE_DECODE:
-            self.retention.set(settings.retention_seconds)
+        self._decode = settings.role == ROLE_DECODE
+        if self._decode:
+            self.retention_ceiling.set(settings.retention_ceiling)
+
+    def bind_policy(self, in_force: InForce) -> None:
+        """The policy in force (at start, then at each change), on decode pods."""
+        if not self._decode:
+            return
+        self.retention.set(in_force.retention_seconds)
+        self.recompute_threshold.set(in_force.recompute_threshold)
+        self.skip_prefill_below.set(in_force.skip_prefill_below_tokens)
+        self.policy_info.clear()
+        self.policy_info.labels(in_force.revision, in_force.source).set(1)
 
     def bind_report(self, snapshot: Callable[[], rpt.Report]) -> None:
         """Serve the residency report's figures as series, read at scrape time."""

@@ -294,8 +294,11 @@ def build_handle(
     prefill-side params for D's own blocks, held for D's lease (``local_lease_s``):
     they are turned into the decode-side form P pulls, the form every handle has.
 
-    ``now`` is on the handle store's clock; ``received_wall`` the wall clock then.
-    The handle is filed under the slot the conversation's next turn will look up."""
+    ``retention_s`` is D's own hold on a decode-side handle (``decoder_kv_blocks_ttl``,
+    the ceiling): the handle's ``expires_at`` is D's deadline; the retention in force
+    is the store's to apply (``handles.py``). ``now`` is on the handle store's clock;
+    ``received_wall`` the wall clock then. The handle is filed under the slot the
+    conversation's next turn will look up."""
     params = capture.params
     if not params or not params.get(K_REMOTE_BLOCK_IDS):
         return None, NOT_KEPT_NONE

@@ -8,20 +8,28 @@ for every push. TLS is verified against ``operatorCaFile`` when set (re-read whe
 file changes), else the system trust store. A push is bounded in time; a failure is
 logged at most once a minute and never stops the loop: the report is cumulative, so
 the next push carries everything the failed one did.
+
+The operator's answer to an accepted push carries its server's live policy
+(``kvferry_wire.policy``); ``on_answer`` gets the answer's JSON object, read up to
+``MAX_RESPONSE_BYTES``. An answer that is too long or not a JSON object is logged
+(at most once a minute) and handed on as nothing: the push itself was accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
+from kvferry_wire.policy import MAX_RESPONSE_BYTES
 from kvferry_wire.protocol import HDR_OPERATOR_STANDBY
 
 log = logging.getLogger(__name__)
@@ -32,6 +40,17 @@ LOG_EVERY_S = 60.0
 
 class PushError(Exception):
     pass
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or its first ``limit`` bytes: one ``read`` returns what has arrived."""
+    out = bytearray()
+    while len(out) < limit:
+        chunk = await resp.content.read(limit - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
 
 
 class Pusher:
@@ -46,6 +65,7 @@ class Pusher:
         timeout_s: float = PUSH_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         on_result: Callable[[bool], None] | None = None,
+        on_answer: Callable[[Any], None] | None = None,
     ) -> None:
         self.url = url
         self.body = body
@@ -55,6 +75,8 @@ class Pusher:
         self.timeout_s = min(timeout_s, max(interval_s, 1.0))
         self._clock = clock
         self._on_result = on_result
+        self._on_answer = on_answer
+        self._last_answer_log = -LOG_EVERY_S
         self._last_log = -LOG_EVERY_S
         self._ssl: ssl.SSLContext | None = None
         self._ca_mtime: float | None = None
@@ -121,6 +143,7 @@ class Pusher:
                 if resp.status >= 300:
                     detail = (await resp.read())[:300].decode("utf-8", "replace")
                     raise PushError(f"operator answered {resp.status}: {detail}")
+                answer = await _read_at_most(resp, MAX_RESPONSE_BYTES + 1)
         except asyncio.CancelledError:
             raise
         except (PushError, aiohttp.ClientError, TimeoutError, ssl.SSLError, OSError) as exc:
@@ -133,6 +156,28 @@ class Pusher:
         self.successes += 1
         if self._on_result:
             self._on_result(True)
+        if self._on_answer:
+            self._on_answer(self._answer(answer))
+        return None
+
+    def _answer(self, raw: bytes) -> Any:
+        """The accepted push's answer as JSON, or None (logged) when it is not one."""
+        why = None
+        if len(raw) > MAX_RESPONSE_BYTES:
+            why = f"longer than {MAX_RESPONSE_BYTES} bytes"
+        else:
+            try:
+                value = json.loads(raw or b"{}")
+            except (ValueError, RecursionError) as exc:  # deep nesting: RecursionError
+                why = f"not JSON: {type(exc).__name__}"
+            else:
+                if isinstance(value, dict):
+                    return value
+                why = f"not a JSON object: {type(value).__name__}"
+        now = self._clock()
+        if now - self._last_answer_log >= LOG_EVERY_S:
+            self._last_answer_log = now
+            log.warning("report answer ignored url=%s err=%s", self.url, why)
         return None
 
     def _failed(self, why: str, *, logged: bool = False) -> None:

@@ -601,7 +601,8 @@ def _build_handle(
         now=sc.store.now(),
         received_wall=time.time(),
         engine_build=sc.settings.engine_build,
-        retention_s=sc.settings.retention_seconds,
+        # D's deadline (the ceiling); the retention in force is the store's to apply.
+        retention_s=sc.settings.retention_ceiling,
         local_lease_s=sc.settings.local_handle_seconds,
     )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from kvferry_wire import policy as wire_policy
 from kvferry_wire import protocol, report
 
 from . import config, enginemetrics, owners, plan, transport
@@ -33,6 +34,7 @@ from .handles import Clock, HandleStore
 from .identity import plain_text
 from .kvsubscriber import Subscriber
 from .metrics import Metrics
+from .policy import InForce, LivePolicy
 from .push import Pusher
 from .release import (
     PINNED_EXPIRING,
@@ -63,6 +65,15 @@ class Sidecar:
         # each owner has its own caps (owners.py).
         header = settings.owner_header
         self.owner_rule = owners.Rule.new(header) if header else None  # "" = off, as unset
+        # Retention, recompute threshold and skip-prefill in force: the settings file's
+        # until the operator's report answer carries its server's policy (policy.py).
+        self.policy = LivePolicy(
+            retention_seconds=settings.retention_seconds,
+            recompute_threshold=settings.recompute_threshold,
+            skip_prefill_below_tokens=settings.skip_prefill_below_tokens,
+            ceiling_seconds=settings.retention_ceiling,
+            on_change=self._on_policy,
+        )
         self.store = HandleStore(
             cap=settings.handle_store_cap,
             margin_s=protocol.HANDLE_EXPIRY_MARGIN_SECONDS,
@@ -71,6 +82,7 @@ class Sidecar:
             on_drop=self._on_drop,
             on_evict=self._on_evict,
             owner_caps=self.owner_caps if self.owner_rule is not None else None,
+            retention=lambda: self.policy.retention_seconds,
         )
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
         self._topology = (
@@ -89,9 +101,11 @@ class Sidecar:
         self.releaser = Releaser(
             send=self._send_release,
             clock=self.store.now,
-            expired=self.store.is_expired,
+            # D's own deadline decides what is worth releasing: a handle the policy
+            # let go early is still pinned on D until then.
+            expired=self.store.engine_expiring,
             count=self._count_release,
-            retention_s=settings.retention_seconds,
+            retention_s=settings.retention_ceiling,
             after_s=settings.release_after_seconds,
         )
         # RDMA devices come and go only with the pod; re-read on every probe anyway
@@ -112,14 +126,28 @@ class Sidecar:
         )
         self.metrics.bind_report(self.snapshot)
         self.metrics.bind_settings(settings)
+        self.metrics.bind_policy(self.policy.current)
+
+    def _on_policy(self, in_force: InForce) -> None:
+        self.metrics.bind_policy(in_force)
+
+    def on_report_answer(self, answer: Any) -> None:
+        """The operator's answer to a report push: its server's policy, if it sent one."""
+        if isinstance(answer, dict) and wire_policy.RESPONSE_KEY in answer:
+            self.policy.offer(answer[wire_policy.RESPONSE_KEY])
 
     def _on_drop(self, fate: HandleFate, handle: KVHandle) -> None:
         self.residency.on_handle_drop(fate, handle.session)
         if fate in (HandleFate.SUPERSEDED, HandleFate.EVICTED):
             self.releaser.release(handle)  # D still pins it; nobody will ask for it again
         elif fate is HandleFate.EXPIRED:
-            # Dropped a margin before D frees it: pinned until then.
-            self.releaser.pin_until_expiry(handle, PINNED_EXPIRING)
+            if handle.engine_build == self.settings.engine_build:
+                # The retention in force let it go: released, unless D's own deadline is
+                # within the margin (then the releaser pins it until D frees it).
+                self.releaser.release(handle)
+            else:
+                # Another engine build's blocks: nothing this D can release.
+                self.releaser.pin_until_expiry(handle, PINNED_EXPIRING)
 
     def _on_evict(self, reason: str, handle: KVHandle) -> None:
         # Released through the drop hook (fate evicted); counted here by its cap.
@@ -229,8 +257,8 @@ class Sidecar:
             bidirectional=s.bidirectional,
             streaming_handles=self.local.streaming_handles,
             block_size=self.local.block_size,
-            recompute_threshold=s.recompute_threshold,
-            skip_prefill_below_tokens=s.skip_prefill_below_tokens,
+            recompute_threshold=self.policy.recompute_threshold,
+            skip_prefill_below_tokens=self.policy.skip_prefill_below_tokens,
             diagnostic_headers=s.diagnostic_headers,
             media_urls_immutable=s.media_urls_immutable,
         )
@@ -421,6 +449,7 @@ class Sidecar:
             ca_file=s.operator_ca_file,
             interval_s=s.report_interval_seconds,
             on_result=self.metrics.on_push,
+            on_answer=self.on_report_answer,
         )
         await pusher.run(self.http)
 

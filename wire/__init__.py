@@ -9,6 +9,8 @@ Owns what both sides must agree on and nothing else:
   margin the sidecar applies and the operator's tuner adds back.
 - ``report``: the residency report (format version, fields, histogram buckets and
   the one ``Histogram`` type both sides compute with), its decoder and encoder.
+- ``policy``: the live policy (retention, recompute threshold, skip-prefill) the
+  operator sends each sidecar in its report answer, checked field by field.
 - ``settings``: the sidecar's settings (``SidecarSettings``: fields and defaults) and
   the settings file the operator writes and the sidecar reads (``SettingsFile``).
 - ``extras``: which extra of the one ``kvferry`` distribution each program needs

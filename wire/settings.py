@@ -85,9 +85,16 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # X-Kvferry-Outcome/-Route/-Reused-Tokens/-Owner/-Handle on turn responses.
     diagnostic_headers: bool = False
     session_keys: tuple[str, ...] = DEFAULT_SESSION_KEYS
+    # The live policy's three (kvferry_wire.policy): what is in force until the
+    # operator's first report answer says otherwise, and after it, the operator's.
     skip_prefill_below_tokens: int = 256
-    recompute_threshold: int = 64  # same as vLLM's kv_recompute_threshold
-    retention_seconds: float = 480.0  # D's decoder_kv_blocks_ttl
+    recompute_threshold: int = 64
+    # How long a decode sidecar holds a handle for the session's next turn.
+    retention_seconds: float = 480.0
+    # D's decoder_kv_blocks_ttl: D frees a handle's blocks then, whatever the policy
+    # says; the retention in force is at most this. None = retention_seconds (a run
+    # by hand whose engine was started with that TTL).
+    retention_ceiling_seconds: float | None = None
     # D's kv_lease_duration: how long D keeps a turn it prefilled alone (its handle).
     local_handle_seconds: float = 30.0
     handle_store_cap: int = 1024

@@ -3,18 +3,17 @@
 The API server silently prunes what the CRD schema does not declare, and a JSON merge
 patch deletes a key whose value is null. Either way the operator reads back something
 other than what it wrote: it then "changes" the status on every pass, and whatever it
-keeps there to remember (``status.retention.restarts`` for ``maxRestartsPerDay``) is
+keeps there (``status.retention``: the policy in force, its ceiling and revision) is
 lost. These tests write the statuses the operator's own code computes (the reconcile
 status, the KVCacheStatus and the retention status of the residency publisher in Auto
 mode), through the operator's own client, and read them back.
 
-Also here: Auto mode under flapping recommendations restarts decode at most
-``maxRestartsPerDay`` times (the restart log lives in that status).
+Auto applying recommendations live (no restart) is tests/cluster/test_live_policy.py;
+the gap patterns and the expected recommendation it uses are here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -37,10 +36,8 @@ from kvferry_operator import (
 from kvferry_operator.kube import Kube
 from kvferry_operator.reports import ReportStore
 from kvferry_wire import report as wire
-from tests.cluster.conftest import Kubectl, Operator, wait_until
-from tests.cluster.test_operator import make, wait_ready
-from tests.cluster.test_reports import bound_token, push
-from tests.kube import wait_for_event
+from tests.cluster.conftest import Kubectl, Operator
+from tests.cluster.test_operator import make
 
 NOW = 1_800_000_000.0  # a fixed clock: nothing changes between two passes but the inputs
 LOG = logging.getLogger("test")
@@ -133,12 +130,11 @@ def empty_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
 
 
 class Spy:
-    """The operator's Kube with its status writes and child applies recorded."""
+    """The operator's Kube with its status writes recorded."""
 
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
         self.patches: list[tuple[str, str, dict[str, Any]]] = []
-        self.applied: list[str] = []
 
     def get(self, *args: Any) -> Any:
         return self.kube.get(*args)
@@ -204,7 +200,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
         assert differences(written, back) == []
 
         # 2. The residency publisher, Auto mode: KVCacheStatus figures and the retention
-        #    status, with the restart it decides on.
+        #    status (the policy in force, its ceiling and revision), applied live.
         store = ReportStore()
         for role in api.ROLES:
             rep = report(ns, "tiny", f"tiny-{role}-0", role)
@@ -216,7 +212,6 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
             stale_after=90,
             min_write_seconds=0,
             emit=lambda *a: None,
-            apply_children=lambda obj: spy.applied.append(obj["status"]["retention"]["applied"]),
             clock=lambda: NOW,
         )
         pub.publish(ns, "tiny")
@@ -233,7 +228,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
             assert_same(written, back, kind)
 
         # 3. Nothing changed in the world, so the next passes must write nothing. (The
-        #    pass after an Auto restart may record why it does not restart again.)
+        #    pass after an Auto decision may record that it is in force.)
         pub.publish(ns, "tiny")
         spy.patches.clear()
         pub.publish(ns, "tiny")
@@ -242,9 +237,9 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
             retention = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"][
                 "retention"
             ]
-            assert spy.applied == [retention["applied"]]  # Auto restarted decode once
-            assert retention["restarts"] == [api.iso_time(NOW)]
-            assert retention["autoDecision"] == "already running the recommended value"
+            assert "restarts" not in retention  # applied live: no restart
+            assert (retention["ceiling"], len(retention["policyRevision"])) == (1800, 16)
+            assert retention["autoDecision"] == "already in force"
     finally:
         operator.start()
 
@@ -284,78 +279,3 @@ def expected_recommendation(gaps: list[float]) -> int:
         gaps=hist, current_retention=480, coverage=0.95, min_retention=30, max_retention=1800
     )
     return tune.recommend_retention(inputs).value
-
-
-def test_auto_mode_restarts_decode_at_most_max_restarts_per_day(
-    kubectl: Kubectl, operator: Operator, ns: str
-):
-    spec = {"cacheTuning": {"mode": "Auto", "maxRestartsPerDay": 2}}
-    kubectl.apply(make(ns, spec=spec), "--server-side")
-    wait_ready(kubectl, ns)
-    # Flapping: each recommendation far from the one applied before it.
-    patterns = [SHORT_GAPS, LONG_GAPS, SHORT_GAPS, MEDIUM_GAPS]
-    recommended = [expected_recommendation(g) for g in patterns]
-    assert len(set(recommended)) == 3, recommended
-
-    def retention() -> dict[str, Any]:
-        return (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("retention") or {}
-
-    def decode_settled() -> bool:
-        sts = kubectl.get("statefulset", "tiny-decode", ns)
-        st = sts.get("status") or {}
-        return (
-            st.get("observedGeneration") == sts["metadata"]["generation"]
-            and st.get("updatedReplicas") == st.get("readyReplicas") == 1
-            and st.get("currentRevision") == st.get("updateRevision")
-        )
-
-    def decode_ttl() -> int:
-        sts = kubectl.get("statefulset", "tiny-decode", ns)
-        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-        config = json.loads(args[args.index("--kv-transfer-config") + 1])
-        return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
-
-    def push_from_decode(gaps: list[float]) -> bool:
-        # A token is bound to one pod: a restart between minting and pushing voids it.
-        wait_until(decode_settled, 60, "decode rollout finished")
-        token = bound_token(kubectl, ns, "tiny-decode-0")
-        return push(operator, gap_report(ns, "tiny-decode-0", gaps), token)[0] == 202
-
-    for i, gaps in enumerate(patterns):
-        # Auto never restarts a server that is not Ready.
-        wait_ready(kubectl, ns)
-        wait_until(lambda g=gaps: push_from_decode(g), 60, f"flip {i + 1}: report accepted")
-        if i < 2:
-            # Within the cap: Auto applies the new recommendation (a decode restart).
-            wait_until(
-                lambda r=recommended[i]: retention().get("applied") == r and decode_ttl() == r,
-                60,
-                f"flip {i + 1}: applied {recommended[i]}s to the decode pods",
-            )
-        else:
-            # Over the cap: recommended, recorded, not applied.
-            try:
-                wait_until(
-                    lambda r=recommended[i]: (
-                        retention().get("recommended") == r
-                        and "maxRestartsPerDay 2" in retention().get("autoDecision", "")
-                    ),
-                    60,
-                    f"flip {i + 1}: recommended {recommended[i]}s and declined by the cap",
-                )
-            except AssertionError as exc:
-                applied = kubectl.json(
-                    "get", "events", "-n", ns, "--field-selector", "reason=RetentionApplied"
-                )["items"]
-                raise AssertionError(
-                    f"{exc}\nstatus.retention: {retention()}\nRetentionApplied events: "
-                    f"{[e['message'] for e in applied]}"
-                ) from exc
-            assert retention()["applied"] == recommended[1]
-    restarts = retention()["restarts"]
-    assert len(restarts) == 2, restarts
-    assert retention()["autoDecision"] == "2 restarts in the last 24h (maxRestartsPerDay 2)"
-    events = wait_for_event(kubectl, ns, "tiny", "RetentionApplied")
-    assert len(events) == 2, [e["message"] for e in events]
-    # The decode pods still run the second applied value.
-    assert decode_ttl() == recommended[1]

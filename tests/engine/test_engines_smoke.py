@@ -25,6 +25,7 @@ import yaml
 from kvferry_dev.client import WORDS
 from kvferry_dev.configs import BLOCK_SIZE, SERVED_MODEL_NAME, kv_transfer_config
 from kvferry_dev.engines import Engine, repo_root, validate_kv_transfer_configs
+from kvferry_operator import policy
 from kvferry_operator.api import parse_server
 from kvferry_operator.engine_config import build_kv_transfer_config
 
@@ -140,9 +141,13 @@ def test_engines_run_the_rendered_config(prefill: Engine, decode: Engine, server
         argv = e.argv()
         started = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert started == kv_transfer_config(e.role, server)
-        assert started["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == (
-            server.decode_retention_seconds
+        # Decode's is the ceiling (the harness's: the retention); prefill's is unused.
+        ttl = (
+            policy.retention_ceiling(server)
+            if e.role == "decode"
+            else policy.PREFILL_DECODER_TTL_SECONDS
         )
+        assert started["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == ttl
 
 
 def test_engines_nixl_progress_thread_polls_instead_of_spinning(

@@ -270,7 +270,7 @@ def test_expired_handle_recomputes_or_uses_what_decode_still_holds(
     history = {long_s: [user_message(9, 0)], short_s: [user_message(10, 0)]}
     firsts = {s: send(sidecar, prefill, m, s) for s, m in history.items()}
     # The sidecar stops offering a handle HANDLE_EXPIRY_MARGIN_SECONDS before D frees
-    # it (D's decoder_kv_blocks_ttl = the server's decodeRetentionSeconds).
+    # it (the retention in force; the harness's ceiling, D's decoder_kv_blocks_ttl, too).
     usable_s = server.decode_retention_seconds - protocol.HANDLE_EXPIRY_MARGIN_SECONDS
     time.sleep(usable_s + 2)  # from the handles' arrival (the turns just returned)
     history[long_s] += [assistant(firsts[long_s].reply), user_message(9, 1)]

@@ -99,7 +99,6 @@ def make_publisher(kube: FakeKube, store: ReportStore) -> publisher.Publisher:
         stale_after=90,
         min_write_seconds=0,
         emit=lambda *a: None,
-        apply_children=lambda body: None,
         clock=lambda: NOW,
         prune_after=600,
     )

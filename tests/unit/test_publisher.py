@@ -1,8 +1,8 @@
 """The residency publisher's status writes, against an in-memory store of objects.
 
 What the API server does to them (pruning, merge-patch nulls) is checked for real in
-tests/cluster/test_status_fields.py; here: the shape the publisher writes and the
-Auto restart log it keeps in that status.
+tests/cluster/test_status_fields.py; here: the shape the publisher writes, Auto's live decisions
+(applied, no restart, no re-render) and the policy it keeps for the report endpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from kvferry_operator import api, publisher, reports, tune
+from kvferry_wire import policy as wire_policy
 from kvferry_wire import report as wire
 from tests.manifests import server
 
@@ -88,22 +89,29 @@ def store_with(gaps: list[float]) -> Any:
         def get(self, ns: str, name: str) -> list[reports.Received]:
             return [reports.Received(rep, NOW - 1)]
 
+        def forget(self, ns: str, name: str) -> None:
+            pass
+
     return Store()
 
 
-def publish(kube: MemoryKube, gaps: list[float]) -> list[int]:
-    applied: list[int] = []
+def publish(kube: MemoryKube, gaps: list[float]) -> list[tuple]:
+    """One pass; the Events it posted."""
+    return publish_with(kube, gaps)[1]
+
+
+def publish_with(kube: MemoryKube, gaps: list[float]) -> tuple[publisher.Publisher, list[tuple]]:
+    events: list[tuple] = []
     pub = publisher.Publisher(
         kube,  # type: ignore[arg-type]
         store_with(gaps),
         stale_after=90,
         min_write_seconds=0,
-        emit=lambda *a: None,
-        apply_children=lambda obj: applied.append(obj["status"]["retention"]["applied"]),
+        emit=lambda *a: events.append(a),
         clock=lambda: NOW,
     )
     pub.publish("default", "tiny")
-    return applied
+    return pub, events
 
 
 def test_unknown_figures_are_left_out_not_written_as_null():
@@ -145,35 +153,72 @@ def test_without_nulls_drops_null_keys_at_any_depth():
     assert publisher.without_nulls(value) == {"b": {"d": 1}, "e": [{"g": 2}]}
 
 
-def test_auto_restart_is_logged_as_a_time_the_schema_declares():
+def test_auto_applies_live_and_logs_no_restart():
+    # The retention is the sidecars' live policy: Auto's decision restarts nothing, so
+    # it is applied at once and the restart log stays empty.
     kube = MemoryKube(auto_server(), kvcs())
-    applied = publish(kube, gaps=[25.0] * 50)
+    pub, events = publish_with(kube, gaps=[25.0] * 50)
     retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
-    assert applied == [retention["applied"]] and retention["applied"] < 480
-    assert retention["restarts"] == [api.iso_time(NOW)]
-    assert retention["autoDecision"] == f"applying {retention['applied']}s (was 480s)"
+    assert retention["applied"] < 480
+    assert "restarts" not in retention
+    assert retention["autoDecision"] == f"applied {retention['applied']}s live (was 480s)"
+    applied = [e for e in events if e[2] == publisher.EVENT_APPLIED]
+    assert len(applied) == 1 and "live" in applied[0][3] and "no restart" in applied[0][3]
+    # The policy the sidecars are told is the applied one, named as status names it.
+    told = pub.policy("default", "tiny")
+    assert told is not None
+    assert told[wire_policy.K_RETENTION] == retention["applied"]
+    assert told[wire_policy.K_REVISION] == retention["policyRevision"]
+    # KVCacheStatus shows the same policy in force, in the same pass.
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    assert shown["policy"] == {
+        "revision": retention["policyRevision"],
+        "retentionSeconds": retention["applied"],
+        "recomputeThreshold": 64,
+        "skipPrefillBelowTokens": 256,
+        "ceilingSeconds": 1800,
+    }
+    assert shown["summary"]["retention"] == f"{retention['applied']}s"
+    assert shown["retention"]["inputs"]["current"] == 480  # what the tuner worked from
 
 
-def test_auto_keeps_restarts_of_the_last_day_and_declines_past_the_cap():
+def test_auto_applies_past_the_old_restart_budget():
+    # maxRestartsPerDay counted restarts; a live change costs none, so a spent budget
+    # (two restarts logged by an earlier operator) no longer holds a decision back.
     two = [api.iso_time(NOW - 3600), api.iso_time(NOW - 60)]
     kube = MemoryKube(auto_server(restarts=two), kvcs())
-    assert publish(kube, gaps=[25.0] * 50) == []
+    publish(kube, gaps=[25.0] * 50)
     retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
-    assert retention["applied"] == 480
-    assert retention["autoDecision"] == "2 restarts in the last 24h (maxRestartsPerDay 2)"
+    assert retention["applied"] < 480
+    assert retention["restarts"] == two  # kept as history, never added to
 
 
-def test_auto_forgets_restarts_older_than_a_day():
-    old = [api.iso_time(NOW - DAY - 60), api.iso_time(NOW - 60)]
-    kube = MemoryKube(auto_server(restarts=old), kvcs())
-    assert len(publish(kube, gaps=[25.0] * 50)) == 1
+def test_status_shows_the_ceiling_over_the_policy_in_force():
+    obj = server({"kvTransfer": {"decodeRetentionSeconds": 7200}})
+    kube = MemoryKube(obj, kvcs())
+    pub, _ = publish_with(kube, gaps=[25.0] * 50)
     retention = kube.objs[("DisaggregatedServer", "tiny")]["status"]["retention"]
-    assert retention["restarts"] == [api.iso_time(NOW - 60), api.iso_time(NOW)]
+    # The spec asks past the ceiling: the sidecars hold for the ceiling, and say so.
+    assert (retention["applied"], retention["ceiling"]) == (1800, 1800)
+    assert pub.policy("default", "tiny")[wire_policy.K_RETENTION] == 1800
 
 
-def test_restart_times_read_rfc3339_and_ignore_anything_else():
-    assert publisher.restart_times([api.iso_time(NOW), "yesterday", 12.5]) == [NOW]
-    assert publisher.restart_times(None) == []
+def test_no_policy_before_a_servers_first_pass_and_none_after_it_is_gone():
+    kube = MemoryKube(auto_server(), kvcs())
+    pub = publisher.Publisher(
+        kube,  # type: ignore[arg-type]
+        store_with([25.0] * 50),
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: None,
+        clock=lambda: NOW,
+    )
+    assert pub.policy("default", "tiny") is None
+    pub.publish("default", "tiny")
+    assert pub.policy("default", "tiny") is not None
+    del kube.objs[(api.SERVER_KIND, "tiny")]
+    pub.publish("default", "tiny")
+    assert pub.policy("default", "tiny") is None
 
 
 def test_an_unchanged_world_writes_nothing_the_second_time():
@@ -185,28 +230,17 @@ def test_an_unchanged_world_writes_nothing_the_second_time():
 
 
 def test_recommend_mode_ignores_a_leftover_auto_applied_retention():
-    # Left Auto for Recommend: the pods render the spec's 480 s (api.parse_server),
+    # Left Auto for Recommend: the policy is the spec's 480 s (api.parse_server),
     # so KVCacheStatus and the tuner must see 480 too, not the stale 120.
     obj = auto_server(applied=120)
     obj["spec"]["cacheTuning"]["mode"] = "Recommend"
     kube = MemoryKube(obj, kvcs())
-    events: list[tuple] = []
-    applies: list[dict] = []
-    pub = publisher.Publisher(
-        kube,  # type: ignore[arg-type]
-        store_with([25.0] * 50),
-        stale_after=90,
-        min_write_seconds=0,
-        emit=lambda *a: events.append(a),
-        apply_children=applies.append,
-        clock=lambda: NOW,
-    )
-    pub.publish("default", "tiny")
+    pub, events = publish_with(kube, [25.0] * 50)
     assert api.parse_server(obj).decode_retention_seconds == 480
-    # The status now says 480 (what the pods run), but nothing was applied: no
-    # RetentionApplied Event and no re-render of the children.
+    # The status now says 480 (what the sidecars hold for), but nothing was applied:
+    # no RetentionApplied Event, and the policy told is the spec's.
     assert [e[2] for e in events] == [publisher.EVENT_RECOMMENDED]
-    assert applies == []
+    assert pub.policy("default", "tiny")[wire_policy.K_RETENTION] == 480
     server_status = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
     assert server_status["applied"] == 480
     shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
@@ -251,7 +285,6 @@ def operator_process(kube: MemoryKube, store: MutableStore, clock: list[float]) 
         stale_after=90,
         min_write_seconds=0,
         emit=lambda *a: None,
-        apply_children=lambda obj: None,
         clock=lambda: clock[0],
     )
 

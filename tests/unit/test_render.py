@@ -202,15 +202,18 @@ class TestKVTransferConfig:
                 "recomputeThreshold": 128,
                 "leaseSeconds": 12,
                 "backends": ["UCX", "LIBFABRIC"],
-            }
+            },
+            "cacheTuning": {"maxRetentionSeconds": 900},
         }
         cfg = json.loads(
             arg_after(engine(rendered(server(spec)), "decode"), "--kv-transfer-config")
         )
         assert cfg["kv_connector_extra_config"] == {
             "bidirectional_kv_xfer": True,
-            "decoder_kv_blocks_ttl": 90,
-            "kv_recompute_threshold": 128,
+            # The ceiling, not the retention (the sidecars apply that live).
+            "decoder_kv_blocks_ttl": 900,
+            # Fixed on decode (vLLM's default), whatever recomputeThreshold says.
+            "kv_recompute_threshold": 64,
             # D's own lease: 3x P's (D renews P's leases every lease/6 s), at most 90 s.
             "kv_lease_duration": 36,
             "backends": ["UCX", "LIBFABRIC"],
@@ -219,6 +222,9 @@ class TestKVTransferConfig:
             arg_after(engine(rendered(server(spec)), "prefill"), "--kv-transfer-config")
         )
         assert prefill["kv_connector_extra_config"]["kv_lease_duration"] == 12
+        # P pulls whatever the sidecar offers: the live threshold alone decides.
+        assert prefill["kv_connector_extra_config"]["kv_recompute_threshold"] == 0
+        assert prefill["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 480
         default = json.loads(
             arg_after(engine(rendered(server()), "decode"), "--kv-transfer-config")
         )
@@ -1241,34 +1247,77 @@ class TestPDB:
         }
 
 
-class TestAutoRetention:
-    def auto(self, applied: int | None, mode: str = "Auto") -> list[dict]:
-        manifest = server({"cacheTuning": {"mode": mode}})
+class TestLivePolicy:
+    """The live policy (retention, recompute threshold, skip-prefill, Auto's applied
+    retention) is on no pod template: changing it rolls nothing. Only the ceiling
+    (cacheTuning.maxRetentionSeconds) is, on decode's engine alone."""
+
+    def objs(self, spec: dict | None = None, applied: int | None = None) -> list[dict]:
+        manifest = server({"cacheTuning": {"mode": "Auto"}, **(spec or {})})
+        manifest["spec"]["cacheTuning"].setdefault("mode", "Auto")
         manifest["metadata"]["uid"] = UID
         if applied is not None:
             manifest["status"] = {"retention": {"applied": applied}}
         return render.render(api.parse_server(manifest))
 
+    def templates(self, objs: list[dict]) -> dict[str, str]:
+        """Each StatefulSet as the API server would get it, byte for byte."""
+        return {
+            role: json.dumps(by_kind(objs, "StatefulSet", f"tiny-{role}"), sort_keys=True)
+            for role in ("prefill", "decode")
+        }
+
     def ttl(self, objs: list[dict], role: str) -> int:
         cfg = json.loads(arg_after(engine(objs, role), "--kv-transfer-config"))
         return cfg["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
 
-    def test_applied_retention_reaches_decode_only(self):
-        # Auto restarts decode pods alone: prefill's template must not change.
-        before, after = self.auto(None), self.auto(120)
-        assert (self.ttl(before, "decode"), self.ttl(after, "decode")) == (480, 120)
-        assert by_kind(before, "StatefulSet", "tiny-prefill") == by_kind(
-            after, "StatefulSet", "tiny-prefill"
-        )
-        assert (
-            json.loads(by_kind(after, "ConfigMap")["data"]["sidecar.json"])[
-                "decodeRetentionSeconds"
-            ]
-            == 120
-        )
+    def settings(self, objs: list[dict]) -> dict:
+        return json.loads(by_kind(objs, "ConfigMap")["data"]["sidecar.json"])
 
-    def test_leaving_auto_returns_to_the_spec_value(self):
-        assert self.ttl(self.auto(120, mode="Recommend"), "decode") == 480
+    @pytest.mark.parametrize(
+        "change",
+        [
+            {"kvTransfer": {"decodeRetentionSeconds": 120}},
+            {"kvTransfer": {"recomputeThreshold": 512}},
+            {"routing": {"skipPrefillBelowTokens": 0}},
+        ],
+        ids=["decodeRetentionSeconds", "recomputeThreshold", "skipPrefillBelowTokens"],
+    )
+    def test_a_policy_change_leaves_both_statefulsets_byte_identical(self, change):
+        assert self.templates(self.objs(change)) == self.templates(self.objs())
+
+    def test_autos_applied_retention_leaves_every_child_byte_identical(self):
+        # Not even the ConfigMap: the file carries the spec's values, Auto's goes live.
+        before, after = self.objs(), self.objs(applied=120)
+        assert json.dumps(before, sort_keys=True) == json.dumps(after, sort_keys=True)
+
+    def test_the_file_carries_the_specs_policy_as_the_start_value(self):
+        change = {
+            "kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 512},
+            "routing": {"skipPrefillBelowTokens": 0},
+        }
+        got = self.settings(self.objs(change))
+        assert (
+            got["decodeRetentionSeconds"],
+            got["recomputeThreshold"],
+            got["skipPrefillBelowTokens"],
+            got["retentionCeilingSeconds"],
+        ) == (120, 512, 0, 1800)
+
+    def test_the_ceiling_is_decodes_ttl_and_rolls_decode_alone(self):
+        low, high = self.objs(), self.objs({"cacheTuning": {"maxRetentionSeconds": 3600}})
+        assert (self.ttl(low, "decode"), self.ttl(high, "decode")) == (1800, 3600)
+        assert self.templates(low)["prefill"] == self.templates(high)["prefill"]
+        assert self.templates(low)["decode"] != self.templates(high)["decode"]
+
+    def test_a_retention_over_the_ceiling_starts_at_the_ceiling(self):
+        objs = self.objs(
+            {
+                "kvTransfer": {"decodeRetentionSeconds": 7200},
+                "cacheTuning": {"maxRetentionSeconds": 600},
+            }
+        )
+        assert self.settings(objs)["decodeRetentionSeconds"] == 600
 
 
 class TestReportWiring:

@@ -611,3 +611,51 @@ def test_token_claims_refuses_what_is_no_projected_token(token: str, fragment: s
 def test_token_claims_reads_a_projected_token_without_its_signature():
     claims = endpoint.token_claims(jwt(), NOW)
     assert claims["kubernetes.io"]["pod"]["name"] == POD and claims["aud"] == ["kvferry"]
+
+
+# ------------------------------------------------------------------ the live policy in the answer
+
+POLICIES = {
+    (NS, SERVER): {"version": 1, "revision": "tiny-rev", "retentionSeconds": 120},
+    (NS, "other"): {"version": 1, "revision": "other-rev", "retentionSeconds": 999},
+}
+
+
+async def policy_client(aiohttp_client, asked: list):
+    fake = FakeApi()
+
+    def policy_for(namespace: str, server: str) -> dict | None:
+        asked.append((namespace, server))
+        return POLICIES.get((namespace, server))
+
+    app = endpoint.app_factory(
+        ReportStore(),
+        fake.review,
+        fake.get_pod,
+        fake.get_statefulset,
+        clock=lambda: NOW,
+        policy_for=policy_for,
+    )
+    return await aiohttp_client(app)
+
+
+async def test_the_answer_carries_the_pods_own_servers_policy(aiohttp_client):
+    asked: list = []
+    c = await policy_client(aiohttp_client, asked)
+    assert await post(c, body()) == (202, {"accepted": True, "policy": POLICIES[(NS, SERVER)]})
+    assert asked == [(NS, SERVER)]
+
+
+async def test_a_report_naming_another_server_learns_no_policy(aiohttp_client):
+    # The pod is tiny's: a report that says "other" is refused before any policy is
+    # looked up, so no sidecar can read another server's policy by naming it.
+    asked: list = []
+    c = await policy_client(aiohttp_client, asked)
+    status, out = await post(c, body(server="other"))
+    assert status == 403 and "policy" not in out
+    assert asked == []
+
+
+async def test_no_policy_yet_answers_accepted_alone(client):
+    # The default policy_for knows none (before the publisher's first pass).
+    assert await post(client, body()) == (202, {"accepted": True})

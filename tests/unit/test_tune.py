@@ -234,6 +234,26 @@ def test_plan_apply(name, kw, apply, reason):
     assert reason in decision.reason
 
 
+LIVE_APPLY_CASES = [
+    # name, kwargs over the base, applied?, reason contains
+    ("a lower value applies at once", {}, True, "applied 120s live (was 480s)"),
+    ("a small change too: no restart to be worth", dict(recommended=470), True, "live"),
+    ("Recommend applies nothing", dict(mode="Recommend"), False, "not applied"),
+    ("the same value is already in force", dict(recommended=480), False, "already in force"),
+    ("never over the ceiling", dict(recommended=2000), False, "over the ceiling"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "apply", "reason"), LIVE_APPLY_CASES, ids=[c[0] for c in LIVE_APPLY_CASES]
+)
+def test_plan_live_apply(name, kw, apply, reason):
+    base = dict(mode="Auto", recommended=120, applied=480, ceiling=1800)
+    decision = tune.plan_live_apply(**{**base, **kw})
+    assert decision.apply is apply
+    assert reason in decision.reason
+
+
 def test_the_recommendation_event_carries_its_inputs():
     """`kubectl describe dserver` shows this message: the value, why, and the inputs."""
     from kvferry_operator.publisher import recommendation_message

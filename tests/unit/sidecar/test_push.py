@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import ssl
@@ -28,6 +29,8 @@ class FakeOperator:
     bodies: list[bytes] = field(default_factory=list)
     content_types: list[str] = field(default_factory=list)
     fail: list[int] = field(default_factory=list)
+    # The raw body of the next accepted answers (default: {"accepted": true}).
+    answers: list[bytes] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -40,6 +43,10 @@ class FakeOperator:
         self.bodies.append(await request.read())
         if self.fail:
             return web.json_response({"error": "refused"}, status=self.fail.pop(0))
+        if self.answers:
+            return web.Response(
+                body=self.answers.pop(0), status=202, content_type="application/json"
+            )
         return web.json_response({"accepted": True}, status=202)
 
 
@@ -245,3 +252,32 @@ async def test_two_standby_refusals_in_a_row_count_as_one_failed_push(
     async with aiohttp.ClientSession() as session:
         assert not await p.push_once(session)
     assert (p.standby_refusals, p.failures, p.successes) == (2, 1, 0)
+
+
+POLICY = {"version": 1, "revision": "r1", "retentionSeconds": 120}
+
+
+async def test_the_answer_reaches_on_answer(operator: tuple[FakeOperator, str]) -> None:
+    op, url = operator
+    op.answers = [json.dumps({"accepted": True, "policy": POLICY}).encode()]
+    got: list[Any] = []
+    async with aiohttp.ClientSession() as session:
+        assert await pusher(url, on_answer=got.append).push_once(session) is True
+    assert got == [{"accepted": True, "policy": POLICY}]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"not json", b"[1, 2]", b"[" * 5000 + b"]" * 5000, b'{"pad": "' + b"x" * 20000 + b'"}'],
+    ids=["not JSON", "not an object", "nested deep", "too long"],
+)
+async def test_an_odd_answer_is_handed_on_as_nothing_and_the_push_counts(
+    operator: tuple[FakeOperator, str], answer: bytes
+) -> None:
+    op, url = operator
+    op.answers = [answer]
+    got: list[Any] = []
+    p = pusher(url, on_answer=got.append)
+    async with aiohttp.ClientSession() as session:
+        assert await p.push_once(session) is True
+    assert got == [None] and p.successes == 1

@@ -374,8 +374,9 @@ async def test_local_handle_lives_for_decodes_lease_not_the_retention(
 ) -> None:
     """A handle D prefilled alone is a prefill-side request on D: vLLM frees it at
     D's kv_lease_duration whatever decoder_kv_blocks_ttl is (request_finished), so
-    the store keeps it that long even when the retention is shorter (a shorter guess
-    expired it in the store while D still pinned it, unreleased)."""
+    that is its deadline on D (a shorter guess had the releaser treat it as freed
+    while D still pinned it). The retention in force may let it go sooner: it is then
+    released through a P (test_policy_live)."""
     client = await make_sidecar(
         retention_seconds=45, local_handle_seconds=90, skip_prefill_below_tokens=100
     )

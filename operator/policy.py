@@ -1,0 +1,68 @@
+"""A server's live policy and its ceiling: what the sidecars apply without a restart. Pure.
+
+Two kinds of setting shape how long decode keeps a session's KV:
+
+- the **ceiling** (``spec.cacheTuning.maxRetentionSeconds``): decode's engine
+  ``decoder_kv_blocks_ttl``, on the engine's command line, so changing it restarts the
+  decode pods. D frees a handle's blocks then, whatever the sidecar does;
+- the **live policy** (``kvferry_wire.policy``): the retention under the ceiling
+  (``kvTransfer.decodeRetentionSeconds``, or the value ``cacheTuning.mode: Auto``
+  applied), ``kvTransfer.recomputeThreshold`` and ``routing.skipPrefillBelowTokens``.
+  The operator answers each report push with it; the sidecar holds handles for the
+  retention and releases them through a P when it ends (D would keep them to the
+  ceiling). None of the three is on a pod template, so changing them restarts nothing.
+
+The engines' own ``kv_recompute_threshold`` is fixed (``ENGINE_RECOMPUTE_THRESHOLD``):
+0 on prefill, so P pulls every handle the sidecar offers and the sidecar's live
+threshold alone decides (any threshold >= 0 is at or above P's, as it must be: a P
+that declined a pull the sidecar counted as reuse would recompute unseen); vLLM's
+default 64 on decode, for D's pull of P's KV, which no policy sets.
+"""
+
+from __future__ import annotations
+
+from kvferry_wire import policy as wire
+
+from . import api
+
+# Engine-side kv_recompute_threshold by role (see the module docstring).
+ENGINE_RECOMPUTE_THRESHOLD = {api.ROLE_PREFILL: 0, api.ROLE_DECODE: 64}
+# Prefill never holds a decode-side handle (the sidecar sends it prefill-side requests
+# only), so its decoder_kv_blocks_ttl is unused: vLLM's default, fixed, so no ceiling
+# change restarts prefill.
+PREFILL_DECODER_TTL_SECONDS = 480
+
+
+def retention_ceiling(server: api.Server) -> int:
+    """Decode's ``decoder_kv_blocks_ttl``: the longest the live retention may be."""
+    return server.spec.cache_tuning.max_retention_seconds
+
+
+def retention_in_force(server: api.Server) -> int:
+    """What the decode sidecars hold handles for: Auto's applied value, else the spec's,
+    under the ceiling (the rule's one home is ``api.Server.decode_retention_seconds``)."""
+    return server.decode_retention_seconds
+
+
+def build_policy(server: api.Server) -> wire.Policy:
+    """The policy the server's sidecars are told."""
+    spec = server.spec
+    return wire.Policy(
+        retention_seconds=retention_in_force(server),
+        recompute_threshold=max(
+            spec.kv_transfer.recompute_threshold, ENGINE_RECOMPUTE_THRESHOLD[api.ROLE_PREFILL]
+        ),
+        skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+    )
+
+
+def config_policy(server: api.Server) -> wire.Policy:
+    """The policy the settings file carries (what a sidecar applies until it hears the
+    operator's): the spec's values, never Auto's, so a tuning decision rewrites no
+    child object."""
+    spec = server.spec
+    return wire.Policy(
+        retention_seconds=min(spec.kv_transfer.decode_retention_seconds, retention_ceiling(server)),
+        recompute_threshold=spec.kv_transfer.recompute_threshold,
+        skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+    )

@@ -1,0 +1,193 @@
+"""The live policy on a real API server with the real operator: a change of the
+retention, the recompute threshold or skip-prefill (by the user, or Auto's) reaches
+the sidecars in the answer to their report push and touches neither StatefulSet; only
+the ceiling (cacheTuning.maxRetentionSeconds) rolls decode. The fake sidecar is this
+test: it pushes reports with the pod's bound token, as a sidecar does."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvferry_wire import policy as wire_policy
+from tests.cluster.conftest import Kubectl, Operator, wait_until
+from tests.cluster.test_operator import make, wait_ready
+from tests.cluster.test_reports import bound_token, decode_report, push
+from tests.cluster.test_status_fields import (
+    LONG_GAPS,
+    SHORT_GAPS,
+    expected_recommendation,
+    gap_report,
+)
+from tests.kube import wait_for_event
+
+ROLES = ("prefill", "decode")
+
+
+def statefulsets(kubectl: Kubectl, ns: str) -> dict[str, tuple[int, str, str]]:
+    """Each StatefulSet's (generation, resourceVersion, pod template as JSON)."""
+    out = {}
+    for role in ROLES:
+        sts = kubectl.get("statefulset", f"tiny-{role}", ns)
+        assert sts is not None
+        meta = sts["metadata"]
+        template = json.dumps(sts["spec"]["template"], sort_keys=True)
+        out[role] = (meta["generation"], meta["resourceVersion"], template)
+    return out
+
+
+def settled(kubectl: Kubectl, ns: str) -> bool:
+    for role in ROLES:
+        sts = kubectl.get("statefulset", f"tiny-{role}", ns) or {}
+        st = sts.get("status") or {}
+        if not (
+            st.get("observedGeneration") == sts["metadata"]["generation"]
+            and st.get("updatedReplicas") == st.get("readyReplicas") == 1
+            and st.get("currentRevision") == st.get("updateRevision")
+        ):
+            return False
+    return True
+
+
+def retention(kubectl: Kubectl, ns: str) -> dict[str, Any]:
+    return ((kubectl.get("dserver", "tiny", ns) or {}).get("status") or {}).get("retention") or {}
+
+
+class Sidecar:
+    """tiny-decode-0's sidecar as far as the operator sees it: its pushes."""
+
+    def __init__(self, kubectl: Kubectl, operator: Operator, ns: str) -> None:
+        self.kubectl, self.operator, self.ns = kubectl, operator, ns
+        self.token = bound_token(kubectl, ns, "tiny-decode-0")
+        self.answers: list[dict[str, Any]] = []
+
+    def push(self, body: bytes | None = None) -> dict[str, Any] | None:
+        """One push; the policy in its answer (None when the answer has none)."""
+        status, answer = push(
+            self.operator, body or decode_report(self.ns, "tiny", "tiny-decode-0"), self.token
+        )
+        assert status == 202, answer
+        self.answers.append(answer)
+        return answer.get(wire_policy.RESPONSE_KEY)
+
+    def policy_where(self, what: str, check: Any, body: bytes | None = None) -> dict[str, Any]:
+        """Push (at most a report a second: the endpoint's per-pod rate) until the
+        answer's policy passes ``check``."""
+        return wait_until(
+            lambda: (p := self.push(body)) is not None and check(p) and p, 30, what, interval=1.0
+        )
+
+
+def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_until(lambda: settled(kubectl, ns), 60, "both roles settled")
+    sidecar = Sidecar(kubectl, operator, ns)
+    first = sidecar.policy_where(
+        "the spec's policy in a report answer", lambda p: p[wire_policy.K_RETENTION] == 480
+    )
+    assert (first[wire_policy.K_THRESHOLD], first[wire_policy.K_SKIP]) == (64, 256)
+    before = statefulsets(kubectl, ns)
+    generation = kubectl.get("dserver", "tiny", ns)["metadata"]["generation"]
+
+    patch = {
+        "spec": {
+            "kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 32},
+            "routing": {"skipPrefillBelowTokens": 100},
+        }
+    }
+    kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+    told = sidecar.policy_where(
+        "the new policy in a report answer", lambda p: p[wire_policy.K_RETENTION] == 120
+    )
+    assert (told[wire_policy.K_THRESHOLD], told[wire_policy.K_SKIP]) == (32, 100)
+    # The operator handled the new generation (its children applied) ...
+    wait_until(
+        lambda: (
+            (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("observedGeneration")
+            == generation + 1
+        ),
+        30,
+        "the new generation landed",
+    )
+    # ... and neither StatefulSet changed: no generation, no write, the same template.
+    assert statefulsets(kubectl, ns) == before
+    # The ConfigMap carries the new values as the start value of a pod started later.
+    settings = json.loads(kubectl.get("configmap", "tiny-sidecar", ns)["data"]["sidecar.json"])
+    assert (settings["decodeRetentionSeconds"], settings["retentionCeilingSeconds"]) == (120, 1800)
+    # Status says what is in force, with the revision the sidecars were told; the new
+    # fields survived the API server (the CRD declares them).
+    shown = wait_until(
+        lambda: (r := retention(kubectl, ns)).get("applied") == 120 and r, 30, "status shows 120s"
+    )
+    assert shown["ceiling"] == 1800
+    assert shown["policyRevision"] == told[wire_policy.K_REVISION]
+    assert "restarts" not in shown
+    # KVCacheStatus shows the whole policy in force (its fields declared: read back).
+    kvcs = wait_until(
+        lambda: (
+            ((kubectl.get("kvcachestatus", "tiny", ns) or {}).get("status") or {})
+            .get("policy", {})
+            .get("revision")
+            == told[wire_policy.K_REVISION]
+            and kubectl.get("kvcachestatus", "tiny", ns)["status"]["policy"]
+        ),
+        30,
+        "KVCacheStatus shows the new policy",
+    )
+    assert kvcs == {
+        "revision": told[wire_policy.K_REVISION],
+        "retentionSeconds": 120,
+        "recomputeThreshold": 32,
+        "skipPrefillBelowTokens": 100,
+        "ceilingSeconds": 1800,
+    }
+
+
+def test_only_the_ceiling_rolls_decode(kubectl: Kubectl, operator: Operator, ns: str):
+    kubectl.apply(make(ns), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_until(lambda: settled(kubectl, ns), 60, "both roles settled")
+    before = statefulsets(kubectl, ns)
+    patch = {"spec": {"cacheTuning": {"maxRetentionSeconds": 600}}}
+    kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+
+    def decode_ttl() -> int:
+        sts = kubectl.get("statefulset", "tiny-decode", ns)
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
+
+    wait_until(lambda: decode_ttl() == 600, 30, "decode's decoder_kv_blocks_ttl is the ceiling")
+    after = statefulsets(kubectl, ns)
+    assert after["prefill"] == before["prefill"]
+    assert after["decode"][0] == before["decode"][0] + 1
+
+
+def test_auto_applies_each_recommendation_live_without_a_restart(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    kubectl.apply(make(ns, spec={"cacheTuning": {"mode": "Auto"}}), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_until(lambda: settled(kubectl, ns), 60, "both roles settled")
+    before = statefulsets(kubectl, ns)
+    sidecar = Sidecar(kubectl, operator, ns)
+    # Flapping traffic: each recommendation far from the one before. Before, Auto
+    # rolled decode for each, at most maxRestartsPerDay (2) a day.
+    patterns = [SHORT_GAPS, LONG_GAPS, SHORT_GAPS]
+    for i, gaps in enumerate(patterns):
+        want = expected_recommendation(gaps)
+        body = gap_report(ns, "tiny-decode-0", gaps)
+        told = sidecar.policy_where(
+            f"flip {i + 1}: {want}s in a report answer",
+            lambda p, w=want: p[wire_policy.K_RETENTION] == w,
+            body,
+        )
+        shown = retention(kubectl, ns)
+        assert shown["applied"] == want and shown["policyRevision"] == told[wire_policy.K_REVISION]
+    assert "restarts" not in retention(kubectl, ns)
+    assert statefulsets(kubectl, ns) == before
+    events = wait_for_event(kubectl, ns, "tiny", "RetentionApplied")
+    assert events and all("live" in e["message"] for e in events), [e["message"] for e in events]
