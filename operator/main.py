@@ -16,7 +16,9 @@ from .settings import Settings, from_env
 
 def run(namespaces: list[str], standalone: bool, leader_elect: bool = False) -> int:
     from . import handlers  # noqa: F401 - registers the kopf handlers
+    from .malloc import limit_arenas
 
+    limit_arenas()  # before kopf starts its threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The handlers find the operator's settings and scope in kopf's memo, not in globals.
     try:
