@@ -52,6 +52,14 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
 
 
+def _as_dict(_client: Any, data: Obj) -> Obj:
+    """The dynamic client's serializer for plain dicts: its own objects (a
+    ``ResourceField`` per field, made for every answer and turned back by ``to_dict``)
+    cost CPU and memory per request that 32 handler threads multiply (issue 23,
+    item 4); every caller here wants the dict."""
+    return data
+
+
 def is_namespace_terminating(exc: ApiException) -> bool:
     return exc.status == 403 and "because it is being terminated" in (exc.body or "")
 
@@ -90,8 +98,9 @@ class Kube:
             field_manager=api.FIELD_MANAGER,
             force_conflicts=True,
             _request_timeout=REQUEST_TIMEOUT,
+            serializer=_as_dict,
         )
-        return out.to_dict()
+        return out
 
     def list_metadata(
         self, api_version: str, kind: str, namespace: str, page: int = 500
@@ -147,7 +156,9 @@ class Kube:
     ) -> Obj | None:
         try:
             res = self._resource(api_version, kind)
-            return res.get(name=name, namespace=namespace, _request_timeout=timeout).to_dict()
+            return res.get(
+                name=name, namespace=namespace, _request_timeout=timeout, serializer=_as_dict
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -165,12 +176,13 @@ class Kube:
                 namespace=meta.get("namespace"),
                 field_manager=api.FIELD_MANAGER,
                 _request_timeout=REQUEST_TIMEOUT,
+                serializer=_as_dict,
             )
         except ApiException as exc:
             if exc.status == 409:
                 return None
             raise
-        return out.to_dict()
+        return out
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete the object if it is still the one with ``uid`` (a precondition: never
@@ -257,6 +269,7 @@ class Kube:
                 content_type="application/merge-patch+json",
                 field_manager=api.FIELD_MANAGER,
                 _request_timeout=REQUEST_TIMEOUT,
+                serializer=_as_dict,
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -265,14 +278,10 @@ class Kube:
     def list_servers(self, namespaces: list[str] | None = None) -> list[Obj]:
         """All servers, or those in ``namespaces`` (a namespace-restricted install may
         not list cluster-wide)."""
-        res = self._resource(api.API_VERSION, api.SERVER_KIND)
-        t = REQUEST_TIMEOUT
-        if not namespaces:
-            return [item.to_dict() for item in res.get(_request_timeout=t).items]
         return [
-            item.to_dict()
-            for ns in namespaces
-            for item in res.get(namespace=ns, _request_timeout=t).items
+            item
+            for ns in namespaces or [None]
+            for item in self._pages(api.API_VERSION, api.SERVER_KIND, ns, 500)
         ]
 
     def list_labelled(
