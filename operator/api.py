@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-import functools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +104,23 @@ class SpecError(ValueError):
     """A spec that cannot be rendered; the message names the field and the fix."""
 
 
-@functools.cache
+# libyaml's loader where PyYAML has it (its wheels do): the pure-Python one takes about
+# a second per read of the server CRD (100 KB) and holds its node tree meanwhile.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_CRDS: dict[str, dict[str, Any]] = {}
+_CRDS_LOCK = threading.Lock()
+
+
 def load_crd(kind: str) -> dict[str, Any]:
-    with open(CRD_DIR / CRD_FILES[kind]) as f:
-        return yaml.safe_load(f)
+    """The CRD, read once per process. Under a lock: functools.cache lets every thread
+    that misses read it, and the operator's 32 handler threads all missed at once when
+    the first burst of servers came, each holding a parse of its own (issue 23, item 4)."""
+    with _CRDS_LOCK:
+        crd = _CRDS.get(kind)
+        if crd is None:
+            with open(CRD_DIR / CRD_FILES[kind]) as f:
+                crd = _CRDS[kind] = yaml.load(f, Loader=_LOADER)
+        return crd
 
 
 def openapi_schema(kind: str) -> dict[str, Any]:

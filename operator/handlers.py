@@ -99,6 +99,7 @@ async def configure(
     settings.execution.max_workers = 32
     ours: Settings = memo.settings
     memo.kube = Kube()
+    api.load_crd(api.SERVER_KIND)  # parse_server's defaults, read before the first burst
     memo.probe = PrerequisiteProbe(memo.kube, ttl=ours.prerequisites_cache_seconds)
     memo.indexes = {}  # filled by the first server event: (statefulsets, pods)
     memo.claims = ownership.Claims()
