@@ -408,7 +408,8 @@ def _apply_children(
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
     children = render.render(server, settings.render_context())
-    rendered = render.digest(children)
+    # Only a whole apply's outcome records it (a one-child re-apply is drift).
+    rendered = render.digest(children) if only is None else None
     for child in children:
         meta = child["metadata"]
         # A StatefulSet re-applied alone (drift) still goes with the NetworkPolicy
