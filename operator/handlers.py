@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import enum
+import functools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import kopf
@@ -40,6 +42,7 @@ from . import (
     api,
     backoff,
     drift,
+    held,
     hostpaths,
     metrics,
     ownership,
@@ -51,6 +54,7 @@ from . import (
     scaler,
     status,
 )
+from .held import Held
 from .kube import ApiException, Kube, api_error_message, is_namespace_terminating, is_transient
 from .probe import PrerequisiteProbe
 from .retries import ApplyRetries
@@ -97,6 +101,8 @@ async def configure(
     # pool (CPU count + 4 threads: 6 on a 2-core node, however idle) queued every
     # event behind a few in-flight requests (docs/performance.md, operator scale).
     settings.execution.max_workers = 32
+    memo.executor = settings.execution.executor  # for the coroutine handlers' threads
+    memo.held = Held()
     ours: Settings = memo.settings
     memo.kube = Kube()
     api.load_crd(api.SERVER_KIND)  # parse_server's defaults, read before the first burst
@@ -196,11 +202,25 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 # ------------------------------------------------------------------ indexes
 
 
+# The indexes and the pod and node handlers are coroutines: kopf runs a plain function
+# on its handler threads, and an object's events wait in its queue, each holding its
+# whole body, while every thread is busy applying (1,000 new servers). These do no
+# I/O and little work, so they run on the event loop and never wait for a thread.
+
+
+def _metadata(body: kopf.Body) -> dict[str, Any]:
+    """The object's metadata without managedFields, which nothing here reads and
+    which is most of its size."""
+    meta = dict(body.metadata)
+    meta.pop("managedFields", None)
+    return meta
+
+
 @kopf.index(*SERVER)
-def servers(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def servers(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {
         (namespace, name): {
-            "metadata": dict(body.metadata),
+            "metadata": _metadata(body),
             "spec": dict(body.spec),
             "status": dict(body.status),
         }
@@ -208,7 +228,9 @@ def servers(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, A
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=OURS)
-def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def statefulsets(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
     return {
         (
             namespace,
@@ -225,12 +247,14 @@ def statefulsets(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
 
 
 @kopf.index(*SCALERS, labels=OURS)
-def rolescalers(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def rolescalers(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
     """(namespace, server, role) -> the RoleScaler as seen (scaler.py: its spec.replicas
     is the role's count under scaling mode External)."""
     return {
         (namespace, labels.get(api.LABEL_INSTANCE), labels.get(api.LABEL_ROLE)): {
-            "metadata": dict(body.metadata),
+            "metadata": _metadata(body),
             "spec": dict(body.spec),
             "status": dict(body.status),
         }
@@ -282,7 +306,7 @@ def parse(body: dict[str, Any], seen: Seen | None = None) -> api.Server:
 
 
 @kopf.index("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})
-def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {
         (namespace, labels[api.LABEL_SERVER]): status.pod_state_from(
             {
@@ -295,7 +319,7 @@ def pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict
 
 
 @kopf.index("", "v1", "nodes")
-def nodes(name: str, status: kopf.Status, **_: Any) -> dict[Any, Any]:
+async def nodes(name: str, status: kopf.Status, **_: Any) -> dict[Any, Any]:
     """Node name -> Ready, so status can say when pods sit on a node that is gone."""
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
@@ -333,6 +357,7 @@ def apply_children(
     post: Callable[[dict[str, Any], str, str, str], None] | None = None,
     seen: Seen | None = None,
     names: ownership.NameLookup | None = None,
+    landed: Held | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
     children known to be ours and records conflicts and the outcome for status (a
@@ -341,14 +366,16 @@ def apply_children(
     ``seen``: the RoleScalers as the watch shows them (read by name without it).
     ``names``: what holds a child's name, one list for a burst of new servers
     (``ownership.NameLookup``; a read per child without it). A whole apply is marked
-    under way in ``claims`` while it runs (the safety pass leaves it alone)."""
+    under way in ``claims`` while it runs (the safety pass leaves it alone).
+    ``landed``: each child that lands is recorded there as holding our fields."""
     claims = claims if claims is not None else ownership.Claims()
+    args = (body, kube, settings, logger, only, claims, post, seen, names, landed)
     if only is not None:
-        return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
+        return _apply_children(*args)
     meta = body.get("metadata") or {}
     # The key parse_server gives it (the safety pass asks by that key).
     with claims.applying((meta.get("namespace") or "default", meta.get("name", ""))):
-        return _apply_children(body, kube, settings, logger, only, claims, post, seen, names)
+        return _apply_children(*args)
 
 
 def _apply_children(
@@ -361,6 +388,7 @@ def _apply_children(
     post: Callable[[dict[str, Any], str, str, str], None] | None,
     seen: Seen | None,
     names: ownership.NameLookup | None,
+    landed: Held | None = None,
 ) -> Applied:
     def warn(reason: str, message: str) -> None:
         if post is None:
@@ -477,6 +505,9 @@ def _apply_children(
             continue
         claims.remember(key, server.uid)
         claims.record(server_key, key, None)
+        if landed is not None and isinstance(applied, dict):
+            # Its watch event, and the status updates after it, hold what we just sent.
+            landed.record(key, held.fingerprint(applied, body, server.scaled))
         if child["kind"] == api.STATUS_KIND and not applied.get("status"):
             kube.patch_status(
                 api.API_VERSION,
@@ -606,6 +637,7 @@ def apply_or_retry(
         claims,
         seen=_seen(memo),
         names=getattr(memo, "names", None),
+        landed=getattr(memo, "held", None),
     )
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
@@ -1004,13 +1036,28 @@ class PassDone:
     statuses: int = 0  # status refreshes run (each writes only what changed)
 
 
-def _children_by_key(kube: Kube, namespaces: list[str] | None) -> dict[tuple[str, str, str], Any]:
-    """Every child the operator labels as its own, by (kind, namespace, name)."""
+# Servers per listing of their children in a safety pass: the pass holds one batch's
+# children at a time. Listing every child at once held 9,000 whole objects at 1,000
+# servers (about 120 MB, the operator's peak); a batch is a few lists more per pass.
+SAFETY_BATCH = 100
+
+
+def _children_by_key(
+    kube: Kube, namespaces: list[str] | None, servers: Iterable[str] = ()
+) -> dict[tuple[str, str, str], Any]:
+    """Every child the operator labels as its own, by (kind, namespace, name): of the
+    servers so named (in any namespace listed) when given. Without their status and
+    managedFields, which no drift check reads."""
     selector = f"{api.LABEL_MANAGED_BY}={api.FIELD_MANAGER}"
+    names = sorted(set(servers))
+    if names:
+        selector += f",{api.LABEL_INSTANCE} in ({','.join(names)})"
     out: dict[tuple[str, str, str], Any] = {}
     for _group, _version, _plural, api_version, kind in CHILD_KINDS:
         for obj in kube.list_labelled(api_version, kind, selector, namespaces):
+            obj.pop("status", None)
             meta = obj.get("metadata") or {}
+            meta.pop("managedFields", None)
             out[(kind, meta.get("namespace", ""), meta.get("name", ""))] = obj
     return out
 
@@ -1121,72 +1168,93 @@ def _drifted_besides_the_hold(
 def safety_pass(memo: kopf.Memo, settings: Settings, logger: logging.Logger) -> PassDone:
     kube: Kube = memo.kube
     claims: ownership.Claims | None = getattr(memo, "claims", None)
-    listed_at = time.monotonic()
     listed = kube.list_servers(memo.namespaces)
-    children = _children_by_key(kube, memo.namespaces)
     indexes = memo.indexes.get("live")
     done = PassDone()
-    for body in listed:
-        if body["metadata"].get("deletionTimestamp"):
-            continue
-        done.servers += 1
-        name = body["metadata"].get("name")
-        try:
-            server = parse(body, _seen(memo))
-            wanted = render.render(server, settings.render_context())
-        except api.SpecError:
-            continue  # its InvalidSpec Event was posted when the spec came
-        key = (server.namespace, server.name)
-        try:
-            running, last = claims.apply_state(key) if claims else (False, None)
-            held = settings_refusal(server, settings)
-            landed = status.generation_landed(
-                body.get("status"), server.generation, render.digest(wanted)
+    batches = [listed[i : i + SAFETY_BATCH] for i in range(0, len(listed), SAFETY_BATCH)]
+    del listed
+    for batch in batches:
+        listed_at = time.monotonic()
+        children = _children_by_key(
+            kube, memo.namespaces, (b["metadata"].get("name", "") for b in batch)
+        )
+        for body in batch:
+            _safety_check(
+                body, memo, settings, logger, kube, claims, children, listed_at, indexes, done
             )
-            if needs_apply(
-                server, wanted, children, last, listed_at, held, running, landed
-            ) and not (
-                _policy_still_refused(server, wanted, last, held, kube, claims, logger)
-                and not _drifted_besides_the_hold(wanted, children)
-            ):
-                done.applied += 1
-                logger.info("safety pass: re-applying %s/%s", *key)
-                applied = apply_children(
-                    body, kube, settings, logger, None, claims, kube.create_event, _seen(memo)
-                )
-                retries: ApplyRetries | None = getattr(memo, "retries", None)
-                if applied is Applied.RETRY and retries is not None:
-                    retries.failed(*key)
-        except Exception as exc:  # the next pass, or a retry, tries again
-            logger.warning("safety pass: apply of %s failed: %s", name, _brief(exc))
-        done.statuses += 1
-        if (queue := _status_queue(memo)) is not None:
-            # From the watch's latest server (the list may be seconds old by now) and
-            # our own last write; the refresh writes only what changed.
-            queue.request(key)
-            continue
-        if indexes is None:
-            continue
-        statefulsets, pods, nodes = indexes
-        try:
-            refresh_status(
-                body,
-                kube,
-                statefulsets,
-                pods,
-                memo.probe,
-                settings,
-                kube.create_event,
-                nodes,
-                claims,
-                _transports(memo),
-                getattr(memo, "status_memory", None),
-                fresh=True,  # listed just now: truer than what we remember writing
-                seen=_seen(memo),
-            )
-        except Exception as exc:  # the next pass tries again
-            logger.warning("safety pass: status of %s failed: %s", name, _brief(exc))
     return done
+
+
+def _safety_check(
+    body: dict[str, Any],
+    memo: kopf.Memo,
+    settings: Settings,
+    logger: logging.Logger,
+    kube: Kube,
+    claims: ownership.Claims | None,
+    children: dict[tuple[str, str, str], Any],
+    listed_at: float,
+    indexes: Any,
+    done: PassDone,
+) -> None:
+    """One server of a safety pass: re-apply it if it needs it, refresh its status."""
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    done.servers += 1
+    name = body["metadata"].get("name")
+    try:
+        server = parse(body, _seen(memo))
+        wanted = render.render(server, settings.render_context())
+    except api.SpecError:
+        return  # its InvalidSpec Event was posted when the spec came
+    key = (server.namespace, server.name)
+    try:
+        running, last = claims.apply_state(key) if claims else (False, None)
+        held = settings_refusal(server, settings)
+        landed = status.generation_landed(
+            body.get("status"), server.generation, render.digest(wanted)
+        )
+        if needs_apply(server, wanted, children, last, listed_at, held, running, landed) and not (
+            _policy_still_refused(server, wanted, last, held, kube, claims, logger)
+            and not _drifted_besides_the_hold(wanted, children)
+        ):
+            done.applied += 1
+            logger.info("safety pass: re-applying %s/%s", *key)
+            applied = apply_children(
+                body, kube, settings, logger, None, claims, kube.create_event, _seen(memo)
+            )
+            retries: ApplyRetries | None = getattr(memo, "retries", None)
+            if applied is Applied.RETRY and retries is not None:
+                retries.failed(*key)
+    except Exception as exc:  # the next pass, or a retry, tries again
+        logger.warning("safety pass: apply of %s failed: %s", name, _brief(exc))
+    done.statuses += 1
+    if (queue := _status_queue(memo)) is not None:
+        # From the watch's latest server (the list may be seconds old by now) and
+        # our own last write; the refresh writes only what changed.
+        queue.request(key)
+        return
+    if indexes is None:
+        return
+    statefulsets, pods, nodes = indexes
+    try:
+        refresh_status(
+            body,
+            kube,
+            statefulsets,
+            pods,
+            memo.probe,
+            settings,
+            kube.create_event,
+            nodes,
+            claims,
+            _transports(memo),
+            getattr(memo, "status_memory", None),
+            fresh=True,  # listed just now: truer than what we remember writing
+            seen=_seen(memo),
+        )
+    except Exception as exc:  # the next pass tries again
+        logger.warning("safety pass: status of %s failed: %s", name, _brief(exc))
 
 
 def _holds_ours(
@@ -1290,9 +1358,11 @@ def _to_apply(
 
 def _on_child_event(kind: str):
     """The handler of one watched child kind (WATCHED_KINDS): the rendered children
-    and the RoleScalers, one code path."""
+    and the RoleScalers, one code path. A coroutine: the bookkeeping and the check of a
+    child whose fingerprint was last found holding our fields (held.py: a status
+    update) run on the event loop; only a render or an apply waits for a thread."""
 
-    def child_changed(
+    async def child_changed(
         type: str | None,
         name: str,
         namespace: str,
@@ -1313,27 +1383,71 @@ def _on_child_event(kind: str):
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         owner = {"apiVersion": api.API_VERSION, "kind": api.SERVER_KIND, **owner}
+        key = (kind, namespace, name)
         claims: ownership.Claims | None = getattr(memo, "claims", None)
         if claims is not None and kind != api.SCALER_KIND:
             # What the watch shows is the freshest word on whose the child is: a deleted
             # child's name is read again before it is recreated. (A RoleScaler's owner
             # is read from the index each time: resolve_scalers.)
-            key = (kind, namespace, name)
             uid = owner["metadata"].get("uid") or ""
             if type != "DELETED" and ownership.is_ours(dict(body), uid):
                 claims.remember(key, uid)
             else:
                 claims.forget(key)
-        apply, only = _to_apply(
-            kind, type, name, namespace, labels, body, owner, memo, logger, statefulsets
-        )
-        if apply:
-            apply_or_retry(owner, memo, logger, only=only)
+        seen: Held | None = getattr(memo, "held", None)
+        print_ = None
+        if seen is not None and kind != api.SCALER_KIND:
+            if type == "DELETED":
+                seen.forget(key)
+            else:
+                print_ = held.fingerprint(body, owner, _scaled(owner, _seen(memo)))
+        if print_ is None or seen is None or not seen.still(key, print_):
+            await _in_handler_thread(
+                memo, _check_child, kind, type, name, namespace, labels, body, owner, memo,
+                logger, statefulsets, print_,
+            )  # fmt: skip
         # Their status is the server's (StatefulSets), or written with it (RoleScalers).
         if kind in ("StatefulSet", api.SCALER_KIND):
-            _refresh(owner, memo, statefulsets, pods, nodes)
+            await _refresh_soon(owner, memo, statefulsets, pods, nodes)
 
     return child_changed
+
+
+def _check_child(
+    kind: str,
+    type: str | None,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    owner: dict[str, Any],
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    statefulsets: kopf.Index,
+    print_: bytes | None,
+) -> None:
+    """The child's event on a thread: re-apply it (or its server) when it no longer
+    holds our fields, else remember that it held at this fingerprint."""
+    apply, only = _to_apply(
+        kind, type, name, namespace, labels, body, owner, memo, logger, statefulsets
+    )
+    seen: Held | None = getattr(memo, "held", None)
+    if apply:
+        if seen is not None:
+            seen.forget((kind, namespace, name))
+        apply_or_retry(owner, memo, logger, only=only)
+    elif seen is not None and print_ is not None:
+        seen.record((kind, namespace, name), print_)
+
+
+async def _in_handler_thread(memo: kopf.Memo, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn on kopf's handler threads (the pool a plain handler runs on), with the
+    context kopf's event posting reads."""
+    ctx = contextvars.copy_context()
+    pool = getattr(memo, "executor", None)
+    return await asyncio.get_running_loop().run_in_executor(
+        pool, functools.partial(ctx.run, fn, *args)
+    )
 
 
 # Every kind whose objects the operator owns, watched through one handler.
@@ -1347,8 +1461,23 @@ for _group, _version, _plural, _api_version, _kind in WATCHED_KINDS:
     )
 
 
+async def _refresh_soon(
+    owner: dict[str, Any],
+    memo: kopf.Memo,
+    statefulsets: kopf.Index,
+    pods: kopf.Index,
+    nodes: kopf.Index,
+) -> None:
+    """_refresh from a coroutine: a request to the status queue when it runs (no I/O),
+    else the refresh itself on a thread."""
+    if _status_queue(memo) is not None:
+        _refresh(owner, memo, statefulsets, pods, nodes)
+    else:
+        await asyncio.to_thread(_refresh, owner, memo, statefulsets, pods, nodes)
+
+
 @kopf.on.event("", "v1", "pods", labels={api.LABEL_SERVER: kopf.PRESENT})
-def pod_changed(
+async def pod_changed(
     namespace: str,
     labels: kopf.Labels,
     memo: kopf.Memo,
@@ -1360,11 +1489,11 @@ def pod_changed(
 ) -> None:
     owner = _owner(namespace, {api.LABEL_INSTANCE: labels[api.LABEL_SERVER]}, servers)
     if owner is not None and not owner["metadata"].get("deletionTimestamp"):
-        _refresh(owner, memo, statefulsets, pods, nodes)
+        await _refresh_soon(owner, memo, statefulsets, pods, nodes)
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_changed(
+async def node_changed(
     type: str | None,
     name: str,
     memo: kopf.Memo,
@@ -1383,4 +1512,4 @@ def node_changed(
             continue
         if type == "DELETED":
             logger.warning("node %s deleted with pods of %s/%s on it", name, namespace, server)
-        _refresh(owner, memo, statefulsets, pods, nodes)
+        await _refresh_soon(owner, memo, statefulsets, pods, nodes)

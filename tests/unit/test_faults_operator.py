@@ -308,7 +308,7 @@ def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypa
     )
     labels = {api.LABEL_INSTANCE: "tiny", api.LABEL_SERVER: "tiny"}
     if path == "pod":
-        handlers.pod_changed(namespace="ns", labels=labels, **common)
+        asyncio.run(handlers.pod_changed(namespace="ns", labels=labels, **common))
     else:
         rendered = next(
             c
@@ -317,8 +317,8 @@ def test_every_event_path_refreshes_status_with_prerequisites_and_nodes(monkeypa
         )
         body = rendered if path == "statefulset-unchanged" else {}
         child = handlers._on_child_event("StatefulSet")
-        child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels, body=body,
-              logger=logging.getLogger("test"), **common)  # fmt: skip
+        asyncio.run(child(type="MODIFIED", name="tiny-decode", namespace="ns", labels=labels,
+                          body=body, logger=logging.getLogger("test"), **common))  # fmt: skip
     # An edited StatefulSet is re-applied with its NetworkPolicy (its pods need it).
     edited = [("NetworkPolicy", "tiny"), ("StatefulSet", "tiny-decode")]
     want_applied = edited if path == "statefulset-edited" else []

@@ -355,3 +355,39 @@ def test_a_child_deleted_while_the_policy_is_still_refused_is_put_back():
     assert handlers.safety_pass(memo, SETTINGS, log).applied == 1
     assert service in kube.children
     assert not any(k[0] == "StatefulSet" for k in kube.children)  # still held
+
+
+def test_a_pass_lists_children_a_batch_of_servers_at_a_time(monkeypatch):
+    # At 1,000 servers one listing held every child at once, whole: the operator's
+    # peak memory. A batch's children are listed by the servers' names, and no
+    # child keeps the status or managedFields no drift check reads.
+    monkeypatch.setattr(handlers, "SAFETY_BATCH", 2)
+    names = ["a", "b", "c", "d", "e"]
+    bodies = [{**SERVER_OBJ, "metadata": {**SERVER_OBJ["metadata"], "name": n}} for n in names]
+    seen: list[str] = []
+
+    class Batched(ListingKube):
+        def list_servers(self, namespaces):
+            return [dict(b) for b in bodies]
+
+        def list_labelled(self, api_version, kind, label_selector, namespaces):
+            seen.append(label_selector)
+            return [
+                {"metadata": {"name": kind, "namespace": "ns", "managedFields": [1]}, "status": 1}
+            ]
+
+    kube = Batched({})
+    captured: list[dict] = []
+    monkeypatch.setattr(
+        handlers, "needs_apply", lambda s, w, children, *a: captured.append(children) or False
+    )
+    memo = kopf.Memo(kube=kube, namespaces=[], indexes={}, probe=None, claims=ownership.Claims())
+    done = handlers.safety_pass(memo, SETTINGS, logging.getLogger("test"))
+    assert done.servers == 5
+    selectors = sorted(set(seen))
+    prefix = f"{api.LABEL_MANAGED_BY}={api.FIELD_MANAGER},{api.LABEL_INSTANCE} in "
+    assert selectors == sorted(prefix + p for p in ("(a,b)", "(c,d)", "(e)"))
+    assert len(seen) == 3 * len(handlers.CHILD_KINDS)
+    for children in captured:
+        for obj in children.values():
+            assert "status" not in obj and "managedFields" not in obj["metadata"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -335,7 +336,7 @@ def scaler_event(replicas: int, running: int, kind_type: str = "MODIFIED") -> Fa
         indexes={},
     )
     sts = status.RoleObserved(exists=True, spec_replicas=running, replicas=running)
-    handlers._on_child_event(api.SCALER_KIND)(
+    run_child(handlers._on_child_event(api.SCALER_KIND),
         type=kind_type,
         name="tiny-prefill",
         namespace="ns",
@@ -373,3 +374,8 @@ class TestScalerEvents:
         kube = scaler_event(replicas=3, running=3)
         assert kube.applied == {}
         assert {k for k, _ in kube.writes} == {"RoleScaler/status", "DisaggregatedServer/status"}
+
+
+def run_child(handler, **kwargs):
+    """A child handler (a coroutine function) run to its end."""
+    return asyncio.run(handler(**kwargs))

@@ -6,6 +6,7 @@ first safety pass comes soon after start for children deleted while no operator 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -211,7 +212,7 @@ def test_the_child_watches_listing_restores_an_edited_child_and_leaves_the_rest(
     for body, want in ((rendered, []), (edited, [("ConfigMap", name)])):
         kube = Kube()
         memo = kopf.Memo(kube=kube, settings=SETTINGS, probe=None, indexes={})
-        handlers._on_child_event("ConfigMap")(
+        run_child(handlers._on_child_event("ConfigMap"),
             type=None,
             name=name,
             namespace="ns",
@@ -225,3 +226,8 @@ def test_the_child_watches_listing_restores_an_edited_child_and_leaves_the_rest(
             nodes={},
         )
         assert kube.applied == want
+
+
+def run_child(handler, **kwargs):
+    """A child handler (a coroutine function) run to its end."""
+    return asyncio.run(handler(**kwargs))
