@@ -238,6 +238,11 @@ class Residency:
         return self.transport_source()
 
     @property
+    def preemptions(self) -> int:
+        """D's preemptions since this sidecar started (monotonic across its restarts)."""
+        return int(self._engine.get("preemptions"))
+
+    @property
     def bytes_per_token(self) -> float | None:
         nbytes, tokens = self._engine.get("nixl_bytes"), self._engine.get("p2p_tokens")
         return nbytes / tokens if nbytes > 0 and tokens > 0 else None
