@@ -27,7 +27,8 @@ Rules (each has a test named after it):
   lowest value first (fate evicted, reason ``pressure``/``preemption``), and without
   pressure a handle whose usefulness ended (fate expired, reason ``usefulness``). The
   expiry rules above stay the outer bound: no handle is held past them, whatever the
-  policy says (fate expired, reason ``retention`` or ``lease``).
+  policy says (fate expired, reason ``retention`` or ``lease``). Its tests:
+  ``tests/unit/sidecar/test_retention_wiring.py`` and ``test_retention_app.py``.
 - clear: when the local engine restarts every handle points at freed memory.
 - expired stays expired: a handle ``purge_expired`` dropped still makes the session's
   next ``take`` report EXPIRED (not NO_HANDLE), whichever saw the expiry first.
