@@ -11,14 +11,24 @@ Rules (each has a test named after it):
   change reaches the handles already held; D's deadline (``expires_at``, at most the
   ceiling) stays the bound. ``engine_expiring`` tells the two apart: a handle the
   policy let go while D still holds it must be released, one near D's deadline not.
-- LRU cap: at most ``cap`` handles; the least recently stored goes first.
+- cap: at most ``cap`` handles; the lowest value goes first (the retention policy's
+  ranking, ``retention.py``), the least recently stored without a policy.
 - bound to the owner: with owners on (``owners.py``) a handle's slot digests its
   owner with the key, so another owner's turn looks up another slot and finds nothing.
 - owner caps: an owner over its ``owners.Caps`` (handles, or the tokens they pin)
-  loses its own handles, oldest first, never another owner's; a handle alone over
-  the token cap is not kept either.
+  loses its own handles, lowest value first, never another owner's; a handle alone
+  over the token cap is not kept either.
 - which goes first is ``first_to_evict`` alone (the eviction policy's one decision);
   every eviction is reported with its reason (``on_evict``) besides its fate.
+- the policy decides when, within the bounds: with a ``RetentionPolicy`` every kept
+  handle is observed (its session, tokens and blocks, its end: the retention in force
+  or, for a turn D prefilled alone, D's lease, less the margin); ``release_due`` lets
+  go what the policy releases now: under pressure (D's KV usage, its preemptions) the
+  lowest value first (fate evicted, reason ``pressure``/``preemption``), and without
+  pressure a handle whose usefulness ended (fate expired, reason ``usefulness``). The
+  expiry rules above stay the outer bound: no handle is held past them, whatever the
+  policy says (fate expired, reason ``retention`` or ``lease``). Its tests:
+  ``tests/unit/sidecar/test_retention_wiring.py`` and ``test_retention_app.py``.
 - clear: when the local engine restarts every handle points at freed memory.
 - expired stays expired: a handle ``purge_expired`` dropped still makes the session's
   next ``take`` report EXPIRED (not NO_HANDLE), whichever saw the expiry first.
@@ -42,6 +52,7 @@ from typing import Any
 
 from kvferry_wire.protocol import Outcome
 
+from . import retention as rp
 from .owners import EVICT_OWNER_HANDLES, EVICT_OWNER_TOKENS, EVICT_STORE_CAP, Caps, OwnerTag
 from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 
@@ -51,6 +62,25 @@ Clock = Callable[[], float]
 Retention = Callable[[], float]  # the retention in force now (policy.LivePolicy)
 # A deadline further than retention + this from "now" is not on a clock we know.
 CLOCK_SLACK_S = 60.0
+
+# Why the store let a handle go before a turn read it, besides the caps (owners.EVICT_*):
+# metric label; report.Evictions has one field each.
+EVICT_PRESSURE = "pressure"  # D's KV usage above the policy's high-water mark
+EVICT_PREEMPTION = "preemption"  # D preempted a request
+EVICT_USEFULNESS = "usefulness"  # the policy: the session's next turn is not coming
+EVICT_RETENTION = "retention"  # the retention in force (at most the ceiling) ran out
+EVICT_LEASE = "lease"  # D's lease of a turn it prefilled alone ran out
+# The policy's release reasons as the store counts them, and the fate each gives: a
+# handle let go for being out of time (usefulness, retention, lease) is expired, and
+# the session's next turn is told so; one a cap or D's pressure took is evicted.
+POLICY_REASONS: dict[str, tuple[str, HandleFate]] = {
+    rp.REASON_PRESSURE: (EVICT_PRESSURE, HandleFate.EVICTED),
+    rp.REASON_PREEMPTION: (EVICT_PREEMPTION, HandleFate.EVICTED),
+    rp.REASON_CAP: (EVICT_STORE_CAP, HandleFate.EVICTED),
+    rp.REASON_USELESS: (EVICT_USEFULNESS, HandleFate.EXPIRED),
+    rp.REASON_CEILING: (EVICT_RETENTION, HandleFate.EXPIRED),
+    rp.REASON_LEASE: (EVICT_LEASE, HandleFate.EXPIRED),
+}
 
 
 def local_deadline(
@@ -89,10 +119,16 @@ EvictHook = Callable[[str, KVHandle], None]  # (owners.EVICT_* reason, the handl
 CapsSource = Callable[[], Caps]  # an owner's caps as of now (D's KV size may change)
 
 
-def first_to_evict(handles: Iterable[KVHandle]) -> KVHandle:
-    """Which of ``handles`` (oldest stored first) a cap evicts: the least recently
-    stored. The eviction policy's one decision, here so it can be replaced alone."""
-    return next(iter(handles))
+def first_to_evict(
+    handles: Iterable[KVHandle], policy: rp.RetentionPolicy | None = None, now: float = 0.0
+) -> KVHandle:
+    """Which of ``handles`` (oldest stored first) a cap evicts: the lowest value as the
+    retention policy ranks them at ``now`` (the oldest among equals), the least
+    recently stored without one. The eviction policy's one decision, here alone."""
+    if policy is None:
+        return next(iter(handles))
+    by_session = {h.session: h for h in handles}
+    return by_session[policy.lowest(by_session, now)]
 
 
 class _Owned:
@@ -117,8 +153,10 @@ class HandleStore:
         on_evict: EvictHook | None = None,
         owner_caps: CapsSource | None = None,
         retention: Retention | None = None,
+        policy: rp.RetentionPolicy | None = None,
     ) -> None:
         self._cap = cap
+        self.policy = policy
         self._retention = retention
         self._on_evict = on_evict
         self._owner_caps = owner_caps
@@ -165,6 +203,8 @@ class HandleStore:
     def _pop(self, session: SessionTag) -> KVHandle | None:
         """Remove a handle from the store and from its owner's account."""
         handle = self._items.pop(session, None)
+        if handle is not None and self.policy is not None:
+            self.policy.forget(session)
         if handle is not None and handle.owner is not None:
             owned = self._owned[handle.owner]
             del owned.slots[session]
@@ -184,32 +224,102 @@ class HandleStore:
         owned = self._owned.get(owner)
         return (len(owned.slots), owned.tokens) if owned else (0, 0)
 
-    def put(self, handle: KVHandle) -> bool:
+    def put(self, handle: KVHandle, *, previous: SessionTag | None = None) -> bool:
         """Keep ``handle`` for its session, replacing (and evicting) as the rules say;
         False when a cap evicted the handle itself at once (alone over its owner's
-        token cap)."""
+        token cap). ``previous``: the slot the turn looked up, whose gaps the policy
+        carries on under the handle's (``session.next_handle_slot``)."""
         self._expired.pop(handle.session, None)
         old = self._pop(handle.session)
         if old is not None:
             self._drop(HandleFate.SUPERSEDED, old)
         self._items[handle.session] = handle
+        if self.policy is not None:
+            self._observe(handle, previous)
         if handle.owner is not None:
             owned = self._owned.setdefault(handle.owner, _Owned())
             owned.slots[handle.session] = handle
             owned.tokens += handle.num_tokens
             if self._owner_caps is not None:
-                self._enforce(owned, self._owner_caps())
+                self._enforce(owned, self._owner_caps(), handle)
         while len(self._items) > self._cap:
-            self._evict(first_to_evict(self._items.values()), EVICT_STORE_CAP)
+            self._evict(self._first_to_evict(self._items.values(), handle), EVICT_STORE_CAP)
         return self._items.get(handle.session) is handle
 
-    def _enforce(self, owned: _Owned, caps: Caps) -> None:
-        """The owner's own handles go, oldest first, until it is within its caps."""
+    def _first_to_evict(self, handles: Iterable[KVHandle], new: KVHandle) -> KVHandle:
+        """The cap's victim among ``handles``, never ``new`` (the handle being stored)
+        while another can go: the policy has seen nothing of it since its turn ended,
+        and put's answer (False) means "alone over its owner's token cap"."""
+        others = [h for h in handles if h is not new]
+        return first_to_evict(others or [new], self.policy, self._clock())
+
+    def _bound(self, handle: KVHandle) -> tuple[float | None, bool]:
+        """The seconds from its receipt the expiry rules let ``handle`` live (None: no
+        bound known), and whether D's lease is that bound (a turn D prefilled alone)."""
+        until = self._usable_until(handle)
+        if until is None:
+            return None, False
+        # The lease bounds it unless the retention in force ends it sooner.
+        by_lease = handle.lease_bound and handle.expires_at is not None
+        if by_lease and self._retention is not None:
+            by_lease = handle.expires_at <= handle.created_at + self._retention()
+        return until - handle.created_at, by_lease
+
+    def _observe(self, handle: KVHandle, previous: SessionTag | None) -> None:
+        assert self.policy is not None
+        hold, by_lease = self._bound(handle)
+        self.policy.keep(
+            handle.session,
+            handle.created_at,
+            handle.num_tokens,
+            lease_s=hold if by_lease else None,
+            retention_s=None if by_lease else hold,
+            previous=previous,
+        )
+
+    def rebound(self) -> None:
+        """The retention in force changed: each held handle's end follows it (a lower
+        one ends them sooner, a higher one keeps them up to D's own deadline)."""
+        if self.policy is None:
+            return
+        now = self._clock()
+        for handle in self._items.values():
+            hold, by_lease = self._bound(handle)
+            if hold is not None:
+                self.policy.rebound(
+                    handle.session, handle.created_at + hold, by_lease=by_lease, now=now
+                )
+
+    def release_due(self, pressure: rp.Pressure = rp.NO_PRESSURE) -> int:
+        """Let go what the policy releases now (module docstring): the handles past
+        their end or their usefulness, then under ``pressure`` the lowest values until
+        it is met. Each goes with its fate and reason (released on D by the drop hook).
+        Returns how many went."""
+        if self.policy is None:
+            return 0
+        count = 0
+        for release in self.policy.decide(self._clock(), pressure):
+            handle = self._items.get(release.session)
+            if handle is None:
+                continue
+            reason, fate = POLICY_REASONS[release.reason]
+            self._pop(release.session)
+            if fate is HandleFate.EXPIRED:
+                self._expired[release.session] = handle.created_at
+            if self._on_evict is not None:
+                self._on_evict(reason, handle)
+            self._drop(fate, handle)
+            count += 1
+        self._trim_expired()
+        return count
+
+    def _enforce(self, owned: _Owned, caps: Caps, new: KVHandle) -> None:
+        """The owner's own handles go, lowest value first, until it is within its caps."""
         while len(owned.slots) > caps.max_handles:
-            self._evict(first_to_evict(owned.slots.values()), EVICT_OWNER_HANDLES)
+            self._evict(self._first_to_evict(owned.slots.values(), new), EVICT_OWNER_HANDLES)
         limit = caps.max_pinned_tokens
         while limit is not None and owned.slots and owned.tokens > limit:
-            self._evict(first_to_evict(owned.slots.values()), EVICT_OWNER_TOKENS)
+            self._evict(self._first_to_evict(owned.slots.values(), new), EVICT_OWNER_TOKENS)
 
     def take(self, session: SessionTag) -> Lookup:
         """Remove and return the session's handle if it is still usable.
@@ -218,6 +328,8 @@ class HandleStore:
         two requests of one session can never both get the handle.
         """
         handle = self._pop(session)
+        if self.policy is not None:
+            self.policy.arrive(session, self._clock())  # the session's gap, observed
         if handle is None:
             created = self._expired.pop(session, None)
             if created is not None:
@@ -226,6 +338,7 @@ class HandleStore:
         now = self._clock()
         age = now - handle.created_at
         if self.is_expired(handle, now):
+            self._count_expiry(handle)
             self._drop(HandleFate.EXPIRED, handle)
             return Lookup(None, Outcome.EXPIRED, age)
         if handle.engine_build != self._engine_build:
@@ -244,10 +357,19 @@ class HandleStore:
             if handle is None:
                 continue
             self._expired[session] = handle.created_at
+            self._count_expiry(handle)
             self._drop(HandleFate.EXPIRED, handle)
+        self._trim_expired()
+        return len(stale)
+
+    def _count_expiry(self, handle: KVHandle) -> None:
+        """An expiry rule let ``handle`` go: counted by its bound (retention or lease)."""
+        if self._on_evict is not None:
+            self._on_evict(EVICT_LEASE if handle.lease_bound else EVICT_RETENTION, handle)
+
+    def _trim_expired(self) -> None:
         while len(self._expired) > self._cap:
             self._expired.popitem(last=False)
-        return len(stale)
 
     def clear(self) -> int:
         """Forget every handle (the local engine restarted: its blocks are gone)."""
@@ -255,7 +377,9 @@ class HandleStore:
         self._expired.clear()
         self._owned.clear()
         while self._items:
-            _, handle = self._items.popitem(last=False)
+            session, handle = self._items.popitem(last=False)
+            if self.policy is not None:
+                self.policy.forget(session)
             self._drop(HandleFate.CLEARED, handle)
         return count
 

@@ -314,9 +314,12 @@ def report_families(r: rpt.Report) -> list:
         ),
         _labelled_counter(
             "kvferry_handle_evictions",
-            "Handles evicted, by the cap that evicted them (they add up to "
-            'kvferry_handle_fates_total{fate="evicted"}): store-cap (handleStoreCap), '
-            "owner-handles and owner-tokens (an owner's own caps).",
+            "Handles let go before a turn read them, by reason: store-cap "
+            "(handleStoreCap), owner-handles and owner-tokens (an owner's own caps), "
+            "pressure and preemption (D's KV), the lowest value first, which add up to "
+            'kvferry_handle_fates_total{fate="evicted"}; usefulness (the retention '
+            "policy: no next turn expected), retention (the retention in force) and "
+            "lease (D's lease of a turn it prefilled alone), part of the expired fate.",
             "reason",
             {
                 name.replace("_", "-"): getattr(r.evictions, name)

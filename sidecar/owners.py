@@ -24,7 +24,7 @@ Rules:
 - caps: an owner keeps at most ``max_handles`` handles pinning at most
   ``max_pinned_tokens`` tokens; by default an eighth of the store's cap and an eighth
   of D's KV (``caps``), so at least eight owners fit before one crowds out another.
-  Past a cap the owner loses its own oldest handle (``handles.first_to_evict``).
+  Past a cap the owner loses its own lowest-value handle (``handles.first_to_evict``).
 """
 
 from __future__ import annotations

@@ -302,6 +302,7 @@ def build_handle(
     params = capture.params
     if not params or not params.get(K_REMOTE_BLOCK_IDS):
         return None, NOT_KEPT_NONE
+    lease_bound = False
     if params.get(K_DO_REMOTE_PREFILL) and not params.get(K_DO_REMOTE_DECODE):
         params = {
             **params,
@@ -313,6 +314,7 @@ def build_handle(
         # (NixlPullConnectorScheduler.request_finished), whatever
         # decoder_kv_blocks_ttl says: that is the handle's life.
         retention_s = local_lease_s
+        lease_bound = True
     elif not params.get(K_DO_REMOTE_DECODE):
         return None, NOT_KEPT_NONE
     why = None
@@ -337,6 +339,7 @@ def build_handle(
         request_id=turn.request_id,
         identity=turn.identity,
         owner=turn.owner,
+        lease_bound=lease_bound,
     )
     return handle, why
 

@@ -666,7 +666,7 @@ def _keep_handle(
     reason = plan.handle_not_kept(turn, rules)
     handle, why = _build_handle(sc, turn, capture)
     if handle is not None and reason is None and why is None:
-        if sc.store.put(handle):
+        if sc.store.put(handle, previous=turn.slot):
             report.handle_kept = True
             report.next_session = handle.session
         else:

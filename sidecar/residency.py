@@ -133,7 +133,8 @@ class Residency:
         self.handles: dict[str, int] = {}
         # Handles dropped unread, by how D was told to free them (release.py).
         self.releases: dict[str, int] = dict.fromkeys(rpt.Releases.__struct_fields__, 0)
-        # Handles a cap evicted, by the cap (owners.EVICT_*: report.Evictions' fields).
+        # Handles let go unread, by reason (owners.EVICT_*, handles.EVICT_*: the fields
+        # of report.Evictions).
         self.evictions: dict[str, int] = dict.fromkeys(rpt.Evictions.__struct_fields__, 0)
         self.by_turn: dict[str, rpt.TurnBucket] = {}
         self.gaps = rpt.Histogram.empty(rpt.GAP_BOUNDS)
@@ -200,7 +201,8 @@ class Residency:
         self._count(self.releases, kind)
 
     def on_eviction(self, reason: str) -> None:
-        """A cap evicted a handle (its fate, ``evicted``, comes through on_handle_drop)."""
+        """The store let a handle go unread, for ``reason`` (a cap, D's pressure, or the
+        end the policy or the expiry rules set); its fate comes through on_handle_drop."""
         self._count(self.evictions, reason.replace("-", "_"))
 
     def on_handle_drop(self, fate: HandleFate, session: SessionTag) -> None:
@@ -236,6 +238,11 @@ class Residency:
         if self.transport_source is None:
             return self.transport, ""
         return self.transport_source()
+
+    @property
+    def preemptions(self) -> int:
+        """D's preemptions since this sidecar started (monotonic across its restarts)."""
+        return int(self._engine.get("preemptions"))
 
     @property
     def bytes_per_token(self) -> float | None:

@@ -1,10 +1,17 @@
-"""Per-session, value-based retention of decode KV handles. Pure; not wired yet.
+"""Per-session, value-based retention of decode KV handles. Pure.
 
 The decode sidecar keeps one handle per session: the KV of its last turn, pinned in D
 until the next turn reads it. This module decides how long each handle stays and which
-goes first when D needs the room (issue 24, item 2). The sidecar does not call it yet
-(``handles.py`` still evicts the least recently stored); ``bench/eviction.py`` replays
-traces through it against fixed TTLs and the offline bound.
+goes first when D needs the room (issue 24, item 2). The handle store holds one
+(``handles.HandleStore``, its ``policy``): every handle it keeps is ``keep``-ed here
+with its end (the retention in force or D's lease, less the expiry margin), every
+lookup is an ``arrive`` (the session's gap), its caps take the lowest value
+(``lowest``), and the sidecar's background loop applies ``decide`` each probe
+interval with D's pressure from its /metrics (``Pressure.of_engine``): releases go
+through the store's drop hook to the release path (``release.py``). The store's
+expiry rules stay the outer bound. ``bench/eviction.py`` replays traces through the
+same class (``observe_turn``: ``arrive`` and ``keep`` at one instant) against fixed
+TTLs and the offline bound.
 
 **Value.** A handle of n tokens saves, if the session's next turn reads it,
 ``n x (recompute - pull)`` seconds of prefill (``Costs``), and pins
@@ -57,8 +64,10 @@ ended): ``(gaps + 1) / (gaps + ended + 2)``.
   TTL would;
 - K follows how much sessions differ (credibility), the default until they have gaps;
 - nothing outlives its end: the ceiling, or the lease of a turn D prefilled alone;
-- single use: the turn that reads a handle takes it (``observe_turn`` returns it) and
-  leaves its own;
+- single use: the turn that reads a handle takes it (``observe_turn`` and ``arrive``
+  return it) and leaves its own;
+- the gaps follow the conversation: a turn that keeps its handle under another slot
+  than it looked up (``keep(previous=...)``) carries its gaps there;
 - every release names its reason (``REASON_*``).
 """
 
@@ -67,6 +76,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right, insort
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -97,6 +107,9 @@ K_DEFAULT = 2.0
 K_BOUNDS = (0.5, 1000.0)
 # A session's own gaps kept: enough to learn its pattern, few enough to follow a change.
 OWN_GAPS = 16
+# Sessions remembered (~300 B each): the least recently seen is forgotten first (its
+# handle, if one is still held, is then judged as a session with no gaps of its own).
+MAX_SESSIONS = 100_000
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,16 @@ class Costs:
 
     def pinned_bytes(self, tokens: int) -> float:
         return self.blocks(tokens) * self.block_tokens * self.bytes_per_token
+
+
+def nominal_costs(block_tokens: int) -> Costs:
+    """Costs for ranking and releasing handles in a sidecar that has not measured its
+    own: a handle's value is ``saving_per_token x tokens / pinned bytes x ...`` and the
+    usefulness floor ``min_hit x saving_per_token / (bytes_per_token x ceiling)``, so the
+    saving and the bytes per token cancel out of every decision; only the block
+    rounding (D's block size) and a saving above zero matter. The figures are the
+    engine tier's (docs/performance.md): recompute 2 ms a token, a pull 56 us, 16 KiB."""
+    return Costs(2.0e-3, 5.6e-5, 16_384.0, max(1, block_tokens))
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,18 @@ class Pressure:
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
     preemptions: int = 0  # since the last decide
+
+    @classmethod
+    def of_engine(
+        cls, kv_usage: float | None, total_blocks: int | None, preemptions: int
+    ) -> Pressure:
+        """From D's /metrics (``enginemetrics``): its KV usage fraction of its
+        ``num_gpu_blocks``, and the preemptions since the last look. An unknown usage
+        or size is no KV pressure (preemptions still count)."""
+        if kv_usage is None or not total_blocks:
+            return cls(preemptions=max(0, preemptions))
+        used = math.ceil(min(1.0, max(0.0, kv_usage)) * total_blocks)
+        return cls(used, total_blocks, max(0, preemptions))
 
 
 NO_PRESSURE = Pressure()
@@ -224,7 +259,16 @@ class RetentionPolicy:
     ) -> Held | None:
         """A turn of ``session`` arrived at ``t``; its KV (``tokens``) is kept as the
         session's handle, bounded by ``lease_s`` when D prefilled it alone. Returns the
-        handle this turn reads, if one was still kept (single use)."""
+        handle this turn reads, if one was still kept (single use). ``arrive`` then
+        ``keep`` at one instant: a replay's turns take no time."""
+        taken = self.arrive(session, t)
+        self.keep(session, t, tokens, lease_s=lease_s)
+        return taken
+
+    def arrive(self, session: str, t: float) -> Held | None:
+        """A turn of ``session`` arrived at ``t``: its gap since the session's last kept
+        handle is observed, and the handle it reads, if still kept, is returned (and no
+        longer held). The sidecar calls this when a turn looks its handle up."""
         taken = self._held.pop(session, None)
         s = self._sessions.pop(session, None)
         if s is None:
@@ -234,20 +278,82 @@ class RetentionPolicy:
             s.add_gap(gap)
             self.server_gaps.observe(gap)
             s.last_t = t
-        self._sessions[session] = s
+        self._remember(session, s)
         self._turns += 1
         if self.limits.prior_weight is None and self._turns % K_EVERY_TURNS == 0:
             self._k = self._estimate_k()
-        if tokens > 0:
-            end = t + self.limits.max_retention_s
-            by_lease = lease_s is not None and t + lease_s < end
-            if by_lease:
-                assert lease_s is not None
-                end = t + lease_s
-            held = Held(session, t, tokens, end, by_lease)
-            self._held[session] = held
-            self._schedule(held, t)
         return taken
+
+    def keep(
+        self,
+        session: str,
+        t: float,
+        tokens: int,
+        *,
+        lease_s: float | None = None,
+        retention_s: float | None = None,
+        previous: str | None = None,
+    ) -> Held | None:
+        """Hold the KV (``tokens``) a turn left at ``t`` as ``session``'s handle, until
+        the ceiling or the earlier of ``retention_s`` (the retention in force) and
+        ``lease_s`` (D's lease, for a turn it prefilled alone). ``previous``: the slot
+        the turn looked up when the conversation's next turn looks up another one
+        (``session.next_handle_slot``): its gaps continue under ``session``. The next
+        gap runs from ``t``: the time from a handle's keeping to its reading is what
+        the chance of a next turn is about."""
+        s = self._sessions.pop(session, None)
+        if previous is not None and previous != session:
+            s = self._sessions.pop(previous, None) or s
+        if s is None:
+            s = _Session(last_t=t)
+        s.last_t = t
+        self._remember(session, s)
+        if tokens <= 0:
+            self._held.pop(session, None)
+            return None
+        end = t + self.limits.max_retention_s
+        if retention_s is not None:
+            end = min(end, t + retention_s)
+        by_lease = lease_s is not None and t + lease_s < end
+        if by_lease:
+            assert lease_s is not None
+            end = t + lease_s
+        held = Held(session, t, tokens, end, by_lease)
+        self._held[session] = held
+        self._schedule(held, t)
+        return held
+
+    def _remember(self, session: str, s: _Session) -> None:
+        self._sessions[session] = s
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def forget(self, session: str) -> None:
+        """The caller let ``session``'s handle go for a reason of its own (taken, a cap,
+        D restarted, superseded): no longer held, nothing to release."""
+        self._held.pop(session, None)
+
+    def rebound(self, session: str, end: float, *, by_lease: bool, now: float) -> None:
+        """A held handle's end moved (the retention in force changed): at most the
+        ceiling from its keeping; its usefulness is judged again from ``now``."""
+        h = self._held.get(session)
+        if h is None:
+            return
+        h.end = min(end, h.t + self.limits.max_retention_s)
+        h.bounded_by_lease = by_lease
+        self._schedule(h, now)
+
+    def lowest(self, sessions: Iterable[str], now: float) -> str:
+        """Of ``sessions`` (held ones; oldest first), the one a cap releases first:
+        the lowest value, the oldest among equals; one not held goes before any."""
+        order = list(sessions)
+        rank = {s: i for i, s in enumerate(order)}
+
+        def key(session: str) -> tuple[float, int]:
+            h = self._held.get(session)
+            return (-math.inf if h is None else self.value(h, now), rank[session])
+
+        return min(order, key=key)
 
     def decide(self, now: float, pressure: Pressure = NO_PRESSURE) -> list[Release]:
         """The handles to release at ``now``: those past their end, those whose

@@ -24,7 +24,7 @@ import aiohttp
 from kvferry_wire import policy as wire_policy
 from kvferry_wire import protocol, report
 
-from . import config, enginemetrics, owners, plan, transport
+from . import config, enginemetrics, owners, plan, retention, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 
 # How long a stopping sidecar waits for the releases of the handles it held.
 SHUTDOWN_RELEASE_SECONDS = 5.0
+# The retention policy's block size until the engine tells its own (vLLM's default).
+DEFAULT_BLOCK_TOKENS = 16
+# A ceiling within the expiry margin leaves no time to hold a handle; the policy still
+# needs a positive one (the store's expiry rules then let every handle go at once).
+MIN_POLICY_CEILING_S = 1.0
 
 
 class Sidecar:
@@ -74,6 +79,20 @@ class Sidecar:
             ceiling_seconds=settings.retention_ceiling,
             on_change=self._on_policy,
         )
+        # Which handle goes first and when each is let go (retention.py): its end is the
+        # retention in force or D's lease, less the margin, at most the ceiling's.
+        margin = protocol.HANDLE_EXPIRY_MARGIN_SECONDS
+        self.retention = retention.RetentionPolicy(
+            retention.nominal_costs(settings.block_size or DEFAULT_BLOCK_TOKENS),
+            retention.Limits(
+                max_retention_s=max(settings.retention_ceiling - margin, MIN_POLICY_CEILING_S),
+                handle_cap=settings.handle_store_cap,
+            ),
+        )
+        # D's preemptions the policy has seen (None: none looked at yet; those before
+        # the first look are not this sidecar's to answer for).
+        self._preemptions_seen: int | None = None
+        self._engine_figures: enginemetrics.EngineFigures | None = None
         self.store = HandleStore(
             cap=settings.handle_store_cap,
             margin_s=protocol.HANDLE_EXPIRY_MARGIN_SECONDS,
@@ -83,6 +102,7 @@ class Sidecar:
             on_evict=self._on_evict,
             owner_caps=self.owner_caps if self.owner_rule is not None else None,
             retention=lambda: self.policy.retention_seconds,
+            policy=self.retention,
         )
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
         self._topology = (
@@ -130,6 +150,27 @@ class Sidecar:
 
     def _on_policy(self, in_force: InForce) -> None:
         self.metrics.bind_policy(in_force)
+        self.store.rebound()  # the handles held now end by the new retention
+
+    def engine_pressure(self) -> retention.Pressure:
+        """D's KV pressure as of its last scrape, and its preemptions since the last
+        look (each look consumes them: one release per preemption)."""
+        total = self.residency.preemptions
+        seen = total if self._preemptions_seen is None else self._preemptions_seen
+        new, self._preemptions_seen = total - seen, total
+        figures = self._engine_figures
+        if figures is None:
+            return retention.Pressure(preemptions=max(0, new))
+        return retention.Pressure.of_engine(figures.kv_usage, figures.num_gpu_blocks, new)
+
+    def release_due(self) -> int:
+        """Let go the handles the retention policy releases now (handles.release_due)."""
+        local = getattr(self, "local", None)  # None until start()
+        block_size = local.block_size if local is not None else None
+        if block_size and block_size != self.retention.costs.block_tokens:
+            # The policy counts blocks as D does (pressure is met in D's blocks).
+            self.retention.costs = retention.nominal_costs(block_size)
+        return self.store.release_due(self.engine_pressure())
 
     def on_report_answer(self, answer: Any) -> None:
         """The operator's answer to a report push: its server's policy, if it sent one."""
@@ -344,6 +385,7 @@ class Sidecar:
     def engine_restarted(self) -> None:
         """The local engine is a new one: its pinned blocks and its cache are gone."""
         cleared = self.store.clear()
+        self._engine_figures = None  # its KV usage was the old engine's
         log.warning("engine restarted; handles cleared count=%s", cleared)
         if self.drainer.reset():
             # The kubelet ran the engine's preStop before restarting it (a liveness
@@ -372,6 +414,7 @@ class Sidecar:
 
     async def scrape_engine(self) -> bool:
         """Read the local engine's /metrics into the residency model."""
+        self._engine_figures = None  # no pressure known unless this scrape tells it
         if not self.local.ready:
             self.engine_metrics_text = ""
             return False
@@ -391,6 +434,7 @@ class Sidecar:
         if self.local.observe_identity(figures.started_at):
             self.engine_restarted()
         self.residency.observe_engine(figures)
+        self._engine_figures = figures
         return True
 
     def reload_topology(self) -> bool:
@@ -419,6 +463,13 @@ class Sidecar:
                 await self.scrape_engine()
             except Exception:
                 log.exception("engine metrics scrape failed")
+            try:
+                released = self.release_due()
+            except Exception:  # a policy bug must not stop the expiry rules below
+                log.exception("retention policy failed")
+            else:
+                if released:
+                    log.debug("handles the retention policy let go count=%s", released)
             purged = self.store.purge_expired()
             if purged:
                 log.debug("expired handles dropped count=%s", purged)

@@ -130,6 +130,9 @@ class KVHandle:
     identity: KVIdentity = field(default_factory=KVIdentity)
     # The authenticated client it belongs to (owners.owner_tag); None = owners off.
     owner: str | None = None
+    # D prefilled the turn alone: its blocks live for D's lease (``expires_at``), not
+    # the ceiling; the retention policy bounds it by that lease (retention.py).
+    lease_bound: bool = False
 
     @property
     def blocks(self) -> int:

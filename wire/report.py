@@ -16,6 +16,9 @@ REPORT_VERSION history:
       Later in 2, with defaults: ``evictions`` (the ``evicted`` handles by the cap that
       evicted them). Not a new version: an operator that does not know the field
       ignores it (unknown fields are), and a report without it reads as no evictions.
+      Later in 2, with defaults: ``evictions.pressure``, ``preemption``, ``usefulness``,
+      ``retention`` and ``lease`` (the sidecar's retention policy letting handles go);
+      an older report reads as none of those, as above.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -203,12 +206,19 @@ class Releases(msgspec.Struct, rename="camel"):
 
 
 class Evictions(msgspec.Struct, rename="camel"):
-    """Handles a cap evicted, by the cap (cumulative; they add up to the ``evicted``
-    fate). Each is released on D like any handle dropped unread."""
+    """Handles the sidecar let go before a turn read them, by reason (cumulative). The
+    caps and D's pressure (``storeCap`` to ``preemption``) add up to the ``evicted``
+    fate; the ends (``usefulness``, ``retention``, ``lease``) are the store's share of
+    the ``expired`` fate. Each is released on D like any handle dropped unread."""
 
     store_cap: int = 0  # handleStoreCap: the store was full
-    owner_handles: int = 0  # an owner over its ownerMaxHandles lost its oldest
-    owner_tokens: int = 0  # an owner over its ownerMaxPinnedTokens lost its oldest
+    owner_handles: int = 0  # an owner over its ownerMaxHandles lost its lowest-value one
+    owner_tokens: int = 0  # an owner over its ownerMaxPinnedTokens lost its lowest-value one
+    pressure: int = 0  # D's KV usage above the high-water mark: the lowest values went
+    preemption: int = 0  # D preempted a request: one lowest-value handle each
+    usefulness: int = 0  # the retention policy: the session's next turn is not coming
+    retention: int = 0  # the retention in force (at most the ceiling) ran out
+    lease: int = 0  # D's lease of a turn it prefilled alone ran out
 
 
 class Transfer(msgspec.Struct, rename="camel"):

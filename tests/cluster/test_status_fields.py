@@ -100,7 +100,16 @@ def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
     for _ in range(11):
         rep.ttft_recomputed.observe(2.0)
     rep.pinned = wire.Pinned(handles=3, blocks=30, bytes=3_000_000, oldest_age_seconds=12.5)
-    rep.evictions = wire.Evictions(store_cap=1, owner_handles=2, owner_tokens=3)
+    rep.evictions = wire.Evictions(
+        store_cap=1,
+        owner_handles=2,
+        owner_tokens=3,
+        pressure=4,
+        preemption=5,
+        usefulness=6,
+        retention=7,
+        lease=8,
+    )
     rep.transfer = wire.Transfer(
         pulls=9,
         bytes=9_000_000,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvferry_operator import aggregate, api, reports, tune
 from kvferry_wire import report as wire
 from tests.manifests import server
@@ -170,7 +172,26 @@ def test_evictions_by_cap_are_summed_over_pods():
         "storeCap": 1,
         "ownerHandles": 5,
         "ownerTokens": 4,
+        "pressure": 0,
+        "preemption": 0,
+        "usefulness": 0,
+        "retention": 0,
+        "lease": 0,
     }
+
+
+def test_evictions_by_the_retention_policy_are_summed_and_round_trip():
+    """The policy's reasons (D's pressure, its preemptions, usefulness, the retention in
+    force, D's lease) survive encode/decode and add up over pods like the caps."""
+    a = rep("a", evictions=wire.Evictions(pressure=1, usefulness=2, retention=3))
+    b = rep("b", evictions=wire.Evictions(preemption=4, usefulness=5, lease=6))
+    assert wire.decode(wire.encode(a)).evictions == a.evictions
+    agg = aggregate.aggregate(
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
+    )
+    ev = agg.status["retention"]["evictions"]
+    assert (ev["pressure"], ev["preemption"], ev["usefulness"]) == (1, 4, 7)
+    assert (ev["retention"], ev["lease"], ev["storeCap"]) == (3, 6, 0)
 
 
 def test_a_report_from_a_sidecar_without_evictions_decodes_as_none():
@@ -179,6 +200,22 @@ def test_a_report_from_a_sidecar_without_evictions_decodes_as_none():
     older = json.loads(raw)
     del older["evictions"]
     assert wire.decode(json.dumps(older).encode()).evictions == wire.Evictions()
+
+
+def test_a_report_with_only_the_cap_evictions_reads_as_no_policy_evictions():
+    """A sidecar from before the retention policy sends the three caps alone."""
+    older = json.loads(wire.encode(rep("a")))
+    older["evictions"] = {"storeCap": 1, "ownerHandles": 0, "ownerTokens": 2}
+    decoded = wire.decode(json.dumps(older).encode()).evictions
+    assert decoded == wire.Evictions(store_cap=1, owner_tokens=2)
+
+
+@pytest.mark.parametrize("field", ["pressure", "usefulness", "lease"])
+def test_a_negative_policy_eviction_count_is_refused_naming_the_field(field):
+    bad = json.loads(wire.encode(rep("a")))
+    bad["evictions"][field] = -1
+    with pytest.raises(wire.ReportError, match=f"evictions.{field}"):
+        wire.decode(json.dumps(bad).encode())
 
 
 def test_transport_column_shows_the_measured_bandwidth_and_the_evidence():
