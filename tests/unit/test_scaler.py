@@ -336,7 +336,8 @@ def scaler_event(replicas: int, running: int, kind_type: str = "MODIFIED") -> Fa
         indexes={},
     )
     sts = status.RoleObserved(exists=True, spec_replicas=running, replicas=running)
-    run_child(handlers._on_child_event(api.SCALER_KIND),
+    run_child(
+        handlers._on_child_event(api.SCALER_KIND),
         type=kind_type,
         name="tiny-prefill",
         namespace="ns",

@@ -212,7 +212,8 @@ def test_the_child_watches_listing_restores_an_edited_child_and_leaves_the_rest(
     for body, want in ((rendered, []), (edited, [("ConfigMap", name)])):
         kube = Kube()
         memo = kopf.Memo(kube=kube, settings=SETTINGS, probe=None, indexes={})
-        run_child(handlers._on_child_event("ConfigMap"),
+        run_child(
+            handlers._on_child_event("ConfigMap"),
             type=None,
             name=name,
             namespace="ns",
