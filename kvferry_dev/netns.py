@@ -35,11 +35,37 @@ BURST = "256kb"
 LATENCY = "400ms"
 
 
-def _run(*cmd: str) -> str:
-    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+# Every ip/tc call is bounded: a qdisc change on a veth with traffic queued has been
+# seen not to return, and a hung call must fail the run with its command, not stall it.
+COMMAND_TIMEOUT = 30.0
+# How long set_rate waits for the shaped queues to empty before it changes the rate.
+DRAIN_TIMEOUT = 20.0
+DRAIN_POLL = 0.2
+
+
+def _run(*cmd: str, timeout: float = COMMAND_TIMEOUT) -> str:
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"{' '.join(cmd)} did not return within {timeout:g} s") from None
     if res.returncode != 0:
         raise EngineError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
     return res.stdout
+
+
+def backlog_bytes(tc_stats: str) -> int:
+    """Bytes queued in the root qdisc, from ``tc -s qdisc show``'s ``backlog 12Kb 3p``
+    (0 when the device has no shaping). Raises EngineError on a line it cannot read."""
+    for line in tc_stats.splitlines():
+        words = line.split()
+        if words[:1] != ["backlog"] or len(words) < 2:
+            continue
+        size = words[1].lower()
+        for suffix, scale in (("kb", 1024), ("mb", 1024**2), ("gb", 1024**3), ("b", 1)):
+            if size.endswith(suffix) and size[: -len(suffix)].isdigit():
+                return int(size[: -len(suffix)]) * scale
+        raise EngineError(f"tc backlog {words[1]!r}: not a size tc writes")
+    return 0
 
 
 @dataclass
@@ -70,25 +96,51 @@ class ThrottledLink:
         return self
 
     def down(self) -> None:
-        with contextlib.suppress(EngineError):
-            _run("ip", "netns", "del", self.name)
+        """Remove the veth pair, then the namespace. Deleting the root end deletes its
+        peer with both qdiscs and whatever they still queue: no ``tc qdisc del`` on a
+        shaped device that may still be draining."""
         with contextlib.suppress(EngineError):
             _run("ip", "link", "del", self.root_dev)
+        with contextlib.suppress(EngineError):
+            _run("ip", "netns", "del", self.name)
 
     def _ns(self, *cmd: str) -> str:
         return _run("ip", "netns", "exec", self.name, *cmd)
 
     def set_rate(self, mbit: float | None) -> None:
-        """Shape both directions to `mbit` megabits/s (None: remove the shaping)."""
+        """Shape both directions to `mbit` megabits/s (None: remove the shaping).
+
+        A new rate replaces the tbf in place (``tc qdisc replace``: one netlink call, no
+        window without shaping, no delete of a qdisc with packets queued). Only going
+        back to unshaped deletes the qdisc, and only once its queue is empty. Either
+        way the queues are drained first, so the last rate's traffic is not measured
+        under the next one. Raises EngineError naming the command that failed or hung.
+        """
         for dev, run in ((self.root_dev, _run), (self.ns_dev, self._ns)):
-            with contextlib.suppress(EngineError):
-                run("tc", "qdisc", "del", "dev", dev, "root")
+            shaped = "tbf" in run("tc", "qdisc", "show", "dev", dev)
+            if shaped:
+                self._drain(dev, run)
             if mbit is not None:
                 run(
-                    "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
                     "rate", f"{mbit:g}mbit", "burst", BURST, "latency", LATENCY,
                 )  # fmt: skip
+            elif shaped:
+                run("tc", "qdisc", "del", "dev", dev, "root")
         self.rate_mbit = mbit
+
+    def _drain(self, dev: str, run: Any) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        while True:
+            queued = backlog_bytes(run("tc", "-s", "qdisc", "show", "dev", dev))
+            if queued == 0:
+                return
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"{dev}: {queued} bytes still queued after {DRAIN_TIMEOUT:g} s at "
+                    f"{self.rate_mbit} Mbit/s: is a transfer still running?"
+                )
+            time.sleep(DRAIN_POLL)  # waiting on the kernel's queue, not on a test
 
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.name]
