@@ -54,7 +54,10 @@ from kvferry_wire import report as wire_report
 from .common import DEFAULT_OUT, Result, Target, engine_versions, pyplot, say, table
 
 TAIL_TOKENS = 16
-THRESHOLD = 32  # vLLM declines pulls below kv_recompute_threshold: keep it under the grid
+# The spec's recomputeThreshold for the tuner's sidecar (its live threshold, and what the
+# tuner keeps without measurements). P's engine-side kv_recompute_threshold is 0 as
+# rendered (kvferry_operator.policy), so the direct legs below pull at any N.
+THRESHOLD = 0
 
 
 # ----------------------------------------------------------------------------- engines
@@ -246,7 +249,8 @@ class RateResult:
     rate_mbit: float | None
     points: dict[int, tuple[float, float]]
     transfer_s_per_token: float
-    pull_fixed_s: float
+    pull_fixed_s: float  # the pull leg's intercept: request, tail and pull overhead
+    pull_overhead_s: float  # pull leg's intercept less the recompute leg's: the pull's own
     achieved_r: float
     measured_break_even: float | None
     tuner: int
@@ -298,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.breakeven", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--grid", default="64,128,256,512,1024,2048", help="history tokens N")
+    p.add_argument("--grid", default="8,16,32,64,128,256,512,1024,2048", help="history tokens N")
     p.add_argument("--ratios", default="3,1.5,0.7", help="target R values after the unshaped run")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--tuner-sizes", default="256,512,1024,2048")
@@ -353,6 +357,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     }
     print(result.header())
     results: list[RateResult] = []
+    failed: list[tuple[str, str]] = []
     with ThrottledLink("kvb-p") as link:
         say("starting P (namespace, core 0) and D (root, core 1) on a veth pair ...")
         pair = start_linked_pair(py, model, logs, link=link, server=server)
@@ -364,12 +369,20 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
             plan: list[tuple[str, float | None, float | None]] = [("unshaped veth", None, None)]
             c = bpt = None
             for i, (label, target_r, rate) in enumerate(plan):
-                link.set_rate(rate)
-                say(f"{label}: N in {grid} x {args.reps} ...")
-                samples = measure(pair, ids, grid, args.reps, rate)
+                try:
+                    link.set_rate(rate)
+                    say(f"{label}: N in {grid} x {args.reps} ...")
+                    samples = measure(pair, ids, grid, args.reps, rate)
+                except EngineError as e:
+                    if i == 0:
+                        raise
+                    # The rows measured so far stand; this one is reported as failed.
+                    say(f"{label}: failed: {e}")
+                    failed.append((label, str(e)))
+                    break
                 pts = medians(samples)
                 ns = sorted(pts)
-                c_here, _ = slope(ns, [pts[n][1] for n in ns])
+                c_here, rec_fixed = slope(ns, [pts[n][1] for n in ns])
                 t_here, fixed = slope(ns, [pts[n][0] for n in ns])
                 pulled = [s for s in samples if s.pulled_tokens]
                 if not pulled:
@@ -401,6 +414,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     points=pts,
                     transfer_s_per_token=t_transfer,
                     pull_fixed_s=fixed,
+                    pull_overhead_s=fixed - rec_fixed,
                     achieved_r=(c or c_here) / t_transfer,
                     measured_break_even=be,
                     tuner=rec.value,
@@ -423,6 +437,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 f"{r.achieved_r:.2f}",
                 f"{r.transfer_s_per_token * 1e3:.3f}",
                 f"{r.pull_fixed_s * 1e3:.0f}",
+                f"{r.pull_overhead_s * 1e3:.0f}",
                 "never" if r.measured_break_even is None else round(r.measured_break_even),
                 r.tuner,
                 "-" if err is None else f"{err:.0%}",
@@ -441,6 +456,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 "R achieved",
                 "pull ms/token",
                 "pull fixed ms",
+                "pull overhead ms",
                 "measured N*",
                 "tuner",
                 "tuner off by",
@@ -459,13 +475,16 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     result.results = {
         "recomputeSecondsPerToken": c,
         "bytesPerToken": bpt,
+        "failed": [{"link": label, "error": err} for label, err in failed],
         "rates": [
             asdict(r)
             | {"points": {str(k): v for k, v in r.points.items()}, "tunerError": r.tuner_error}
             for r in results
         ],
     }
-    result.targets = []
+    result.targets = [
+        Target(f"{label}: the row finished", None, ">=", 1, "", err) for label, err in failed
+    ]
     for r in results:
         if "no transfer or prefill measurements" in r.tuner_reason:
             result.targets.append(
@@ -480,6 +499,19 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     float(r.tuner),
                     ">=",
                     float(max(grid)),
+                    " tokens",
+                )
+            )
+        elif r.measured_break_even <= min(grid):
+            # Pull won at every N tried: N* is at most the smallest N, and 25 % of a bound
+            # is no figure. The tuner agrees when it pulls from there on too.
+            result.targets.append(
+                Target(
+                    f"{r.label}: tuner pulls from the smallest N tried (measured N* <= "
+                    f"{min(grid)})",
+                    float(r.tuner),
+                    "<=",
+                    float(min(grid)),
                     " tokens",
                 )
             )
