@@ -126,7 +126,9 @@ async def configure(
 
     def retry(namespace: str, name: str) -> bool:
         try:
-            return retry_apply(namespace, name, kube_for_retries, ours, logger, claims, _seen(memo))
+            return retry_apply(
+                namespace, name, kube_for_retries, ours, logger, claims, _seen(memo), memo.held
+            )
         finally:
             # What the retry achieved shows in status (observedGeneration, ApplyFailed)
             # without waiting for a watch event or the safety pass.
@@ -654,6 +656,7 @@ def retry_apply(
     logger: logging.Logger,
     claims: ownership.Claims | None = None,
     seen: Seen | None = None,
+    landed: Held | None = None,
 ) -> bool:
     """One retry of a server's apply, on its current object: True when done (all
     landed, the server is gone or being deleted, or retrying cannot help)."""
@@ -661,7 +664,7 @@ def retry_apply(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return True
     applied = apply_children(
-        body, kube, settings, logger, None, claims, kube.create_event, seen=seen
+        body, kube, settings, logger, None, claims, kube.create_event, seen=seen, landed=landed
     )
     return applied is not Applied.RETRY
 
@@ -1043,15 +1046,13 @@ SAFETY_BATCH = 100
 
 
 def _children_by_key(
-    kube: Kube, namespaces: list[str] | None, servers: Iterable[str] = ()
+    kube: Kube, namespaces: list[str] | None, servers: Iterable[str]
 ) -> dict[tuple[str, str, str], Any]:
-    """Every child the operator labels as its own, by (kind, namespace, name): of the
-    servers so named (in any namespace listed) when given. Without their status and
+    """Every child the operator labels as its own of the servers so named (in any
+    namespace listed), by (kind, namespace, name). Without their status and
     managedFields, which no drift check reads."""
-    selector = f"{api.LABEL_MANAGED_BY}={api.FIELD_MANAGER}"
-    names = sorted(set(servers))
-    if names:
-        selector += f",{api.LABEL_INSTANCE} in ({','.join(names)})"
+    names = ",".join(sorted(set(servers)))
+    selector = f"{api.LABEL_MANAGED_BY}={api.FIELD_MANAGER},{api.LABEL_INSTANCE} in ({names})"
     out: dict[tuple[str, str, str], Any] = {}
     for _group, _version, _plural, api_version, kind in CHILD_KINDS:
         for obj in kube.list_labelled(api_version, kind, selector, namespaces):
@@ -1221,7 +1222,15 @@ def _safety_check(
             done.applied += 1
             logger.info("safety pass: re-applying %s/%s", *key)
             applied = apply_children(
-                body, kube, settings, logger, None, claims, kube.create_event, _seen(memo)
+                body,
+                kube,
+                settings,
+                logger,
+                None,
+                claims,
+                kube.create_event,
+                _seen(memo),
+                landed=getattr(memo, "held", None),
             )
             retries: ApplyRetries | None = getattr(memo, "retries", None)
             if applied is Applied.RETRY and retries is not None:
@@ -1402,10 +1411,11 @@ def _on_child_event(kind: str):
             else:
                 print_ = held.fingerprint(body, owner, _scaled(owner, _seen(memo)))
         if print_ is None or seen is None or not seen.still(key, print_):
-            await _in_handler_thread(
-                memo, _check_child, kind, type, name, namespace, labels, body, owner, memo,
-                logger, statefulsets, print_,
+            decide = functools.partial(
+                _to_apply, kind, type, name, namespace, labels, body, owner, memo, logger,
+                statefulsets,
             )  # fmt: skip
+            await _in_handler_thread(memo, _check_child, decide, key, print_, owner, memo, logger)
         # Their status is the server's (StatefulSets), or written with it (RoleScalers).
         if kind in ("StatefulSet", api.SCALER_KIND):
             await _refresh_soon(owner, memo, statefulsets, pods, nodes)
@@ -1414,30 +1424,24 @@ def _on_child_event(kind: str):
 
 
 def _check_child(
-    kind: str,
-    type: str | None,
-    name: str,
-    namespace: str,
-    labels: kopf.Labels,
-    body: kopf.Body,
+    decide: Callable[[], tuple[bool, tuple[str, str] | None]],
+    key: held.Key,
+    print_: bytes | None,
     owner: dict[str, Any],
     memo: kopf.Memo,
     logger: logging.Logger,
-    statefulsets: kopf.Index,
-    print_: bytes | None,
 ) -> None:
-    """The child's event on a thread: re-apply it (or its server) when it no longer
-    holds our fields, else remember that it held at this fingerprint."""
-    apply, only = _to_apply(
-        kind, type, name, namespace, labels, body, owner, memo, logger, statefulsets
-    )
+    """The child's event on a thread: re-apply it (or its server) when ``decide``
+    (_to_apply) says it no longer holds our fields, else remember that it held at
+    this fingerprint."""
+    apply, only = decide()
     seen: Held | None = getattr(memo, "held", None)
     if apply:
         if seen is not None:
-            seen.forget((kind, namespace, name))
+            seen.forget(key)
         apply_or_retry(owner, memo, logger, only=only)
     elif seen is not None and print_ is not None:
-        seen.record((kind, namespace, name), print_)
+        seen.record(key, print_)
 
 
 async def _in_handler_thread(memo: kopf.Memo, fn: Callable[..., Any], *args: Any) -> Any:

@@ -3,7 +3,6 @@ anything that could change the answer is."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from kvferry_operator import api, handlers, held, render
 from kvferry_operator.held import Held
-from tests.unit.test_takeover import SETTINGS, Kube, tiny
+from tests.unit.test_takeover import SETTINGS, Kube, run_child, tiny
 
 LOG = logging.getLogger("test")
 
@@ -73,20 +72,19 @@ def test_a_status_update_keeps_the_fingerprint_and_our_fields_or_the_owner_do_no
 
 
 def run(kube: Kube, memo: kopf.Memo, o: dict[str, Any], body: dict[str, Any], type="MODIFIED"):
-    asyncio.run(
-        handlers._on_child_event("StatefulSet")(
-            type=type,
-            name=body["metadata"]["name"],
-            namespace="ns",
-            labels=body["metadata"]["labels"],
-            body=kopf.Body(body),
-            memo=memo,
-            logger=LOG,
-            servers={("ns", "tiny"): [o]},
-            statefulsets={},
-            pods={},
-            nodes={},
-        )
+    run_child(
+        handlers._on_child_event("StatefulSet"),
+        type=type,
+        name=body["metadata"]["name"],
+        namespace="ns",
+        labels=body["metadata"]["labels"],
+        body=kopf.Body(body),
+        memo=memo,
+        logger=LOG,
+        servers={("ns", "tiny"): [o]},
+        statefulsets={},
+        pods={},
+        nodes={},
     )
 
 
