@@ -17,6 +17,7 @@ from kvferry_dev.configs import BLOCK_SIZE
 from kvferry_dev.engines import Engine
 from kvferry_dev.figures import PrefillFigures
 from kvferry_dev.sidecars import SidecarProcess
+from tests.kube import wait_until
 
 TURNS = 5
 USER_WORDS = 330  # ~365 tokens a user message: above skipPrefillBelowTokens (256)
@@ -142,7 +143,23 @@ def second_turn(
     messages += [assistant(t1.reply), user_message(seed, 1)]
     t2 = send(sidecar, prefill, messages, session, **second)
     off = send(sidecar_off, prefill, messages, f"{session}-off", **second)
+    releases_settled(sidecar, sidecar_off)
     return t1, t2, off, messages
+
+
+def releases_settled(*sidecars: SidecarProcess, timeout: float = 60.0) -> None:
+    """Wait until no sidecar has a handle dropped unread that D still pins. Each such
+    handle is released ``releaseAfterSeconds`` later by a one-token request through P,
+    which P counts as a computed token: a turn measured while one is in flight would
+    see P compute one token more than its prompt."""
+
+    def settled() -> bool:
+        for sc in sidecars:
+            unused = sc.residency()["pinned"]["unusedHandles"]
+            assert unused == 0, f"{sc.name} still pins {unused} unused handle(s)"
+        return True
+
+    wait_until(settled, timeout, "the sidecars' unread handles to be released")
 
 
 def pinned_on_decode(decode: Engine) -> int:
