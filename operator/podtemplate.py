@@ -85,7 +85,15 @@ RETAIN_KEYS = {"volumes"}
 # forbidden() deleting or nulling the engine.
 ENGINE_CONTAINER = "engine"
 SIDECAR_CONTAINER = "kvferry-sidecar"
-KVFERRY_VOLUMES = ("dshm", "sidecar-config", "kvferry-token", "models", "hf-cache", "hf-token")
+KVFERRY_VOLUMES = (
+    "dshm",
+    "sidecar-config",
+    "kvferry-token",
+    "kvferry-journal",
+    "models",
+    "hf-cache",
+    "hf-token",
+)
 # Why an entry of forbidden() is refused whatever the settings: it removes what is
 # kvferry's, or is a strategic-merge directive the merge does not take.
 KVFERRY_OWN = "kvferry"

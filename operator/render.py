@@ -60,6 +60,14 @@ CONFIG_KEY_TOPOLOGY = "topology.json"
 CONFIG_KEY_OPERATOR_CA = "operator-ca.crt"
 CONFIG_MOUNT = "/etc/kvferry"
 TOKEN_MOUNT = "/var/run/secrets/kvferry"
+# The decode sidecar's pin journal (kvferry_sidecar.pinjournal): an emptyDir, so it
+# outlives a restart of the sidecar, not the pod (nor does D's KV). The journal keeps
+# itself under PIN_JOURNAL_MAX_BYTES; the limit leaves room for its rewrite's temp
+# file (a pod over an emptyDir's sizeLimit is evicted).
+JOURNAL_VOLUME = "kvferry-journal"
+JOURNAL_MOUNT = "/var/run/kvferry/journal"
+JOURNAL_FILE = f"{JOURNAL_MOUNT}/pins.jsonl"
+JOURNAL_SIZE_LIMIT = "128Mi"
 
 # The engine's Hugging Face cache volume (hub downloads), mounted at HF_CACHE_MOUNT.
 HF_CACHE_VOLUME = "hf-cache"
@@ -297,6 +305,11 @@ def build_sidecar_container(spec: ServerSpec, server: Server, role: Role, ctx: C
         "volumeMounts": [
             {"name": "sidecar-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "kvferry-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+            *(
+                [{"name": JOURNAL_VOLUME, "mountPath": JOURNAL_MOUNT}]
+                if role.name == api.ROLE_DECODE
+                else []
+            ),
         ],
         **build_sidecar_probes(),
     }
@@ -319,7 +332,7 @@ def build_hf_cache_volume(spec: ServerSpec) -> Obj:
     return {"name": HF_CACHE_VOLUME, "emptyDir": {}}
 
 
-def build_volumes(server: Server) -> list[Obj]:
+def build_volumes(server: Server, role: str) -> list[Obj]:
     spec = server.spec
     volumes: list[Obj] = [
         {
@@ -360,6 +373,8 @@ def build_volumes(server: Server) -> list[Obj]:
             "items": [{"key": spec.model.hub.token_secret_key, "path": HF_TOKEN_FILE}],
         }
         volumes.append({"name": HF_TOKEN_VOLUME, "secret": secret})
+    if role == api.ROLE_DECODE:
+        volumes.append({"name": JOURNAL_VOLUME, "emptyDir": {"sizeLimit": JOURNAL_SIZE_LIMIT}})
     return volumes
 
 
@@ -389,7 +404,7 @@ def build_pod_template(server: Server, role: Role, config_hash: str, ctx: Contex
         "terminationGracePeriodSeconds": drain_seconds(role) + DRAIN_MARGIN_SECONDS,
         "initContainers": [build_sidecar_container(spec, server, role, ctx)],
         "containers": [build_engine_container(server, role)],
-        "volumes": build_volumes(server),
+        "volumes": build_volumes(server, role.name),
     }
     if role.node_selector:
         pod["nodeSelector"] = dict(role.node_selector)
@@ -500,6 +515,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
             retention_seconds=live.retention_seconds,
             retention_ceiling_seconds=policy.retention_ceiling(server),
             local_handle_seconds=decode_lease_seconds(server),
+            pin_journal_path=JOURNAL_FILE,
             session_keys=tuple(spec.routing.session_keys),
             skip_prefill_below_tokens=live.skip_prefill_below_tokens,
             diagnostic_headers=spec.routing.diagnostic_headers,
@@ -523,6 +539,7 @@ DECODE_ONLY_SETTINGS = tuple(
     for name in (
         "retention_ceiling_seconds",
         "local_handle_seconds",
+        "pin_journal_path",
         "session_keys",
         "diagnostic_headers",
         "owner_header",

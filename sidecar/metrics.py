@@ -137,6 +137,12 @@ class Metrics:
         )
         for method in ("rider", "request", "failed", "unreleasable"):
             self.releases.labels(method)
+        self.pin_journal_errors = Counter(
+            "kvferry_pin_journal_errors",
+            "Pin journal reads and writes that failed (the turn went on; a restart may "
+            "then leave those handles pinned on D until its deadline).",
+            registry=r,
+        )
         self.report_pushes = Counter(
             "kvferry_report_pushes",
             "Residency report pushes to the operator, by result (ok, error).",
@@ -365,6 +371,17 @@ def report_families(r: rpt.Report) -> list:
             "kvferry_pinned_unused_blocks",
             "KV blocks pinned by handles no turn will read.",
             r.pinned.unused_blocks,
+        ),
+        _gauge(
+            "kvferry_pinned_orphaned_handles",
+            "Of the unused, handles an earlier process of this sidecar held (its pin "
+            "journal): being released, or pinned until D's deadline.",
+            r.pinned.orphaned_handles,
+        ),
+        _counter(
+            "kvferry_orphaned_handles_found",
+            "Handles an earlier process of this sidecar held that D still pinned at start.",
+            r.orphans.found,
         ),
         _gauge(
             "kvferry_pinned_oldest_age_seconds",

@@ -594,8 +594,9 @@ async def _relay_stream(
 def _build_handle(
     sc: Sidecar, turn: TurnInput, capture: rewrite.Capture
 ) -> tuple[KVHandle | None, str | None]:
-    """``plan.build_handle`` of D's answer, now, with this sidecar's settings."""
-    return plan.build_handle(
+    """``plan.build_handle`` of D's answer, now, with this sidecar's settings; noted
+    in the pin journal, kept or not (D pins it either way)."""
+    handle, why = plan.build_handle(
         turn,
         capture,
         now=sc.store.now(),
@@ -605,6 +606,9 @@ def _build_handle(
         retention_s=sc.settings.retention_ceiling,
         local_lease_s=sc.settings.local_handle_seconds,
     )
+    if handle is not None:
+        sc.note_pinned(handle)
+    return handle, why
 
 
 def _release_capture(sc: Sidecar, turn: TurnInput, capture: rewrite.Capture | None) -> None:

@@ -181,6 +181,11 @@ class Ledger:
             oldest_age_seconds=max((now - e.created_at for e in live), default=0.0),
         )
 
+    def figures_of(self, keys: set[str], now: float) -> LedgerFigures:
+        """The figures of the live entries among ``keys`` (the ages left out)."""
+        live = [e for k, e in self._entries.items() if k in keys and e.deadline > now]
+        return LedgerFigures(handles=len(live), blocks=sum(e.blocks for e in live))
+
     def by_reason(self, now: float) -> dict[str, int]:
         out: dict[str, int] = {}
         for e in self._entries.values():
@@ -209,8 +214,11 @@ class Releaser:
         after_s: float,
         concurrency: int = RELEASE_CONCURRENCY,
         ledger_cap: int = LEDGER_CAP,
+        on_freed: Callable[[KVHandle], None] | None = None,
     ) -> None:
         self._send = send
+        # D freed the handle (read or released): the pin journal's ``gone``.
+        self._on_freed = on_freed or (lambda _handle: None)
         self._clock = clock
         self._expired = expired
         self._count = count  # one release method (RELEASE_*) happened
@@ -293,6 +301,7 @@ class Releaser:
         request broke off and nobody knows (pinned until D's deadline)."""
         if freed:
             self.ledger.remove(handle)
+            self._on_freed(handle)
             self._count(RELEASE_RIDER)
         else:
             self.pin_until_expiry(handle, PINNED_PULL_FAILED)
@@ -303,6 +312,7 @@ class Releaser:
         if taken is None:
             return
         if prefill.handle_freed:
+            self._on_freed(taken)
             if prefill.outcome is not Outcome.REUSED:
                 self._count(RELEASE_RIDER)
             return
@@ -328,6 +338,7 @@ class Releaser:
     def _settled(self, handle: KVHandle, failure: str | None) -> None:
         if failure is None:
             self.ledger.remove(handle)
+            self._on_freed(handle)
             self._count(RELEASE_REQUEST)
             return
         self._pin(handle, failure)

@@ -39,6 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
@@ -83,6 +85,8 @@ class PinnedFigures:
     block_size: int | None = None
     unused_handles: int = 0  # of the above, pinned although no turn will read them
     unused_blocks: int = 0
+    orphaned_handles: int = 0  # of the unused, an earlier process's (pinjournal.py)
+    orphaned_blocks: int = 0
 
 
 def turn_bucket(index: int) -> str:
@@ -136,6 +140,8 @@ class Residency:
         # Handles let go unread, by reason (owners.EVICT_*, handles.EVICT_*: the fields
         # of report.Evictions).
         self.evictions: dict[str, int] = dict.fromkeys(rpt.Evictions.__struct_fields__, 0)
+        # What an earlier process of the sidecar left pinned (pinjournal.py).
+        self.orphans = rpt.Orphans()
         self.by_turn: dict[str, rpt.TurnBucket] = {}
         self.gaps = rpt.Histogram.empty(rpt.GAP_BOUNDS)
         self.ttft_reused = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
@@ -300,9 +306,12 @@ class Residency:
                 oldest_age_seconds=pinned.oldest_age_seconds,
                 unused_handles=pinned.unused_handles,
                 unused_blocks=pinned.unused_blocks,
+                orphaned_handles=pinned.orphaned_handles,
+                orphaned_blocks=pinned.orphaned_blocks,
             ),
             releases=rpt.Releases(**self.releases),
             evictions=rpt.Evictions(**self.evictions),
+            orphans=msgspec.structs.replace(self.orphans),
             transfer=transfer,
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,

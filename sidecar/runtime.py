@@ -17,6 +17,7 @@ import logging
 import socket
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -31,9 +32,10 @@ from .config import ROLE_DECODE, Settings
 from .drain import Drainer
 from .drain import Result as DrainResult
 from .handles import Clock, HandleStore
-from .identity import plain_text
+from .identity import KVIdentity, plain_text
 from .kvsubscriber import Subscriber
 from .metrics import Metrics
+from .pinjournal import Pin, PinJournal
 from .policy import InForce, LivePolicy
 from .push import Pusher
 from .release import (
@@ -41,10 +43,20 @@ from .release import (
     PINNED_NO_PREFILL,
     PINNED_RELEASE_FAILED,
     Releaser,
+    ledger_key,
     release_body,
 )
 from .residency import Identity, PinnedFigures, Residency
-from .types import PATH_COMPLETIONS, PATH_METRICS, HandleFate, KVHandle, TurnInput, TurnReport
+from .types import (
+    K_REMOTE_REQUEST_ID,
+    PATH_COMPLETIONS,
+    PATH_METRICS,
+    HandleFate,
+    KVHandle,
+    TurnInput,
+    TurnReport,
+    token_array,
+)
 from .upstream import EngineClient, LocalEngine, PrefillPool, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -56,6 +68,8 @@ DEFAULT_BLOCK_TOKENS = 16
 # A ceiling within the expiry margin leaves no time to hold a handle; the policy still
 # needs a positive one (the store's expiry rules then let every handle go at once).
 MIN_POLICY_CEILING_S = 1.0
+# The session tag of a handle an earlier process held (it belongs to no session now).
+ORPHAN_SESSION = "orphan"
 
 
 class Sidecar:
@@ -117,6 +131,15 @@ class Sidecar:
         self._released_on_drain = False
         # The engine's /metrics text of the last good scrape ("" after a failed one).
         self.engine_metrics_text = ""
+        # What D pins for this sidecar, on the pod's emptyDir (decode only: a prefill
+        # sidecar holds no handle), and the keys of what an earlier process left.
+        journal = settings.pin_journal_path if self.is_decode else None
+        self.journal = (
+            PinJournal(Path(journal), on_error=self.metrics.pin_journal_errors.inc)
+            if journal
+            else None
+        )
+        self._orphans: set[str] = set()
         # Handles pinned on D that no turn will read, and how they are let go.
         self.releaser = Releaser(
             send=self._send_release,
@@ -127,6 +150,7 @@ class Sidecar:
             count=self._count_release,
             retention_s=settings.retention_ceiling,
             after_s=settings.release_after_seconds,
+            on_freed=self._freed,
         )
         # RDMA devices come and go only with the pod; re-read on every probe anyway
         # (cheap: a few sysfs files) so a late device plugin shows.
@@ -194,6 +218,80 @@ class Sidecar:
         # Released through the drop hook (fate evicted); counted here by its cap.
         self.residency.on_eviction(reason)
 
+    # ------------------------------------------------------------ the pin journal
+
+    def note_pinned(self, handle: KVHandle) -> None:
+        """D returned ``handle``: it pins the blocks until read, released or its
+        deadline. Noted in the journal so that a restarted sidecar can release it."""
+        if self.journal is None or not handle.params.get(K_REMOTE_REQUEST_ID):
+            return  # no journal, or nothing a release request could name
+        wall, now = time.time(), self.store.now()
+        left = (
+            handle.expires_at - now
+            if handle.expires_at is not None
+            else self.settings.retention_ceiling
+        )
+        self.journal.pinned(
+            Pin(
+                key=ledger_key(handle),
+                blocks=handle.blocks,
+                deadline=wall + left,
+                params=dict(handle.params),
+                token=int(handle.token_ids[0]) if len(handle.token_ids) else 0,
+                model=handle.identity.model,
+                engine=self._engine_started_at(),
+            )
+        )
+
+    def _freed(self, handle: KVHandle) -> None:
+        key = ledger_key(handle)
+        if self.journal is not None:
+            self.journal.gone(key)
+        if key in self._orphans:
+            self._orphans.discard(key)
+            self.residency.orphans.released += 1
+
+    def _engine_started_at(self) -> float | None:
+        local = getattr(self, "local", None)  # None until start()
+        return local.info.started_at if local is not None else None
+
+    def recover_orphans(self) -> int:
+        """Release what an earlier process of this sidecar left pinned on D (its
+        journal's live pins); returns how many. Each goes as any handle dropped
+        unread (release.py), counted apart until D freed it."""
+        if self.journal is None:
+            return 0
+        found = self.journal.recover(self._engine_started_at())
+        wall, now = time.time(), self.store.now()
+        for pin in found.orphans:
+            handle = KVHandle(
+                session=ORPHAN_SESSION,
+                params=pin.params,
+                token_ids=token_array([pin.token]),
+                num_tokens=1,
+                engine_build=self.settings.engine_build,
+                created_at=now,
+                expires_at=now + (pin.deadline - wall),
+                identity=KVIdentity(model=pin.model),
+            )
+            self._orphans.add(pin.key)
+            self.releaser.release(handle)
+        orphans = self.residency.orphans
+        orphans.found += len(found.orphans)
+        orphans.found_blocks += sum(p.blocks for p in found.orphans)
+        orphans.void += found.void
+        if found.orphans or found.void or found.bad_lines:
+            log.warning(
+                "pin journal read back: releasing what an earlier process held "
+                "orphans=%s blocks=%s void=%s expired=%s bad_lines=%s",
+                len(found.orphans),
+                orphans.found_blocks,
+                found.void,
+                found.expired,
+                found.bad_lines,
+            )
+        return len(found.orphans)
+
     def owner_caps(self) -> owners.Caps:
         """One owner's caps as of now: unset ones follow D's KV size, read from the
         engine (known once it is ready)."""
@@ -211,6 +309,7 @@ class Sidecar:
         handles = self.store.values()
         local = getattr(self, "local", None)
         unused = self.releaser.figures()
+        orphaned = self.releaser.ledger.figures_of(self._orphans, self.store.now())
         return PinnedFigures(
             handles=len(handles) + unused.handles,
             blocks=sum(h.blocks for h in handles) + unused.blocks,
@@ -218,6 +317,8 @@ class Sidecar:
             block_size=local.block_size if local is not None else self.settings.block_size,
             unused_handles=unused.handles,
             unused_blocks=unused.blocks,
+            orphaned_handles=orphaned.handles,
+            orphaned_blocks=orphaned.blocks,
         )
 
     # ------------------------------------------------------------ releasing handles
@@ -324,6 +425,8 @@ class Sidecar:
         self.pool.update(s.prefill_engines)
         await self.probe()
         await self.scrape_engine()
+        # After the first probe and scrape: P's readiness and D's start time known.
+        self.recover_orphans()
 
     # ------------------------------------------------------------ stopping
 
@@ -380,11 +483,16 @@ class Sidecar:
             # deadline (best effort, bounded: a pod's grace period is short).
             await self.releaser.release_all(self.store.values(), SHUTDOWN_RELEASE_SECONDS)
         await self.releaser.cancel()
+        if self.journal is not None:
+            self.journal.close()
         await self.http.close()
 
     def engine_restarted(self) -> None:
         """The local engine is a new one: its pinned blocks and its cache are gone."""
         cleared = self.store.clear()
+        if self.journal is not None:
+            self.journal.clear()  # what the old engine pinned went with it
+        self._orphans.clear()
         self._engine_figures = None  # its KV usage was the old engine's
         log.warning("engine restarted; handles cleared count=%s", cleared)
         if self.drainer.reset():

@@ -19,6 +19,9 @@ REPORT_VERSION history:
       Later in 2, with defaults: ``evictions.pressure``, ``preemption``, ``usefulness``,
       ``retention`` and ``lease`` (the sidecar's retention policy letting handles go);
       an older report reads as none of those, as above.
+      Later in 2, with defaults: ``pinned.orphanedHandles``/``orphanedBlocks`` and
+      ``orphans`` (handles an earlier process of the sidecar held, found in its pin
+      journal at start); an older report reads as none, as above.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -194,6 +197,20 @@ class Pinned(msgspec.Struct, rename="camel"):
     oldest_age_seconds: float = 0.0
     unused_handles: int = 0
     unused_blocks: int = 0
+    # Of the unused, those an earlier process of this sidecar held (its pin journal):
+    # being released, or pinned until D's deadline when they cannot be.
+    orphaned_handles: int = 0
+    orphaned_blocks: int = 0
+
+
+class Orphans(msgspec.Struct, rename="camel"):
+    """Handles an earlier process of this sidecar held that D still pinned when this
+    one started (its pin journal, cumulative since it started)."""
+
+    found: int = 0
+    found_blocks: int = 0
+    released: int = 0  # D freed them on this sidecar's release
+    void: int = 0  # noted for another D (that engine restarted since): nothing to free
 
 
 class Releases(msgspec.Struct, rename="camel"):
@@ -276,6 +293,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
     pinned: Pinned = msgspec.field(default_factory=Pinned)
     releases: Releases = msgspec.field(default_factory=Releases)
     evictions: Evictions = msgspec.field(default_factory=Evictions)
+    orphans: Orphans = msgspec.field(default_factory=Orphans)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)

@@ -111,6 +111,11 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # sends anyway (free) before a release request of its own (costs P one block for
     # its KV lease). D pins it meanwhile.
     release_after_seconds: float = 2.0
+    # The pin journal (kvferry_sidecar.pinjournal): the file, on the pod's emptyDir,
+    # where a decode sidecar notes what D pins for it, so that after a restart it
+    # releases what it held. None = none (a run by hand: a restarted sidecar leaves
+    # what it held pinned on D until the ceiling).
+    pin_journal_path: str | None = None
     # KV block size in tokens; None = read vllm:cache_config_info from the engine.
     # Without it only handles the prompt fully extends are used (no partial prefix).
     block_size: int | None = None

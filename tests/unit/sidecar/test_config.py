@@ -262,7 +262,7 @@ KEPT_FIELDS = (
     "decode_sidecars", "ordinal", "model", "engine_build", "bidirectional",
     "diagnostic_headers", "session_keys", "skip_prefill_below_tokens", "recompute_threshold",
     "retention_seconds", "retention_ceiling_seconds", "local_handle_seconds", "handle_store_cap",
-    "release_after_seconds",
+    "release_after_seconds", "pin_journal_path",
     "block_size", "streaming_handles", "tag_session_id", "probe_interval_seconds",
     "connect_timeout_seconds", "prefill_timeout_seconds", "decode_timeout_seconds",
     "stream_idle_timeout_seconds", "drain_seconds", "server", "pod_name", "namespace",
