@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvferry_operator.render import build_sidecar_settings
+from kvferry_operator.render import JOURNAL_FILE, build_sidecar_settings
 from kvferry_sidecar.promtext import Scrape
 
 from .client import HttpServer
@@ -160,10 +160,19 @@ class SidecarProcess(HttpServer):
     def log_path(self) -> Path:
         return self.log_dir / f"{self.name}.log"
 
+    @property
+    def journal_path(self) -> Path:
+        """The pin journal: the pod's emptyDir path becomes a file of this sidecar's
+        (by name: a sidecar started again under its name reads what it left)."""
+        return self.log_dir / f"{self.name}.pins.jsonl"
+
     def argv(self) -> list[str]:
         settings_path = self.log_dir / f"{self.name}.sidecar.json"
         topology_path = self.log_dir / f"{self.name}.topology.json"
-        settings_path.write_text(json.dumps(self.settings, indent=2) + "\n")
+        settings = dict(self.settings)
+        if settings.get("pinJournalPath") == JOURNAL_FILE:
+            settings["pinJournalPath"] = str(self.journal_path)
+        settings_path.write_text(json.dumps(settings, indent=2) + "\n")
         topology_path.write_text(json.dumps(self.topology, indent=2) + "\n")
         return sidecar_argv(settings_path, topology=topology_path)
 

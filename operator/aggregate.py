@@ -36,6 +36,7 @@ from kvferry_wire.report import (
     TRANSPORT_UNKNOWN,
     Evictions,
     Histogram,
+    Orphans,
     Releases,
     Report,
     TurnBucket,
@@ -244,6 +245,7 @@ def _aggregate(
             "sessionsHeld": r.report.kv_events.sessions_held,
             "pinnedHandles": r.report.pinned.handles,
             "unusedPinnedHandles": r.report.pinned.unused_handles,
+            "orphanedPinnedHandles": r.report.pinned.orphaned_handles,
             "pinnedBlocks": r.report.pinned.blocks,
             "pinnedBytes": r.report.pinned.bytes,
             "oldestPinnedSeconds": round(r.report.pinned.oldest_age_seconds, 1),
@@ -401,6 +403,14 @@ def _aggregate(
             # impossible), and how handles dropped unread were let go.
             "unusedPinnedHandles": sum(r.pinned.unused_handles for r in fresh),
             "unusedPinnedBlocks": sum(r.pinned.unused_blocks for r in fresh),
+            # Of those, what a decode sidecar's earlier process held (its pin journal),
+            # and what the sidecars found and released after a restart (cumulative).
+            "orphanedPinnedHandles": sum(r.pinned.orphaned_handles for r in fresh),
+            "orphanedPinnedBlocks": sum(r.pinned.orphaned_blocks for r in fresh),
+            "orphans": {
+                field.encode_name: sum(getattr(r.orphans, field.name) for r in fresh)
+                for field in msgspec.structs.fields(Orphans)
+            },
             "releases": {
                 name: sum(getattr(r.releases, name) for r in fresh)
                 for name in Releases.__struct_fields__

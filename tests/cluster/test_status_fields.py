@@ -99,7 +99,17 @@ def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
         rep.ttft_reused.observe(0.3)
     for _ in range(11):
         rep.ttft_recomputed.observe(2.0)
-    rep.pinned = wire.Pinned(handles=3, blocks=30, bytes=3_000_000, oldest_age_seconds=12.5)
+    rep.pinned = wire.Pinned(
+        handles=3,
+        blocks=30,
+        bytes=3_000_000,
+        oldest_age_seconds=12.5,
+        unused_handles=2,
+        unused_blocks=20,
+        orphaned_handles=1,
+        orphaned_blocks=10,
+    )
+    rep.orphans = wire.Orphans(found=2, found_blocks=20, released=1, void=1)
     rep.evictions = wire.Evictions(
         store_cap=1,
         owner_handles=2,

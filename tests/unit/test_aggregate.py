@@ -160,6 +160,22 @@ def test_unused_pinned_handles_and_releases_are_summed():
     assert [p["unusedPinnedHandles"] for p in agg.status["pods"]] == [1, 0]
 
 
+def test_orphaned_handles_are_summed():
+    """What a restarted decode sidecar found of its predecessor's, released or not."""
+    a = rep("a", pinned=wire.Pinned(handles=2, unused_handles=2, orphaned_handles=1))
+    a.pinned.orphaned_blocks = 7
+    a.orphans = wire.Orphans(found=3, found_blocks=21, released=2, void=1)
+    b = rep("b", pinned=wire.Pinned(orphaned_handles=2, orphaned_blocks=4))
+    b.orphans = wire.Orphans(found=2, found_blocks=4)
+    agg = aggregate.aggregate(
+        SERVER, [reports.Received(a, NOW), reports.Received(b, NOW)], NOW, 480
+    )
+    retention = agg.status["retention"]
+    assert (retention["orphanedPinnedHandles"], retention["orphanedPinnedBlocks"]) == (3, 11)
+    assert retention["orphans"] == {"found": 5, "foundBlocks": 25, "released": 2, "void": 1}
+    assert [p["orphanedPinnedHandles"] for p in agg.status["pods"]] == [1, 2]
+
+
 def test_evictions_by_cap_are_summed_over_pods():
     """Handles a cap evicted, by the cap: a store too small and one owner crowding out
     the others call for different fixes."""
