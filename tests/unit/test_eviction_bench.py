@@ -168,3 +168,25 @@ def test_main_names_a_bad_trace(tmp_path: Path, capsys) -> None:
     path.write_text('{"session": "a"}\n')
     assert ev.main(["--trace", str(path), "--out", str(tmp_path)]) == 2
     assert "bad.jsonl:1: field 't' is missing" in capsys.readouterr().err
+
+
+def test_the_model_check_compares_the_saving_and_names_each_length() -> None:
+    """bench/eviction_model.py's verdict: the model's N x (recompute - pull) against the
+    measured computed leg less the pulling leg, within 20 % at each N."""
+    from bench import eviction_model as em
+
+    per_token = ev.RECOMPUTE_S_PER_TOKEN - ev.PULL_S_PER_TOKEN
+    exact = em.Row(
+        tokens=1000, computed_s=0.1 + 1000 * per_token, pulling_s=0.1, tail_s=0.05, samples=3
+    )
+    assert exact.model_error == pytest.approx(0.0, abs=1e-9)
+    assert exact.recompute_per_token == pytest.approx((exact.computed_s - 0.05) / 1000)
+    off = em.Row(
+        tokens=1000, computed_s=0.1 + 1.3 * 1000 * per_token, pulling_s=0.1, tail_s=0.05, samples=3
+    )
+    assert off.model_error == pytest.approx(1 - 1 / 1.3)
+    none_saved = em.Row(tokens=1000, computed_s=0.1, pulling_s=0.2, tail_s=0.05, samples=3)
+    assert none_saved.model_error == 1.0
+    verdicts = [(t.name, t.met) for t in em.targets([exact, off, none_saved])]
+    assert [met for _, met in verdicts] == [True, False, False]
+    assert all("N=1000" in name for name, _ in verdicts)
