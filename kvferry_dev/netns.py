@@ -39,6 +39,8 @@ LATENCY = "400ms"
 # seen not to return, and a hung call must fail the run with its command, not stall it.
 COMMAND_TIMEOUT = 30.0
 # How long set_rate waits for the shaped queues to empty before it changes the rate.
+# The rate a queue is opened to before the shaping is removed: far above any shaped.
+OPEN_MBIT = 1000.0
 DRAIN_TIMEOUT = 20.0
 DRAIN_POLL = 0.2
 
@@ -111,23 +113,33 @@ class ThrottledLink:
         """Shape both directions to `mbit` megabits/s (None: remove the shaping).
 
         A new rate replaces the tbf in place (``tc qdisc replace``: one netlink call, no
-        window without shaping, no delete of a qdisc with packets queued). Only going
-        back to unshaped deletes the qdisc, and only once its queue is empty. Either
-        way the queues are drained first, so the last rate's traffic is not measured
-        under the next one. Raises EngineError naming the command that failed or hung.
+        window without shaping, no delete of a qdisc with packets queued), once the
+        queue drained, so the last rate's traffic is not measured under the next one.
+        Going back to unshaped first opens the rate (``OPEN_MBIT``: what is still
+        queued, or still being sent, goes at once), then deletes the qdisc once its
+        queue is empty. Raises EngineError naming the command that failed or hung.
         """
         for dev, run in ((self.root_dev, _run), (self.ns_dev, self._ns)):
             shaped = "tbf" in run("tc", "qdisc", "show", "dev", dev)
-            if shaped:
-                self._drain(dev, run)
             if mbit is not None:
-                run(
-                    "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                    "rate", f"{mbit:g}mbit", "burst", BURST, "latency", LATENCY,
-                )  # fmt: skip
+                if shaped:
+                    self._drain(dev, run)
+                self._tbf(dev, run, mbit)
             elif shaped:
+                # Unshaping may come while a transfer still runs (a pull given up half
+                # way, which goes on at the shaped rate): open the rate first, so the
+                # queue drains at once, then delete the empty qdisc.
+                self._tbf(dev, run, OPEN_MBIT)
+                self._drain(dev, run)
                 run("tc", "qdisc", "del", "dev", dev, "root")
         self.rate_mbit = mbit
+
+    @staticmethod
+    def _tbf(dev: str, run: Any, mbit: float) -> None:
+        run(
+            "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+            "rate", f"{mbit:g}mbit", "burst", BURST, "latency", LATENCY,
+        )  # fmt: skip
 
     def _drain(self, dev: str, run: Any) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT

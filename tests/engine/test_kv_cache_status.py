@@ -373,17 +373,22 @@ def test_preemptions_on_decode_lower_the_recommendation(
         assert errors == []
         assert decode.metrics().total("vllm:num_preemptions") > 0, "no preemption on decode"
 
+        def preempted(reason: str) -> bool:
+            pressure = re.search(r"preemptions \+(\d+)", reason)
+            return pressure is not None and int(pressure.group(1)) > 0
+
+        # The KV usage (past 90 %) often lowers it a pass before the preemptions' report
+        # lands: the reason names them from the next pass on (they stay in the window).
         lowered = wait_until(
             lambda: (
                 (r := kubectl.get("dserver", SERVER, ns)["status"]["retention"])["recommended"]
                 < before
+                and preempted(r["reason"])
                 and r
             ),
             60,
-            f"a recommendation below {before}s",
+            f"a recommendation below {before}s that names decode's preemptions",
         )
-        pressure = re.search(r"preemptions \+(\d+)", lowered["reason"])
-        assert pressure and int(pressure.group(1)) > 0, lowered["reason"]
         kvcs = kubectl.get("kvcachestatus", SERVER, ns)["status"]
         assert kvcs["retention"]["decodePreemptionsRecent"] > 0
         print(

@@ -69,11 +69,16 @@ def test_an_unshaped_device_is_shaped_without_a_delete(monkeypatch, link):
     assert fake.verbs() == [("replace", link.root_dev), ("replace", link.ns_dev)]
 
 
-def test_unshaping_deletes_only_a_drained_qdisc(monkeypatch, link):
-    fake = FakeTc({link.root_dev: [TBF_BUSY, TBF_IDLE], link.ns_dev: [UNSHAPED]})
+def test_unshaping_opens_the_rate_then_deletes_only_a_drained_qdisc(monkeypatch, link):
+    """A pull given up half way still sends at the shaped rate: waiting for its queue to
+    drain at that rate timed out (the engine tier's slow-link test); the rate is opened
+    first, so it drains at once, and only the empty qdisc is deleted."""
+    fake = FakeTc({link.root_dev: [TBF_BUSY, TBF_BUSY, TBF_IDLE], link.ns_dev: [UNSHAPED]})
     monkeypatch.setattr(netns, "_run", fake)
     link.set_rate(None)
-    assert fake.verbs() == [("del", link.root_dev)]
+    assert fake.verbs() == [("replace", link.root_dev), ("del", link.root_dev)]
+    opened = next(c for c in fake.calls if "replace" in c)
+    assert f"{netns.OPEN_MBIT:g}mbit" in opened
 
 
 def test_a_queue_that_never_drains_fails_with_the_device_and_what_is_queued(monkeypatch, link):
