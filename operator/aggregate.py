@@ -407,6 +407,9 @@ def _aggregate(
             # and what the sidecars found and released after a restart (cumulative).
             "orphanedPinnedHandles": sum(r.pinned.orphaned_handles for r in fresh),
             "orphanedPinnedBlocks": sum(r.pinned.orphaned_blocks for r in fresh),
+            # Of the unused, what no release can free: pinned to D's deadline, the
+            # ceiling (what a higher maxRetentionSeconds makes costlier).
+            "unreleasablePinnedHandles": sum(r.pinned.unreleasable_handles for r in fresh),
             "orphans": {
                 field.encode_name: sum(getattr(r.orphans, field.name) for r in fresh)
                 for field in msgspec.structs.fields(Orphans)

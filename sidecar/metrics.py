@@ -378,6 +378,12 @@ def report_families(r: rpt.Report) -> list:
             "journal): being released, or pinned until D's deadline.",
             r.pinned.orphaned_handles,
         ),
+        _gauge(
+            "kvferry_pinned_unreleasable_handles",
+            "Of the unused, handles no release can free (no prefill engine, a failed "
+            "release or pull): pinned until D's deadline (the ceiling).",
+            r.pinned.unreleasable_handles,
+        ),
         _counter(
             "kvferry_orphaned_handles_found",
             "Handles an earlier process of this sidecar held that D still pinned at start.",

@@ -87,6 +87,7 @@ class PinnedFigures:
     unused_blocks: int = 0
     orphaned_handles: int = 0  # of the unused, an earlier process's (pinjournal.py)
     orphaned_blocks: int = 0
+    unreleasable_handles: int = 0  # of the unused, pinned until D's deadline
 
 
 def turn_bucket(index: int) -> str:
@@ -308,6 +309,7 @@ class Residency:
                 unused_blocks=pinned.unused_blocks,
                 orphaned_handles=pinned.orphaned_handles,
                 orphaned_blocks=pinned.orphaned_blocks,
+                unreleasable_handles=pinned.unreleasable_handles,
             ),
             releases=rpt.Releases(**self.releases),
             evictions=rpt.Evictions(**self.evictions),

@@ -41,6 +41,7 @@ from .push import Pusher
 from .release import (
     PINNED_EXPIRING,
     PINNED_NO_PREFILL,
+    PINNED_PULL_FAILED,
     PINNED_RELEASE_FAILED,
     Releaser,
     ledger_key,
@@ -68,6 +69,9 @@ DEFAULT_BLOCK_TOKENS = 16
 # A ceiling within the expiry margin leaves no time to hold a handle; the policy still
 # needs a positive one (the store's expiry rules then let every handle go at once).
 MIN_POLICY_CEILING_S = 1.0
+# Why a handle stays pinned on D to its deadline although no turn will read it (the
+# ledger's reasons less releasing and expiring): what a higher ceiling makes costlier.
+UNRELEASABLE = (PINNED_NO_PREFILL, PINNED_RELEASE_FAILED, PINNED_PULL_FAILED)
 # The session tag of a handle an earlier process held (it belongs to no session now).
 ORPHAN_SESSION = "orphan"
 
@@ -309,7 +313,9 @@ class Sidecar:
         handles = self.store.values()
         local = getattr(self, "local", None)
         unused = self.releaser.figures()
-        orphaned = self.releaser.ledger.figures_of(self._orphans, self.store.now())
+        now = self.store.now()
+        orphaned = self.releaser.ledger.figures_of(self._orphans, now)
+        reasons = self.releaser.ledger.by_reason(now)
         return PinnedFigures(
             handles=len(handles) + unused.handles,
             blocks=sum(h.blocks for h in handles) + unused.blocks,
@@ -319,6 +325,7 @@ class Sidecar:
             unused_blocks=unused.blocks,
             orphaned_handles=orphaned.handles,
             orphaned_blocks=orphaned.blocks,
+            unreleasable_handles=sum(reasons.get(r, 0) for r in UNRELEASABLE),
         )
 
     # ------------------------------------------------------------ releasing handles

@@ -22,6 +22,8 @@ REPORT_VERSION history:
       Later in 2, with defaults: ``pinned.orphanedHandles``/``orphanedBlocks`` and
       ``orphans`` (handles an earlier process of the sidecar held, found in its pin
       journal at start); an older report reads as none, as above.
+      Later in 2, with a default: ``pinned.unreleasableHandles``; an older report reads
+      as none.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -201,6 +203,9 @@ class Pinned(msgspec.Struct, rename="camel"):
     # being released, or pinned until D's deadline when they cannot be.
     orphaned_handles: int = 0
     orphaned_blocks: int = 0
+    # Of the unused, those no release can free (no prefill engine, a failed release
+    # request, a pull that broke off): D frees them at its deadline, the ceiling.
+    unreleasable_handles: int = 0
 
 
 class Orphans(msgspec.Struct, rename="camel"):

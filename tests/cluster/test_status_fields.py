@@ -108,6 +108,7 @@ def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
         unused_blocks=20,
         orphaned_handles=1,
         orphaned_blocks=10,
+        unreleasable_handles=1,
     )
     rep.orphans = wire.Orphans(found=2, found_blocks=20, released=1, void=1)
     rep.evictions = wire.Evictions(

@@ -164,6 +164,7 @@ def test_orphaned_handles_are_summed():
     """What a restarted decode sidecar found of its predecessor's, released or not."""
     a = rep("a", pinned=wire.Pinned(handles=2, unused_handles=2, orphaned_handles=1))
     a.pinned.orphaned_blocks = 7
+    a.pinned.unreleasable_handles = 1
     a.orphans = wire.Orphans(found=3, found_blocks=21, released=2, void=1)
     b = rep("b", pinned=wire.Pinned(orphaned_handles=2, orphaned_blocks=4))
     b.orphans = wire.Orphans(found=2, found_blocks=4)
@@ -172,6 +173,7 @@ def test_orphaned_handles_are_summed():
     )
     retention = agg.status["retention"]
     assert (retention["orphanedPinnedHandles"], retention["orphanedPinnedBlocks"]) == (3, 11)
+    assert retention["unreleasablePinnedHandles"] == 1
     assert retention["orphans"] == {"found": 5, "foundBlocks": 25, "released": 2, "void": 1}
     assert [p["orphanedPinnedHandles"] for p in agg.status["pods"]] == [1, 2]
 

@@ -96,3 +96,23 @@ async def test_what_a_restarted_d_freed_is_not_released(
     rep = await residency(second)
     assert (rep.orphans.found, rep.orphans.void, rep.pinned.orphaned_handles) == (0, 1, 0)
     assert len(released_params(engines)) == before
+
+
+async def test_an_orphan_no_prefill_engine_can_release_counts_as_unreleasable(
+    make_sidecar: MakeSidecar, engines: Engines, tmp_path: Path
+) -> None:
+    """No P to release it through: pinned until D's deadline, and said so."""
+    path = tmp_path / "pins.jsonl"
+    first = await make_sidecar(pin_journal_path=str(path))
+    await Conversation(first, session_id="s").ask(LONG_QUESTION)
+    left = path.read_bytes()
+    await first.close()
+    path.write_bytes(left)
+    second = await make_sidecar(pin_journal_path=str(path), prefill_engines=())
+    await releases_done(second)
+    rep = await residency(second)
+    assert rep.orphans.found == 1 and rep.orphans.released == 0
+    assert (rep.pinned.orphaned_handles, rep.pinned.unreleasable_handles) == (1, 1)
+    assert rep.releases.unreleasable == 1
+    metrics = (await (await second.get("/metrics")).text()).splitlines()
+    assert "kvferry_pinned_unreleasable_handles 1.0" in metrics
