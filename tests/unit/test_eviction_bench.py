@@ -187,6 +187,15 @@ def test_the_model_check_compares_the_saving_and_names_each_length() -> None:
     assert off.model_error == pytest.approx(1 - 1 / 1.3)
     none_saved = em.Row(tokens=1000, computed_s=0.1, pulling_s=0.2, tail_s=0.05, samples=3)
     assert none_saved.model_error == 1.0
-    verdicts = [(t.name, t.met) for t in em.targets([exact, off, none_saved])]
+    verdicts = [(t.name, t.met) for t in em.targets([exact, off, none_saved])][-3:]
     assert [met for _, met in verdicts] == [True, False, False]
     assert all("N=1000" in name for name, _ in verdicts)
+    # The form alone: savings proportional to N meet it whatever the constant.
+    rows = [
+        em.Row(tokens=n, computed_s=0.1 + 2 * n * per_token, pulling_s=0.1, tail_s=0.0, samples=1)
+        for n in (500, 1000, 2000)
+    ]
+    assert em.fitted_saving_per_token(rows) == pytest.approx(2 * per_token)
+    form = [t for t in em.targets(rows) if "form" in t.name]
+    assert len(form) == 3 and all(t.met for t in form)
+    assert not any(t.met for t in em.targets(rows) if "form" not in t.name)
