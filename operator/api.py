@@ -401,6 +401,9 @@ class Server:
     # cacheTuning Auto's applied decodeRetentionSeconds (status.retention.applied):
     # it lives in status, never in the user's spec, so GitOps sees no drift.
     applied_retention: int | None = None
+    # The ceiling a raise of maxRetentionSeconds is held at (status.retention.ceilingHeld,
+    # policy.ceiling_hold): in status, so every render of the server reads the same.
+    ceiling_held: int | None = None
     # spec.replicas of the RoleScaler of each role in scaling mode External, as read
     # (scaler.py): it lives in another object, so the server's spec never drifts.
     scaled: dict[str, int] = field(default_factory=dict)
@@ -411,7 +414,14 @@ class Server:
         value, else the spec's, at most the ceiling (``cacheTuning.maxRetentionSeconds``,
         decode's ``decoder_kv_blocks_ttl``)."""
         wanted = self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
-        return min(wanted, self.spec.cache_tuning.max_retention_seconds)
+        return min(wanted, self.retention_ceiling)
+
+    @property
+    def retention_ceiling(self) -> int:
+        """Decode's ``decoder_kv_blocks_ttl`` in force: ``maxRetentionSeconds``, or the
+        ceiling its raise is held at while decode pins handles no release can free."""
+        wanted = self.spec.cache_tuning.max_retention_seconds
+        return min(wanted, self.ceiling_held) if self.ceiling_held else wanted
 
     def replicas(self, role: str) -> int:
         """The count the role runs at, the one home of that rule: its RoleScaler's
@@ -653,8 +663,14 @@ def parse_server(obj: dict[str, Any], scaled: dict[str, int] | None = None) -> S
         spec=parse_spec(obj.get("spec") or {}),
         labels=dict(meta.get("labels") or {}),
         applied_retention=_applied_retention(obj),
+        ceiling_held=_ceiling_held(obj),
         scaled=dict(scaled or {}),
     )
+
+
+def _ceiling_held(obj: dict[str, Any]) -> int | None:
+    held = ((obj.get("status") or {}).get("retention") or {}).get("ceilingHeld")
+    return held if isinstance(held, int) and not isinstance(held, bool) and held > 0 else None
 
 
 def _applied_retention(obj: dict[str, Any]) -> int | None:

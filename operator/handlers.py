@@ -46,6 +46,7 @@ from . import (
     hostpaths,
     metrics,
     ownership,
+    policy,
     prerequisites,
     publisher,
     render,
@@ -127,7 +128,15 @@ async def configure(
     def retry(namespace: str, name: str) -> bool:
         try:
             return retry_apply(
-                namespace, name, kube_for_retries, ours, logger, claims, _seen(memo), memo.held
+                namespace,
+                name,
+                kube_for_retries,
+                ours,
+                logger,
+                claims,
+                _seen(memo),
+                memo.held,
+                _unreleasable(memo),
             )
         finally:
             # What the retry achieved shows in status (observedGeneration, ApplyFailed)
@@ -265,6 +274,9 @@ async def rolescalers(
 
 # (namespace, server) -> the server's RoleScalers by role, as the watch shows them.
 Seen = Callable[[tuple[str, str]], dict[str, dict[str, Any]]]
+# A server's unreleasable pinned handles as its fresh decode reports say (None: none
+# fresh): Publisher.unreleasable, the ceiling gate's input.
+Unreleasable = Callable[[tuple[str, str]], int | None]
 
 
 def _seen(memo: kopf.Memo) -> Seen | None:
@@ -360,6 +372,7 @@ def apply_children(
     seen: Seen | None = None,
     names: ownership.NameLookup | None = None,
     landed: Held | None = None,
+    unreleasable: Unreleasable | None = None,
 ) -> Applied:
     """Steps 1-3. ``only`` = (kind, name) applies just that child. ``claims`` holds the
     children known to be ours and records conflicts and the outcome for status (a
@@ -369,9 +382,11 @@ def apply_children(
     ``names``: what holds a child's name, one list for a burst of new servers
     (``ownership.NameLookup``; a read per child without it). A whole apply is marked
     under way in ``claims`` while it runs (the safety pass leaves it alone).
-    ``landed``: each child that lands is recorded there as holding our fields."""
+    ``landed``: each child that lands is recorded there as holding our fields.
+    ``unreleasable``: the publisher's count of the server's unreleasable pins, for the
+    ceiling gate of a whole apply (``gate_ceiling``; no gate without it)."""
     claims = claims if claims is not None else ownership.Claims()
-    args = (body, kube, settings, logger, only, claims, post, seen, names, landed)
+    args = (body, kube, settings, logger, only, claims, post, seen, names, landed, unreleasable)
     if only is not None:
         return _apply_children(*args)
     meta = body.get("metadata") or {}
@@ -391,6 +406,7 @@ def _apply_children(
     seen: Seen | None,
     names: ownership.NameLookup | None,
     landed: Held | None = None,
+    unreleasable: Unreleasable | None = None,
 ) -> Applied:
     def warn(reason: str, message: str) -> None:
         if post is None:
@@ -434,6 +450,14 @@ def _apply_children(
         warn(EVENT_APPLY_FAILED, why)
         refusals.append(why)
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
+    if only is None and unreleasable is not None:
+        try:
+            server = gate_ceiling(body, server, kube, unreleasable(server_key), warn)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
+            return Applied.RETRY
     refused = settings_refusal(server, settings)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
@@ -527,9 +551,38 @@ def _apply_children(
             refused,
             render=rendered,
             finished=time.monotonic(),
+            ceiling=server.retention_ceiling,
         )
         claims.applied(server_key, outcome)
     return ok
+
+
+def gate_ceiling(
+    body: dict[str, Any],
+    server: api.Server,
+    kube: Kube,
+    unreleasable: int | None,
+    warn: Callable[[str, str], None],
+) -> api.Server:
+    """The server with its ceiling gate decided (``policy.ceiling_hold``), recorded in
+    ``status.retention`` first (``ceiling`` in force, ``ceilingHeld``), so every later
+    render of the server (drift checks, a new leader's) reads the same; the publisher
+    lifts a hold once no pin is unreleasable. The body is left as it came."""
+    retention = (body.get("status") or {}).get("retention") or {}
+    in_force = retention.get("ceiling")
+    if not isinstance(in_force, int) or isinstance(in_force, bool) or in_force <= 0:
+        return server  # no ceiling recorded yet: nobody reported, nothing pinned to hold for
+    wanted = server.spec.cache_tuning.max_retention_seconds
+    hold = policy.ceiling_hold(wanted, in_force, unreleasable)
+    gated = dataclasses.replace(server, ceiling_held=hold)
+    want = {"ceiling": gated.retention_ceiling, "ceilingHeld": hold}
+    if want != {"ceiling": in_force, "ceilingHeld": server.ceiling_held}:
+        kube.patch_status(
+            api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, {"retention": want}
+        )
+        if hold is not None and server.ceiling_held != hold:
+            warn(publisher.EVENT_CEILING_HELD, policy.hold_message(wanted, hold, unreleasable or 0))
+    return gated
 
 
 def settings_refusal(server: api.Server, settings: Settings) -> str | None:
@@ -640,6 +693,7 @@ def apply_or_retry(
         seen=_seen(memo),
         names=getattr(memo, "names", None),
         landed=getattr(memo, "held", None),
+        unreleasable=_unreleasable(memo),
     )
     retries: ApplyRetries | None = getattr(memo, "retries", None)
     if result is Applied.RETRY and retries is not None:
@@ -657,6 +711,7 @@ def retry_apply(
     claims: ownership.Claims | None = None,
     seen: Seen | None = None,
     landed: Held | None = None,
+    unreleasable: Unreleasable | None = None,
 ) -> bool:
     """One retry of a server's apply, on its current object: True when done (all
     landed, the server is gone or being deleted, or retrying cannot help)."""
@@ -664,7 +719,16 @@ def retry_apply(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return True
     applied = apply_children(
-        body, kube, settings, logger, None, claims, kube.create_event, seen=seen, landed=landed
+        body,
+        kube,
+        settings,
+        logger,
+        None,
+        claims,
+        kube.create_event,
+        seen=seen,
+        landed=landed,
+        unreleasable=unreleasable,
     )
     return applied is not Applied.RETRY
 
@@ -906,7 +970,12 @@ def server_changed(
         and status.generation_landed(dict(body.status), generation, _render_digest(plain, memo))
     )
     first_sight = type == "ADDED" or (type is None and not landed)
-    if (first_sight or new_generation) and apply_or_retry(plain, memo, logger):
+    # The ceiling gate's hold was lifted (or set by another writer) since our last
+    # whole apply rendered decode: re-render it.
+    ceiling_moved = (
+        last is not None and last.ceiling is not None and last.ceiling != _ceiling_of(plain)
+    )
+    if (first_sight or new_generation or ceiling_moved) and apply_or_retry(plain, memo, logger):
         logger.info("applied children generation=%s", generation)
     if getattr(memo, "status_queue", None) is not None and servers is not None:
         memo.status_queue.request((body.metadata["namespace"], body.metadata["name"]))
@@ -924,6 +993,13 @@ def server_changed(
         memory=getattr(memo, "status_memory", None),
         seen=_seen(memo),
     )
+
+
+def _ceiling_of(body: dict[str, Any]) -> int | None:
+    try:
+        return api.parse_server(body).retention_ceiling
+    except api.SpecError:
+        return None
 
 
 def _render_digest(body: dict[str, Any], memo: kopf.Memo) -> str | None:
@@ -1231,6 +1307,7 @@ def _safety_check(
                 kube.create_event,
                 _seen(memo),
                 landed=getattr(memo, "held", None),
+                unreleasable=_unreleasable(memo),
             )
             retries: ApplyRetries | None = getattr(memo, "retries", None)
             if applied is Applied.RETRY and retries is not None:
@@ -1317,6 +1394,11 @@ def _refresh(
         memory=getattr(memo, "status_memory", None),
         seen=_seen(memo),
     )
+
+
+def _unreleasable(memo: kopf.Memo) -> Unreleasable | None:
+    residency: publisher.Publisher | None = getattr(memo, "publisher", None)
+    return residency.unreleasable if residency is not None else None
 
 
 def _transports(memo: kopf.Memo) -> Callable[[tuple[str, str]], tuple[str, str] | None] | None:

@@ -8,10 +8,11 @@ still holds what we apply. A status update changes nothing that check reads. So 
 answer is kept per child under a fingerprint of everything it does read: the child
 without its status and the metadata the API server rewrites on every write, and what
 the render reads of the owner (``api.parse_server``: not its status patches, save the
-retention Auto applied) with the replicas its RoleScalers set. The same fingerprint
-gives the same answer; anything else is checked again, so a miss only costs the
-render it always cost. An apply that lands records its answer as holding: the watch
-event of our own write, and the status updates after it, need no render at all.
+retention Auto applied and the ceiling gate's hold) with the replicas its RoleScalers
+set. The same fingerprint gives the same answer; anything else is checked again, so a
+miss only costs the render it always cost. An apply that lands records its answer as
+holding: the watch event of our own write, and the status updates after it, need no
+render at all.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def fingerprint(
             owner_meta.get("labels"),
             owner.get("spec"),
             ((owner.get("status") or {}).get("retention") or {}).get("applied"),
+            ((owner.get("status") or {}).get("retention") or {}).get("ceilingHeld"),
             sorted(scaled.items()),
         ],
         sort_keys=True,

@@ -61,6 +61,9 @@ class ApplyOutcome:
     # When the apply ended (the caller's monotonic clock): a list taken before that
     # may lack some of its children (handlers.needs_apply).
     finished: float = field(default=0.0, compare=False)
+    # The decode ceiling it rendered (api.Server.retention_ceiling): a lifted hold of the
+    # ceiling gate differs from it, and re-applies (handlers.server_changed).
+    ceiling: int | None = field(default=None, compare=False)
 
 
 def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:

@@ -4,7 +4,10 @@ Two kinds of setting shape how long decode keeps a session's KV:
 
 - the **ceiling** (``spec.cacheTuning.maxRetentionSeconds``): decode's engine
   ``decoder_kv_blocks_ttl``, on the engine's command line, so changing it restarts the
-  decode pods. D frees a handle's blocks then, whatever the sidecar does;
+  decode pods. D frees a handle's blocks then, whatever the sidecar does. A raise waits
+  while the decode sidecars report handles no release can free (``ceiling_hold``):
+  each would stay pinned the longer ceiling, and on vLLM 0.32 a pinned handle keeps D's
+  engine loop busy;
 - the **live policy** (``kvferry_wire.policy``): the retention under the ceiling
   (``kvTransfer.decodeRetentionSeconds``, or the value ``cacheTuning.mode: Auto``
   applied), ``kvTransfer.recomputeThreshold`` and ``routing.skipPrefillBelowTokens``.
@@ -34,8 +37,65 @@ PREFILL_DECODER_TTL_SECONDS = 480
 
 
 def retention_ceiling(server: api.Server) -> int:
-    """Decode's ``decoder_kv_blocks_ttl``: the longest the live retention may be."""
-    return server.spec.cache_tuning.max_retention_seconds
+    """Decode's ``decoder_kv_blocks_ttl`` in force: the longest the live retention may
+    be (``maxRetentionSeconds``, or the ceiling its raise is held at)."""
+    return server.retention_ceiling
+
+
+def reason(server: api.Server) -> str:
+    """Where the policy in force comes from, for ``kubectl describe``: the retention's
+    source (the spec, Auto's decision, the ceiling) and the ceiling's (the spec, a
+    held raise)."""
+    spec = server.spec
+    retention = server.decode_retention_seconds
+    wanted = server.applied_retention or spec.kv_transfer.decode_retention_seconds
+    if server.applied_retention:
+        source = "applied by cacheTuning Auto from the tuner's recommendation"
+    else:
+        source = "spec.kvTransfer.decodeRetentionSeconds"
+    if wanted > retention:
+        source += f" ({wanted}s), at most the ceiling"
+    ceiling = server.retention_ceiling
+    asked = spec.cache_tuning.max_retention_seconds
+    if ceiling < asked:
+        held = (
+            f"held below maxRetentionSeconds {asked}s while the decode sidecars report "
+            "unreleasable pinned handles"
+        )
+    else:
+        held = "spec.cacheTuning.maxRetentionSeconds"
+    return f"retention {retention}s: {source}; ceiling {ceiling}s: {held}"
+
+
+def ceiling_hold(wanted: int, in_force: int | None, unreleasable: int | None) -> int | None:
+    """The ceiling a raise of ``maxRetentionSeconds`` to ``wanted`` is held at, or None
+    (the spec's ceiling goes in).
+
+    ``in_force``: the ceiling decode runs (``status.retention.ceiling``; None before
+    one was recorded: no pods have reported, nothing to hold); ``unreleasable``: the
+    pinned handles the fresh decode reports say no release can free (None: no fresh
+    decode report). Only a raise is held, and only while some pin is known to be
+    unreleasable: a lowering bounds those pins sooner, and with no report to go by
+    the gate does not stand in the way of the user's spec (the status says which)."""
+    if in_force is None or wanted <= in_force or not unreleasable:
+        return None
+    return in_force
+
+
+def hold_message(wanted: int, held: int, unreleasable: int) -> str:
+    return (
+        f"maxRetentionSeconds {wanted}s held at {held}s: the decode sidecars report "
+        f"{unreleasable} pinned handle(s) no release can free (no prefill engine, a failed "
+        "release, a broken-off pull); each would stay pinned the longer ceiling. Decode "
+        "restarts with the new decoder_kv_blocks_ttl once none is reported"
+    )
+
+
+def lift_message(wanted: int) -> str:
+    return (
+        f"maxRetentionSeconds {wanted}s in force: no decode sidecar reports an unreleasable "
+        f"pinned handle; decode restarts with decoder_kv_blocks_ttl {wanted}s"
+    )
 
 
 def retention_in_force(server: api.Server) -> int:

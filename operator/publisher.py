@@ -45,6 +45,8 @@ from .metrics import Decision
 
 EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
+EVENT_CEILING_HELD = "CeilingHeld"
+EVENT_CEILING_RAISED = "CeilingRaised"
 
 
 def without_nulls(value: Any) -> Any:
@@ -119,6 +121,18 @@ class Publisher:
         first pass (the sidecars keep what they have). A dict read, as ``transport``."""
         return self._policies.get((namespace, name))
 
+    def unreleasable(self, key: tuple[str, str]) -> int | None:
+        """The pinned handles the server's fresh decode reports say no release can free
+        (the ceiling gate's figure, ``policy.ceiling_hold``); None when no decode
+        report is fresh. A read of whole rows, as ``transport``."""
+        now = self.clock()
+        fresh = [
+            r.report
+            for r in self.store.get(*key)
+            if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
+        ]
+        return sum(r.pinned.unreleasable_handles for r in fresh) if fresh else None
+
     def publish(self, namespace: str, name: str) -> None:
         obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)
         if obj is None:
@@ -157,6 +171,18 @@ class Publisher:
             decode_kv_usage_peak=usage.observe(fresh, now),
         )
         self._transports[key] = (agg.transport, agg.transport_reason)
+        lifted = server.ceiling_held is not None and (
+            policy.ceiling_hold(
+                server.spec.cache_tuning.max_retention_seconds,
+                server.retention_ceiling,
+                self.unreleasable(key),
+            )
+            is None
+        )
+        if lifted:
+            # No pin the longer ceiling would keep: the raise goes in. Its status write
+            # (below) is what re-applies decode (handlers.server_changed).
+            server = dataclasses.replace(server, ceiling_held=None)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
         # Auto's decision first: both statuses and the sidecars' answer show its policy.
@@ -206,6 +232,13 @@ class Publisher:
             self._last_write[key] = now
 
         self._publish_retention(obj, server, rec, decision, agg)
+        if lifted:
+            self.emit(
+                obj,
+                "Normal",
+                EVENT_CEILING_RAISED,
+                policy.lift_message(server.spec.cache_tuning.max_retention_seconds),
+            )
         self._policies[key] = wire_policy.encode(policy.build_policy(server))
 
     def prune(self, namespace: str, name: str, now: float) -> None:
@@ -241,6 +274,9 @@ class Publisher:
         old = st.get("retention") or {}
         applying = decision is not None and decision.apply
         new = without_nulls(retention_status(old, server, rec, mode))
+        lifted = server.ceiling_held is None and "ceilingHeld" in old
+        if lifted:
+            new.pop("ceilingHeld", None)
         if decision is not None:
             new["autoDecision"] = decision.reason
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
@@ -250,7 +286,8 @@ class Publisher:
         if new == old and not transport_changed:
             return
         patch: dict[str, Any] = {
-            "retention": new,
+            # A merge patch keeps what it does not name: a lifted hold is nulled.
+            "retention": {**new, **({"ceilingHeld": None} if lifted else {})},
             "transport": agg.transport,
             "transportReason": agg.transport_reason or None,
         }
@@ -289,6 +326,7 @@ def policy_status(server: api.Server) -> dict[str, Any]:
         "recomputeThreshold": told.recompute_threshold,
         "skipPrefillBelowTokens": told.skip_prefill_below_tokens,
         "ceilingSeconds": policy.retention_ceiling(server),
+        "reason": policy.reason(server),
     }
 
 

@@ -7,7 +7,10 @@ test: it pushes reports with the pod's bound token, as a sidecar does."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from kvferry_wire import policy as wire_policy
 from tests.cluster.conftest import Kubectl, Operator, wait_until
@@ -143,7 +146,16 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
         "recomputeThreshold": 32,
         "skipPrefillBelowTokens": 100,
         "ceilingSeconds": 1800,
+        "reason": "retention 120s: spec.kvTransfer.decodeRetentionSeconds; ceiling 1800s: "
+        "spec.cacheTuning.maxRetentionSeconds",
     }
+
+
+def decode_ttl(kubectl: Kubectl, ns: str) -> int:
+    sts = kubectl.get("statefulset", "tiny-decode", ns)
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
 
 
 def test_only_the_ceiling_rolls_decode(kubectl: Kubectl, operator: Operator, ns: str):
@@ -154,13 +166,84 @@ def test_only_the_ceiling_rolls_decode(kubectl: Kubectl, operator: Operator, ns:
     patch = {"spec": {"cacheTuning": {"maxRetentionSeconds": 600}}}
     kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
 
-    def decode_ttl() -> int:
-        sts = kubectl.get("statefulset", "tiny-decode", ns)
-        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-        config = json.loads(args[args.index("--kv-transfer-config") + 1])
-        return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
+    wait_until(
+        lambda: decode_ttl(kubectl, ns) == 600, 30, "decode's decoder_kv_blocks_ttl is the ceiling"
+    )
+    after = statefulsets(kubectl, ns)
+    assert after["prefill"] == before["prefill"]
+    assert after["decode"][0] == before["decode"][0] + 1
 
-    wait_until(lambda: decode_ttl() == 600, 30, "decode's decoder_kv_blocks_ttl is the ceiling")
+
+@pytest.fixture
+def no_safety_pass(operator: Operator) -> Iterator[Operator]:
+    """The tier's operator with its safety pass 10 minutes apart after the first (the
+    tier runs one every 5 s), so what re-applies decode is the event the test is about."""
+    operator.stop()
+    operator.extra_env = {**operator.extra_env, "KVFERRY_RESYNC_SECONDS": "600"}
+    operator.start()
+    try:
+        yield operator
+    finally:
+        operator.stop()
+        operator.extra_env.pop("KVFERRY_RESYNC_SECONDS")
+        operator.start()
+
+
+def test_a_ceiling_raise_waits_while_decode_pins_what_no_release_can_free(
+    kubectl: Kubectl, no_safety_pass: Operator, ns: str
+):
+    operator = no_safety_pass
+    kubectl.apply(make(ns, spec={"cacheTuning": {"maxRetentionSeconds": 600}}), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_until(lambda: settled(kubectl, ns), 60, "both roles settled")
+    sidecar = Sidecar(kubectl, operator, ns)
+    stuck = decode_report(ns, "tiny", "tiny-decode-0", unreleasable=2)
+    sidecar.push(stuck)
+    # The publisher records the ceiling decode runs (what a raise is measured from).
+    wait_until(lambda: retention(kubectl, ns).get("ceiling") == 600, 30, "ceiling 600s shown")
+    before = statefulsets(kubectl, ns)
+    generation = kubectl.get("dserver", "tiny", ns)["metadata"]["generation"]
+
+    patch = {"spec": {"cacheTuning": {"maxRetentionSeconds": 3600}}}
+    kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+    held = wait_for_event(kubectl, ns, "tiny", "CeilingHeld")
+    assert "3600s held at 600s" in held[0]["message"], held[0]["message"]
+    wait_until(
+        lambda: (
+            (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("observedGeneration")
+            == generation + 1
+        ),
+        30,
+        "the new generation landed",
+    )
+    # Held: the field survived the API server, and decode was not rolled.
+    shown = retention(kubectl, ns)
+    assert (shown["ceiling"], shown["ceilingHeld"]) == (600, 600)
+    assert decode_ttl(kubectl, ns) == 600
+    assert statefulsets(kubectl, ns) == before
+    # KVCacheStatus shows the ceiling in force and what holds it.
+    wait_until(
+        lambda: (
+            ((kubectl.get("kvcachestatus", "tiny", ns) or {}).get("status") or {})
+            .get("retention", {})
+            .get("unreleasablePinnedHandles")
+            == 2
+        ),
+        30,
+        "KVCacheStatus shows the unreleasable pins",
+    )
+
+    # The operator's first safety pass (15 s after its start, whatever the interval)
+    # is over: from here only the hold's lift can re-apply decode.
+    wait_until(lambda: "safety pass done" in operator.log(), 60, "the first safety pass")
+    # The pins are gone from the next report: the raise goes in (the publisher lifts the
+    # hold, whose status event re-applies decode), and rolls decode only.
+    sidecar.push(decode_report(ns, "tiny", "tiny-decode-0", unreleasable=0))
+    wait_until(lambda: decode_ttl(kubectl, ns) == 3600, 60, "decode runs the raised ceiling")
+    raised = wait_for_event(kubectl, ns, "tiny", "CeilingRaised")
+    assert "3600s in force" in raised[0]["message"], raised[0]["message"]
+    shown = retention(kubectl, ns)
+    assert shown["ceiling"] == 3600 and "ceilingHeld" not in shown
     after = statefulsets(kubectl, ns)
     assert after["prefill"] == before["prefill"]
     assert after["decode"][0] == before["decode"][0] + 1

@@ -53,6 +53,7 @@ def decode_report(
     preemptions: int = 0,
     started_at: float = STARTED,
     kv_usage: float | None = None,
+    unreleasable: int = 0,
 ) -> bytes:
     rep = wire.Report(
         version=wire.REPORT_VERSION,
@@ -65,7 +66,13 @@ def decode_report(
         transport="TCPFallback",
         transport_reason=EVIDENCE,
         handles={"consumed": 9, "expired": 1},
-        pinned=wire.Pinned(handles=2, blocks=40, bytes=3 * 2**20),
+        pinned=wire.Pinned(
+            handles=2 + unreleasable,
+            blocks=40,
+            bytes=3 * 2**20,
+            unused_handles=unreleasable,
+            unreleasable_handles=unreleasable,
+        ),
         transfer=wire.Transfer(pulls=9, bytes=2_400_000_000, seconds=2.0, transfers=30),
         engine=wire.Engine(preemptions=preemptions, kv_usage=kv_usage),
     )

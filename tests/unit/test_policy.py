@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvferry_operator import api, policy
 from tests.manifests import server
@@ -48,3 +50,66 @@ def test_the_settings_file_never_carries_autos_value():
 def test_the_ceiling_is_max_retention_seconds():
     assert policy.retention_ceiling(parsed()) == 1800
     assert policy.retention_ceiling(parsed({"cacheTuning": {"maxRetentionSeconds": 900}})) == 900
+
+
+def held(spec: dict | None, ceiling_held: int) -> api.Server:
+    obj = server(spec)
+    obj["status"] = {"retention": {"ceiling": ceiling_held, "ceilingHeld": ceiling_held}}
+    return api.parse_server(obj)
+
+
+def test_a_held_ceiling_bounds_the_engine_ttl_and_the_retention_in_force():
+    spec = {
+        "cacheTuning": {"maxRetentionSeconds": 3600},
+        "kvTransfer": {"decodeRetentionSeconds": 900},
+    }
+    server_ = held(spec, 600)
+    assert policy.retention_ceiling(server_) == 600
+    assert policy.build_policy(server_).retention_seconds == 600
+    # A lowering below the hold is the spec's at once.
+    assert policy.retention_ceiling(held({"cacheTuning": {"maxRetentionSeconds": 300}}, 600)) == 300
+
+
+@pytest.mark.parametrize(
+    ("wanted", "in_force", "unreleasable", "hold"),
+    [
+        (1800, 600, 2, 600),  # a raise while pins cannot be freed: held where it is
+        (1800, 600, 0, None),  # none unreleasable: the raise goes in
+        (1800, 600, None, None),  # no fresh decode report: nothing to go by, not held
+        (300, 600, 5, None),  # a lowering bounds those pins sooner: never held
+        (600, 600, 5, None),  # unchanged
+        (1800, None, 5, None),  # no ceiling recorded yet (nobody reported)
+    ],
+    ids=["raise-held", "raise-free", "raise-unknown", "lower", "same", "unrecorded"],
+)
+def test_the_ceiling_gate_holds_only_a_raise_over_unreleasable_pins(
+    wanted, in_force, unreleasable, hold
+):
+    assert policy.ceiling_hold(wanted, in_force, unreleasable) == hold
+
+
+@given(
+    wanted=st.integers(60, 86400),
+    in_force=st.none() | st.integers(60, 86400),
+    unreleasable=st.none() | st.integers(0, 10_000),
+)
+def test_a_held_ceiling_is_never_above_the_one_in_force_nor_the_spec(
+    wanted, in_force, unreleasable
+):
+    hold = policy.ceiling_hold(wanted, in_force, unreleasable)
+    if hold is None:
+        return
+    # Holding never raises anything: it keeps the ceiling decode runs, below the spec's.
+    assert hold == in_force and hold < wanted and unreleasable
+
+
+def test_the_reason_names_where_the_retention_and_the_ceiling_come_from():
+    assert policy.reason(parsed({"kvTransfer": {"decodeRetentionSeconds": 7200}})) == (
+        "retention 1800s: spec.kvTransfer.decodeRetentionSeconds (7200s), at most the "
+        "ceiling; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds"
+    )
+    auto = policy.reason(parsed({"cacheTuning": {"mode": "Auto"}}, applied=120))
+    assert auto.startswith("retention 120s: applied by cacheTuning Auto")
+    assert "held below maxRetentionSeconds 3600s" in policy.reason(
+        held({"cacheTuning": {"maxRetentionSeconds": 3600}}, 600)
+    )

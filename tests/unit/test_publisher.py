@@ -177,6 +177,8 @@ def test_auto_applies_live_and_logs_no_restart():
         "recomputeThreshold": 64,
         "skipPrefillBelowTokens": 256,
         "ceilingSeconds": 1800,
+        "reason": f"retention {retention['applied']}s: applied by cacheTuning Auto from the "
+        "tuner's recommendation; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds",
     }
     assert shown["summary"]["retention"] == f"{retention['applied']}s"
     assert shown["retention"]["inputs"]["current"] == 480  # what the tuner worked from
@@ -318,3 +320,65 @@ def test_a_new_leader_carries_on_with_the_pressure_window_from_status():
     assert (
         kube.objs[(api.STATUS_KIND, "tiny")]["status"]["retention"]["decodePreemptionsRecent"] == 3
     )
+
+
+# ------------------------------------------------------------------ the ceiling gate
+
+
+def held_server(unreleasable: int) -> tuple[MemoryKube, MutableStore, list[tuple]]:
+    """A raise to 3600 s held at 600 s; tiny-decode-0 reports ``unreleasable`` pins."""
+    obj = server({"cacheTuning": {"maxRetentionSeconds": 3600}})
+    obj["status"] = {"retention": {"applied": 480, "ceiling": 600, "ceilingHeld": 600}}
+    kube, store = MemoryKube(obj, kvcs()), MutableStore()
+    store.report = decode_report(
+        [25.0] * 50,
+        NOW - 600,
+        NOW,
+        pinned=wire.Pinned(handles=3, unused_handles=2, unreleasable_handles=unreleasable),
+    )
+    return kube, store, []
+
+
+def test_a_held_ceiling_stays_while_a_decode_pod_reports_unreleasable_pins():
+    kube, store, events = held_server(unreleasable=2)
+    pub = operator_process(kube, store, [NOW])
+    pub.emit = lambda *a: events.append(a)
+    assert pub.unreleasable(("default", "tiny")) == 2
+    pub.publish("default", "tiny")
+    retention = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
+    assert (retention["ceiling"], retention["ceilingHeld"]) == (600, 600)
+    shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]["policy"]
+    assert shown["ceilingSeconds"] == 600
+    assert shown["reason"] == (
+        "retention 480s: spec.kvTransfer.decodeRetentionSeconds; ceiling 600s: held below "
+        "maxRetentionSeconds 3600s while the decode sidecars report unreleasable pinned handles"
+    )
+    assert publisher.EVENT_CEILING_RAISED not in [e[2] for e in events]
+
+
+def test_the_publisher_lifts_a_held_ceiling_once_no_pin_is_unreleasable():
+    kube, store, events = held_server(unreleasable=0)
+    pub = operator_process(kube, store, [NOW])
+    pub.emit = lambda *a: events.append(a)
+    pub.publish("default", "tiny")
+    retention = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
+    # The merge patch nulled the hold (what re-applies decode with the new ceiling).
+    assert "ceilingHeld" not in retention and retention["ceiling"] == 3600
+    patched = [b for kind, b in kube.patches if kind == api.SERVER_KIND]
+    assert patched and patched[-1]["retention"]["ceilingHeld"] is None
+    assert kube.objs[(api.STATUS_KIND, "tiny")]["status"]["policy"]["ceilingSeconds"] == 3600
+    raised = [e for e in events if e[2] == publisher.EVENT_CEILING_RAISED]
+    assert len(raised) == 1 and "3600s in force" in raised[0][3]
+    # The next pass has nothing more to say.
+    kube.patches.clear()
+    pub.publish("default", "tiny")
+    assert [k for k, _ in kube.patches if k == api.SERVER_KIND] == []
+
+
+def test_the_gate_has_no_figure_without_a_fresh_decode_report():
+    kube, store, _ = held_server(unreleasable=2)
+    pub = operator_process(kube, store, [NOW + 91])  # the report is past stale_after
+    assert pub.unreleasable(("default", "tiny")) is None
+    assert store.report is not None
+    store.report.role, store.report.generated_at = "prefill", NOW + 91
+    assert pub.unreleasable(("default", "tiny")) is None
