@@ -291,6 +291,34 @@ ROWS: list[tuple[str, list[P]]] = [
                     ),
                 ),
             ),
+            P(
+                "Handles let go unread, by reason",
+                "Evictions per second by why: the caps and decode's pressure (lowest value "
+                "first), and the ends of a handle's life (usefulness: no next turn expected; "
+                "retention; lease: D's own, for a turn it prefilled alone).",
+                (Q(f"sum by (reason) ({rate('kvferry_handle_evictions_total')})", "{{reason}}"),),
+                width=12,
+            ),
+            P(
+                "Orphaned and unreleasable pinned handles",
+                "Pinned on decode with no turn to read them: orphaned (held by a sidecar "
+                "process that restarted, being released through prefill) and unreleasable "
+                "(no release can free them: pinned to the ceiling, and a raise of "
+                "maxRetentionSeconds waits while any is reported).",
+                (
+                    Q(agg("sum", "kvferry_pinned_orphaned_handles", "pod"), "orphaned {{pod}}"),
+                    Q(
+                        agg("sum", "kvferry_pinned_unreleasable_handles", "pod"),
+                        "unreleasable {{pod}}",
+                    ),
+                    Q(
+                        f"sum by (pod) (increase(kvferry_orphaned_handles_found_total{{{POD}}}"
+                        f"[{RI}]))",
+                        "found after a restart {{pod}}",
+                    ),
+                ),
+                width=12,
+            ),
         ],
     ),
     (
