@@ -379,6 +379,25 @@ def _aggregate(
             "reusedTokenShare": _pct(later_reused_tokens, later_prompt),
             "byTurn": by_turn,
             "outcomes": dict(sorted(outcomes.items())),
+            # What reuse saved, by the server's own measured costs (since the pods
+            # started): the reused tokens at the recompute cost P's prefills measured,
+            # less the engines' NIXL time. The sidecars' eviction ranks handles by
+            # ratios of these costs, so it needs no constant; this is the figure in
+            # seconds for the people running it.
+            "recomputeSecondsPerToken": (
+                round(recompute_seconds / recompute_tokens, 7) if recompute_tokens else None
+            ),
+            "estimatedPrefillSecondsSaved": (
+                round(
+                    max(
+                        0.0,
+                        later_reused_tokens * recompute_seconds / recompute_tokens - pull_seconds,
+                    ),
+                    3,
+                )
+                if recompute_tokens
+                else None
+            ),
         },
         "transfer": {
             "transport": transport,

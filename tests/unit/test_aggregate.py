@@ -289,3 +289,24 @@ def test_recent_preemptions_reach_the_tuner_and_lower_retention():
     lowered = tune.recommend_retention(busy.tuning)
     assert lowered.value < tune.recommend_retention(calm.tuning).value
     assert "preemptions +3" in lowered.reason
+
+
+def test_the_savings_estimate_uses_the_servers_own_measured_costs():
+    # P recomputed 10,000 tokens in 2.5 s (250 us a token); decode's turns reused 4,900
+    # tokens, pulled in 0.2 s of NIXL time: 4,900 x 250 us - 0.2 s = 1.025 s saved.
+    p = rep(
+        "tiny-prefill-0",
+        role="prefill",
+        transfer=wire.Transfer(seconds=0.2, recompute_tokens=10_000, recompute_seconds=2.5),
+    )
+    d = rep("tiny-decode-0", by_turn=turns(t1=(10, 0, 1000, 0), t2=(10, 8, 5500, 4900)))
+    agg = aggregate.aggregate(
+        SERVER, [reports.Received(p, NOW), reports.Received(d, NOW)], NOW, 480
+    )
+    reuse = agg.status["reuse"]
+    assert reuse["recomputeSecondsPerToken"] == 0.00025
+    assert reuse["estimatedPrefillSecondsSaved"] == 1.025
+    # Nothing recomputed yet: no cost measured, no estimate (not a zero).
+    alone = aggregate.aggregate(SERVER, [reports.Received(d, NOW)], NOW, 480)
+    assert alone.status["reuse"]["recomputeSecondsPerToken"] is None
+    assert alone.status["reuse"]["estimatedPrefillSecondsSaved"] is None
