@@ -452,7 +452,7 @@ def _apply_children(
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
     if only is None and unreleasable is not None:
         try:
-            server = gate_ceiling(body, server, kube, unreleasable(server_key), warn)
+            server = gate_ceiling(body, server, kube, unreleasable, warn)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -561,7 +561,7 @@ def gate_ceiling(
     body: dict[str, Any],
     server: api.Server,
     kube: Kube,
-    unreleasable: int | None,
+    unreleasable: Unreleasable,
     warn: Callable[[str, str], None],
 ) -> api.Server:
     """The server with its ceiling gate decided (``policy.ceiling_hold``), recorded in
@@ -573,7 +573,9 @@ def gate_ceiling(
     if not isinstance(in_force, int) or isinstance(in_force, bool) or in_force <= 0:
         return server  # no ceiling recorded yet: nobody reported, nothing pinned to hold for
     wanted = server.spec.cache_tuning.max_retention_seconds
-    hold = policy.ceiling_hold(wanted, in_force, unreleasable)
+    # Counted only for a raise: the count may cost a read (Publisher.unreleasable).
+    count = unreleasable((server.namespace, server.name)) if wanted > in_force else None
+    hold = policy.ceiling_hold(wanted, in_force, count)
     gated = dataclasses.replace(server, ceiling_held=hold)
     want = {"ceiling": gated.retention_ceiling, "ceilingHeld": hold}
     if want != {"ceiling": in_force, "ceilingHeld": server.ceiling_held}:
@@ -581,7 +583,7 @@ def gate_ceiling(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, {"retention": want}
         )
         if hold is not None and server.ceiling_held != hold:
-            warn(publisher.EVENT_CEILING_HELD, policy.hold_message(wanted, hold, unreleasable or 0))
+            warn(publisher.EVENT_CEILING_HELD, policy.hold_message(wanted, hold, count or 0))
     return gated
 
 

@@ -123,15 +123,24 @@ class Publisher:
 
     def unreleasable(self, key: tuple[str, str]) -> int | None:
         """The pinned handles the server's fresh decode reports say no release can free
-        (the ceiling gate's figure, ``policy.ceiling_hold``); None when no decode
-        report is fresh. A read of whole rows, as ``transport``."""
+        (the ceiling gate's figure, ``policy.ceiling_hold``). With none fresh here (a
+        leader that just took over has no report yet), what the last writer of its
+        KVCacheStatus counted, while that was written within ``stale_after``; None
+        when neither is known. A read of whole rows, as ``transport``."""
         now = self.clock()
         fresh = [
             r.report
             for r in self.store.get(*key)
             if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
         ]
-        return sum(r.pinned.unreleasable_handles for r in fresh) if fresh else None
+        if fresh:
+            return sum(r.pinned.unreleasable_handles for r in fresh)
+        shown = (self.kube.get(api.API_VERSION, api.STATUS_KIND, *key) or {}).get("status") or {}
+        written = api.parse_time(shown.get("lastUpdateTime"))
+        count = (shown.get("retention") or {}).get("unreleasablePinnedHandles")
+        if written is None or now - written > self.stale_after or not isinstance(count, int):
+            return None
+        return count
 
     def publish(self, namespace: str, name: str) -> None:
         obj = self.kube.get(api.API_VERSION, api.SERVER_KIND, namespace, name)

@@ -115,3 +115,21 @@ def test_a_standing_hold_renders_the_same_and_writes_nothing():
 def test_a_server_nobody_reported_for_is_rendered_as_its_spec():
     kube, _ = apply(raised(3600, ceiling=None), unreleasable=4)
     assert kube.decode_ttl() == 3600 and kube.status_patches == []
+
+
+def test_the_count_is_asked_for_a_raise_only():
+    def never(key: tuple[str, str]) -> int | None:
+        raise AssertionError("counted for an apply that raises nothing")
+
+    for body in (raised(300, ceiling=600), raised(600, ceiling=600)):
+        kube, claims = RecordingKube(), ownership.Claims()
+        handlers.apply_children(
+            body,
+            kube,  # type: ignore[arg-type]
+            SETTINGS,
+            LOG,
+            claims=claims,
+            post=kube.create_event,
+            unreleasable=never,
+        )
+        assert claims.last_apply(("ns", "tiny")).applied

@@ -382,3 +382,15 @@ def test_the_gate_has_no_figure_without_a_fresh_decode_report():
     assert store.report is not None
     store.report.role, store.report.generated_at = "prefill", NOW + 91
     assert pub.unreleasable(("default", "tiny")) is None
+
+
+def test_a_leader_with_no_report_yet_goes_by_the_kvcachestatus_its_predecessor_wrote():
+    kube, _, _ = held_server(unreleasable=0)
+    status = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
+    status["retention"] = {"unreleasablePinnedHandles": 2}
+    empty = MutableStore()  # this process has heard no report
+    status["lastUpdateTime"] = api.iso_time(NOW - 30)
+    assert operator_process(kube, empty, [NOW]).unreleasable(("default", "tiny")) == 2
+    # Written longer ago than a report stays fresh: not known.
+    status["lastUpdateTime"] = api.iso_time(NOW - 91)
+    assert operator_process(kube, empty, [NOW]).unreleasable(("default", "tiny")) is None
