@@ -569,16 +569,19 @@ def gate_ceiling(
     render of the server (drift checks, a new leader's) reads the same; the publisher
     lifts a hold once no pin is unreleasable. The body is left as it came."""
     retention = (body.get("status") or {}).get("retention") or {}
-    in_force = retention.get("ceiling")
-    if not isinstance(in_force, int) or isinstance(in_force, bool) or in_force <= 0:
+    recorded = retention.get("ceiling")
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded <= 0:
         return server  # no ceiling recorded yet: nobody reported, nothing pinned to hold for
+    # A hold is the ceiling decode runs, whatever ``ceiling`` says (a publisher pass that
+    # read the server before the hold landed writes the spec's there until its next).
+    in_force = server.ceiling_held or recorded
     wanted = server.spec.cache_tuning.max_retention_seconds
     # Counted only for a raise: the count may cost a read (Publisher.unreleasable).
     count = unreleasable((server.namespace, server.name)) if wanted > in_force else None
     hold = policy.ceiling_hold(wanted, in_force, count)
     gated = dataclasses.replace(server, ceiling_held=hold)
     want = {"ceiling": gated.retention_ceiling, "ceilingHeld": hold}
-    if want != {"ceiling": in_force, "ceilingHeld": server.ceiling_held}:
+    if want != {"ceiling": recorded, "ceilingHeld": server.ceiling_held}:
         kube.patch_status(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, {"retention": want}
         )

@@ -133,3 +133,12 @@ def test_the_count_is_asked_for_a_raise_only():
             unreleasable=never,
         )
         assert claims.last_apply(("ns", "tiny")).applied
+
+
+def test_a_hold_outlasts_a_stale_ceiling_written_over_it():
+    # A publisher pass that read the server before the hold landed wrote the spec's
+    # 3600 s as the ceiling; the hold (600 s) is still what decode runs.
+    kube, _ = apply(raised(3600, ceiling=3600, held=600), unreleasable=1)
+    assert kube.decode_ttl() == 600
+    assert kube.status_patches == [{"retention": {"ceiling": 600, "ceilingHeld": 600}}]
+    assert kube.events == []  # the same hold: nothing new to say
