@@ -29,6 +29,7 @@ import yaml
 
 from kvferry_dev import engines
 from kvferry_operator.leader import LEADER_LABEL
+from kvferry_wire import protocol
 from tests.images import Images
 from tests.kube import wait_until
 from tests.manifests import ROOT
@@ -258,6 +259,94 @@ def test_reports_arrive_with_real_tokens(nodes: NodeCluster, journey: Any) -> No
     status = nodes.kubectl.json("get", "kvcs", j.SERVER, "-n", j.NAMESPACE)["status"]
     assert status.get("phase") == "Reporting", status
     assert status.get("message", "").startswith("2 of 2 pods reporting"), status
+
+
+def _sidecar_metrics(nodes: NodeCluster, role: str, name: str) -> dict[str, float]:
+    """The series ``name`` of the role's sidecar's /metrics, read inside its container
+    (series line -> value): an exec, not a restart."""
+    (pod,) = j.pods(nodes, role)
+    code = (
+        "import urllib.request;print(urllib.request.urlopen("
+        f"'http://127.0.0.1:{protocol.SIDECAR_METRICS_PORT}/metrics', timeout=30).read().decode())"
+    )
+    text = nodes.kubectl.run(
+        "exec",
+        "-n",
+        j.NAMESPACE,
+        pod["metadata"]["name"],
+        "-c",
+        "kvferry-sidecar",
+        "--",
+        "/opt/kvferry/bin/python3",
+        "-c",
+        code,
+        timeout=120,
+    ).stdout
+    out = {}
+    for line in text.splitlines():
+        if line.startswith((f"{name} ", f"{name}{{")):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
+
+
+def _containers(nodes: NodeCluster) -> dict[str, tuple[str, int]]:
+    """Each server container's (pod uid, restart count), keyed role/container."""
+    out = {}
+    for role in ("prefill", "decode"):
+        (pod,) = j.pods(nodes, role)
+        st = pod["status"]
+        for c in st.get("containerStatuses", []) + st.get("initContainerStatuses", []):
+            out[f"{role}/{c['name']}"] = (pod["metadata"]["uid"], c["restartCount"])
+    return out
+
+
+def _templates(nodes: NodeCluster) -> dict[str, tuple[int, str]]:
+    out = {}
+    for role in ("prefill", "decode"):
+        sts = nodes.kubectl.json("get", "statefulset", f"{j.SERVER}-{role}", "-n", j.NAMESPACE)
+        out[role] = (
+            sts["metadata"]["generation"],
+            json.dumps(sts["spec"]["template"], sort_keys=True),
+        )
+    return out
+
+
+def test_a_policy_change_reaches_the_running_sidecars_with_zero_restarts(
+    nodes: NodeCluster, journey: Any
+) -> None:
+    """A GitOps edit of the live policy (retention and recompute threshold) reaches the
+    running decode sidecar in the operator's answer to its report: its
+    kvferry_policy_info names the revision status shows, its retention series the new
+    value, and no pod, container or StatefulSet template changed. Put back the same
+    way, it reaches them again."""
+    containers, templates = _containers(nodes), _templates(nodes)
+
+    def told(retention: int) -> str:
+        def check() -> str | None:
+            st = nodes.kubectl.json("get", "dserver", j.SERVER, "-n", j.NAMESPACE)["status"]
+            shown = st.get("retention") or {}
+            if shown.get("applied") != retention:
+                return None
+            want = f'revision="{shown["policyRevision"]}",source="operator"'
+            info = _sidecar_metrics(nodes, "decode", "kvferry_policy_info")
+            held = _sidecar_metrics(nodes, "decode", "kvferry_retention_seconds")
+            if not any(want in series and v == 1 for series, v in info.items()):
+                return None
+            return shown["policyRevision"] if list(held.values()) == [retention] else None
+
+        # A publish pass (10 s) and a report push (15 s) at most, on a loaded machine.
+        return wait_until(check, timeout=180, what=f"the decode sidecar holding {retention}s")
+
+    original = yaml.safe_load(j.MANIFEST.read_text())["spec"]["kvTransfer"]
+    _apply_server(nodes, {"kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 80}})
+    changed = told(120)
+    assert _containers(nodes) == containers
+    assert _templates(nodes) == templates
+    _apply_server(nodes, {"kvTransfer": dict(original)})
+    assert told(original["decodeRetentionSeconds"]) != changed
+    assert _containers(nodes) == containers
+    assert _templates(nodes) == templates
 
 
 def _now() -> str:
