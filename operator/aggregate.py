@@ -67,6 +67,9 @@ NO_REPORTS_STATUS: dict[str, Any] = {
 
 DEFAULT_STALE_SECONDS = 90.0
 
+# KVCacheStatus phase while some pod's report is fresh.
+PHASE_REPORTING = "Reporting"
+
 
 def _q(h: Histogram, q: float) -> float | None:
     value, _ = h.quantile(q)
@@ -264,7 +267,7 @@ def _aggregate(
         phase = "Stale"
         message = f"every report is older than {stale_after:.0f}s: sidecars are not reporting"
     else:
-        phase, message = "Reporting", f"{len(fresh)} of {len(received)} pods reporting"
+        phase, message = PHASE_REPORTING, f"{len(fresh)} of {len(received)} pods reporting"
 
     # 1. reuse by turn index
     buckets: dict[str, TurnBucket] = {}
@@ -388,13 +391,8 @@ def _aggregate(
                 round(recompute_seconds / recompute_tokens, 7) if recompute_tokens else None
             ),
             "estimatedPrefillSecondsSaved": (
-                round(
-                    max(
-                        0.0,
-                        later_reused_tokens * recompute_seconds / recompute_tokens - pull_seconds,
-                    ),
-                    3,
-                )
+                # Negative when the pulls took longer than recomputing would have.
+                round(later_reused_tokens * recompute_seconds / recompute_tokens - pull_seconds, 3)
                 if recompute_tokens
                 else None
             ),

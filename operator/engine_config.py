@@ -93,6 +93,24 @@ def decode_lease_seconds(server: Server) -> int:
     return min(DECODE_LEASE_MAX_SECONDS, 3 * server.spec.kv_transfer.lease_seconds)
 
 
+def decoder_ttl_of(statefulset: Obj) -> int | None:
+    """The ``decoder_kv_blocks_ttl`` a rendered StatefulSet's engine runs (what
+    ``build_kv_transfer_config`` put on its command line); None when it has none."""
+    template = ((statefulset.get("spec") or {}).get("template") or {}).get("spec") or {}
+    for container in template.get("containers") or []:
+        args = container.get("args") or []
+        if "--kv-transfer-config" not in args:
+            continue
+        at = args.index("--kv-transfer-config") + 1
+        try:
+            extra = json.loads(args[at])["kv_connector_extra_config"]
+            ttl = extra["decoder_kv_blocks_ttl"]
+        except (IndexError, KeyError, TypeError, ValueError):
+            return None
+        return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else None
+    return None
+
+
 def build_kv_transfer_config(server: Server, role: str) -> Obj:
     """vLLM 0.32's ``--kv-transfer-config`` for one role (NixlConnector, pull mode).
 

@@ -42,6 +42,7 @@ from . import (
     api,
     backoff,
     drift,
+    engine_config,
     held,
     hostpaths,
     metrics,
@@ -153,6 +154,7 @@ async def configure(
         min_write_seconds=ours.min_status_write_seconds,
         emit=memo.kube.create_event,
         prune_after=ours.report_prune_seconds,
+        reapply=memo.retries.failed,
     )
     memo.publisher = residency
     if ours.tls_cert_file and ours.tls_key_file:
@@ -450,14 +452,28 @@ def _apply_children(
         warn(EVENT_APPLY_FAILED, why)
         refusals.append(why)
         ok = Applied.RETRY if ok is Applied.RETRY else Applied.NEVER
+    last = claims.last_apply(server_key)
     if only is None and unreleasable is not None:
         try:
-            server = gate_ceiling(body, server, kube, unreleasable, warn)
+            ran = last.ceiling if last is not None else None
+            server = gate_ceiling(body, server, kube, unreleasable, warn, ran)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             logger.warning("apply deferred, API server unreachable: %s", _brief(exc))
             return Applied.RETRY
+    elif (
+        only is not None
+        and last is not None
+        and last.ceiling is not None
+        and last.generation == server.generation
+    ):
+        # A one-child re-apply (drift) keeps the ceiling the last whole apply rendered:
+        # only a whole apply moves it, through the gate (the owner the drift check saw
+        # may come from a watch that has not shown the gate's status write yet).
+        wanted = server.spec.cache_tuning.max_retention_seconds
+        kept = last.ceiling if last.ceiling < wanted else None
+        server = dataclasses.replace(server, ceiling_held=kept)
     refused = settings_refusal(server, settings)
     # Pods start only isolated: a NetworkPolicy that did not land holds the StatefulSets.
     isolated = True
@@ -563,31 +579,51 @@ def gate_ceiling(
     kube: Kube,
     unreleasable: Unreleasable,
     warn: Callable[[str, str], None],
+    ran: int | None = None,
 ) -> api.Server:
     """The server with its ceiling gate decided (``policy.ceiling_hold``), recorded in
-    ``status.retention`` first (``ceiling`` in force, ``ceilingHeld``), so every later
-    render of the server (drift checks, a new leader's) reads the same; the publisher
-    lifts a hold once no pin is unreleasable. The body is left as it came."""
+    ``status.retention`` first (``ceilingHeld``, and ``ceiling`` in force), so every
+    later render of the server (drift checks, a new leader's) reads the same; the
+    publisher lifts a hold once no pin is unreleasable. The body is left as it came.
+
+    What decode runs is ``ran`` (this process's last whole apply rendered it), else
+    what its StatefulSet carries (read once: a process's first apply of the server),
+    never status's ``ceiling`` alone: a publisher pass that read the spec's raise
+    before this apply writes it there, and a raise taken from there would skip the
+    gate."""
     retention = (body.get("status") or {}).get("retention") or {}
     recorded = retention.get("ceiling")
     if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded <= 0:
-        return server  # no ceiling recorded yet: nobody reported, nothing pinned to hold for
-    # A hold is the ceiling decode runs, whatever ``ceiling`` says (a publisher pass that
-    # read the server before the hold landed writes the spec's there until its next).
-    in_force = server.ceiling_held or recorded
+        recorded = None
+    if ran is None:
+        if recorded is None:
+            return server  # nobody reported yet: no pin is known, nothing to hold for
+        ran = running_decode_ceiling(kube, server) or recorded
     wanted = server.spec.cache_tuning.max_retention_seconds
     # Counted only for a raise: the count may cost a read (Publisher.unreleasable).
-    count = unreleasable((server.namespace, server.name)) if wanted > in_force else None
-    hold = policy.ceiling_hold(wanted, in_force, count)
+    count = unreleasable((server.namespace, server.name)) if wanted > ran else None
+    hold = policy.ceiling_hold(wanted, ran, count)
     gated = dataclasses.replace(server, ceiling_held=hold)
     want = {"ceiling": gated.retention_ceiling, "ceilingHeld": hold}
-    if want != {"ceiling": recorded, "ceilingHeld": server.ceiling_held}:
+    if (recorded is not None or hold is not None) and want != {
+        "ceiling": recorded,
+        "ceilingHeld": server.ceiling_held,
+    }:
         kube.patch_status(
             api.API_VERSION, api.SERVER_KIND, server.namespace, server.name, {"retention": want}
         )
         if hold is not None and server.ceiling_held != hold:
             warn(publisher.EVENT_CEILING_HELD, policy.hold_message(wanted, hold, count or 0))
     return gated
+
+
+def running_decode_ceiling(kube: Kube, server: api.Server) -> int | None:
+    """The ``decoder_kv_blocks_ttl`` the server's decode StatefulSet carries; None when
+    it has none of ours."""
+    sts = kube.get("apps/v1", "StatefulSet", server.namespace, render.child_name(server, "decode"))
+    if sts is None or not ownership.is_ours(sts, server.uid):
+        return None
+    return engine_config.decoder_ttl_of(sts)
 
 
 def settings_refusal(server: api.Server, settings: Settings) -> str | None:

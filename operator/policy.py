@@ -82,6 +82,14 @@ def ceiling_hold(wanted: int, in_force: int | None, unreleasable: int | None) ->
     return in_force
 
 
+def hold_lifts(wanted: int, held: int, unreleasable: int | None) -> bool:
+    """Whether a standing hold at ``held`` ends: the spec no longer asks above it, or
+    every decode pod's fresh report shows no unreleasable pin. Unknown keeps it (a pod
+    not heard from may hold some); a hold whose reports stopped is lifted by hand
+    (docs/architecture.md)."""
+    return wanted <= held or unreleasable == 0
+
+
 def hold_message(wanted: int, held: int, unreleasable: int) -> str:
     return (
         f"maxRetentionSeconds {wanted}s held at {held}s: the decode sidecars report "

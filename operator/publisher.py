@@ -85,8 +85,11 @@ class Publisher:
         emit: Callable[[dict[str, Any], str, str, str], None],
         clock: Callable[[], float] = time.time,
         prune_after: float = 600.0,
+        reapply: Callable[[str, str], None] | None = None,
     ) -> None:
         self.kube = kube
+        # Asks for a whole apply of a server (handlers: an apply retry), after a lift.
+        self.reapply = reapply
         self.store = store
         self.stale_after = stale_after
         self.min_write_seconds = min_write_seconds
@@ -121,6 +124,18 @@ class Publisher:
         first pass (the sidecars keep what they have). A dict read, as ``transport``."""
         return self._policies.get((namespace, name))
 
+    def unreleasable_everywhere(self, key: tuple[str, str], decode_pods: int) -> int | None:
+        """The pinned handles no release can free, summed over fresh reports of at
+        least ``decode_pods`` decode pods; None with fewer (a pod not heard from may
+        hold some): what lifting a hold needs."""
+        now = self.clock()
+        fresh = {
+            r.report.pod: r.report.pinned.unreleasable_handles
+            for r in self.store.get(*key)
+            if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
+        }
+        return sum(fresh.values()) if fresh and len(fresh) >= decode_pods else None
+
     def unreleasable(self, key: tuple[str, str]) -> int | None:
         """The pinned handles the server's fresh decode reports say no release can free
         (the ceiling gate's figure, ``policy.ceiling_hold``). With none fresh here (a
@@ -138,7 +153,12 @@ class Publisher:
         shown = (self.kube.get(api.API_VERSION, api.STATUS_KIND, *key) or {}).get("status") or {}
         written = api.parse_time(shown.get("lastUpdateTime"))
         count = (shown.get("retention") or {}).get("unreleasablePinnedHandles")
-        if written is None or now - written > self.stale_after or not isinstance(count, int):
+        if (
+            written is None
+            or now - written > self.stale_after
+            or shown.get("phase") != aggregate.PHASE_REPORTING
+            or not isinstance(count, int)
+        ):
             return None
         return count
 
@@ -180,17 +200,14 @@ class Publisher:
             decode_kv_usage_peak=usage.observe(fresh, now),
         )
         self._transports[key] = (agg.transport, agg.transport_reason)
-        lifted = server.ceiling_held is not None and (
-            policy.ceiling_hold(
-                server.spec.cache_tuning.max_retention_seconds,
-                server.retention_ceiling,
-                self.unreleasable(key),
-            )
-            is None
+        lifted = server.ceiling_held is not None and policy.hold_lifts(
+            server.spec.cache_tuning.max_retention_seconds,
+            server.ceiling_held,
+            self.unreleasable_everywhere(key, server.replicas(api.ROLE_DECODE)),
         )
         if lifted:
             # No pin the longer ceiling would keep: the raise goes in. Its status write
-            # (below) is what re-applies decode (handlers.server_changed).
+            # (below) and the re-apply asked for after it roll decode.
             server = dataclasses.replace(server, ceiling_held=None)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
@@ -240,8 +257,12 @@ class Publisher:
             )
             self._last_write[key] = now
 
-        self._publish_retention(obj, server, rec, decision, agg)
+        self._publish_retention(obj, server, rec, decision, agg, lifted)
         if lifted:
+            if self.reapply is not None:
+                # A new leader has no whole apply of its own to compare the lifted
+                # hold with (handlers.server_changed): ask for one.
+                self.reapply(namespace, name)
             self.emit(
                 obj,
                 "Normal",
@@ -275,24 +296,24 @@ class Publisher:
         rec: tune.Recommendation | None,
         decision: tune.ApplyDecision | None,
         agg: aggregate.Aggregate,
+        lifted: bool = False,
     ) -> None:
         """Write ``status.retention`` (``server`` is the server with Auto's decision
-        in force) and the transport."""
+        in force) and the transport. ``ceilingHeld`` is the apply's (handlers.gate_ceiling):
+        never sent from what this pass read, only nulled when ``lifted``, so a pass
+        that read a hold the apply has cleared since cannot bring it back."""
         mode = server.spec.cache_tuning.mode
         st = obj.get("status") or {}
-        old = st.get("retention") or {}
+        old = {k: v for k, v in (st.get("retention") or {}).items() if k != "ceilingHeld"}
         applying = decision is not None and decision.apply
         new = without_nulls(retention_status(old, server, rec, mode))
-        lifted = server.ceiling_held is None and "ceilingHeld" in old
-        if lifted:
-            new.pop("ceilingHeld", None)
         if decision is not None:
             new["autoDecision"] = decision.reason
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
             agg.transport,
             agg.transport_reason,
         )
-        if new == old and not transport_changed:
+        if new == old and not transport_changed and not lifted:
             return
         patch: dict[str, Any] = {
             # A merge patch keeps what it does not name: a lifted hold is nulled.

@@ -234,9 +234,7 @@ def plan_live_apply(mode: str, recommended: int, applied: int, ceiling: int) -> 
     if recommended == applied:
         return ApplyDecision(False, "already in force")
     if recommended > ceiling:
-        return ApplyDecision(
-            False, f"{recommended}s is over the ceiling maxRetentionSeconds {ceiling}s"
-        )
+        return ApplyDecision(False, f"{recommended}s is over the ceiling in force ({ceiling}s)")
     return ApplyDecision(True, f"applied {recommended}s live (was {applied}s)")
 
 

@@ -180,6 +180,8 @@ def no_safety_pass(operator: Operator) -> Iterator[Operator]:
     tier runs one every 5 s), so what re-applies decode is the event the test is about."""
     operator.stop()
     operator.extra_env = {**operator.extra_env, "KVFERRY_RESYNC_SECONDS": "600"}
+    # The log is the tier's, appended to: this process's lines start here.
+    operator.log_from = len(operator.log())  # type: ignore[attr-defined]
     operator.start()
     try:
         yield operator
@@ -235,7 +237,12 @@ def test_a_ceiling_raise_waits_while_decode_pins_what_no_release_can_free(
 
     # The operator's first safety pass (15 s after its start, whatever the interval)
     # is over: from here only the hold's lift can re-apply decode.
-    wait_until(lambda: "safety pass done" in operator.log(), 60, "the first safety pass")
+    since = operator.log_from  # type: ignore[attr-defined]
+    wait_until(
+        lambda: "safety pass done" in operator.log()[since:],
+        60,
+        "this operator's first safety pass",
+    )
     # The pins are gone from the next report: the raise goes in (the publisher lifts the
     # hold, whose status event re-applies decode), and rolls decode only.
     sidecar.push(decode_report(ns, "tiny", "tiny-decode-0", unreleasable=0))

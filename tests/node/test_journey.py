@@ -261,9 +261,9 @@ def test_reports_arrive_with_real_tokens(nodes: NodeCluster, journey: Any) -> No
     assert status.get("message", "").startswith("2 of 2 pods reporting"), status
 
 
-def _sidecar_metrics(nodes: NodeCluster, role: str, name: str) -> dict[str, float]:
-    """The series ``name`` of the role's sidecar's /metrics, read inside its container
-    (series line -> value): an exec, not a restart."""
+def _sidecar_metrics(nodes: NodeCluster, role: str) -> dict[str, float]:
+    """The kvferry series of the role's sidecar's /metrics, read inside its container
+    (series -> value): an exec, not a restart."""
     (pod,) = j.pods(nodes, role)
     code = (
         "import urllib.request;print(urllib.request.urlopen("
@@ -284,7 +284,7 @@ def _sidecar_metrics(nodes: NodeCluster, role: str, name: str) -> dict[str, floa
     ).stdout
     out = {}
     for line in text.splitlines():
-        if line.startswith((f"{name} ", f"{name}{{")):
+        if line.startswith("kvferry_"):
             series, value = line.rsplit(" ", 1)
             out[series] = float(value)
     return out
@@ -322,29 +322,39 @@ def test_a_policy_change_reaches_the_running_sidecars_with_zero_restarts(
     way, it reaches them again."""
     containers, templates = _containers(nodes), _templates(nodes)
 
-    def told(retention: int) -> str:
+    def told(retention: int, threshold: int) -> str:
         def check() -> str | None:
             st = nodes.kubectl.json("get", "dserver", j.SERVER, "-n", j.NAMESPACE)["status"]
             shown = st.get("retention") or {}
             if shown.get("applied") != retention:
                 return None
             want = f'revision="{shown["policyRevision"]}",source="operator"'
-            info = _sidecar_metrics(nodes, "decode", "kvferry_policy_info")
-            held = _sidecar_metrics(nodes, "decode", "kvferry_retention_seconds")
-            if not any(want in series and v == 1 for series, v in info.items()):
+            series = _sidecar_metrics(nodes, "decode")
+            info = {k: v for k, v in series.items() if k.startswith("kvferry_policy_info{")}
+            if not any(want in k and v == 1 for k, v in info.items()):
                 return None
-            return shown["policyRevision"] if list(held.values()) == [retention] else None
+            if series.get("kvferry_retention_seconds") != retention:
+                return None
+            if series.get("kvferry_recompute_threshold_tokens") != threshold:
+                return None
+            return shown["policyRevision"]
 
         # A publish pass (10 s) and a report push (15 s) at most, on a loaded machine.
-        return wait_until(check, timeout=180, what=f"the decode sidecar holding {retention}s")
+        return wait_until(
+            check, timeout=180, what=f"the decode sidecar holding {retention}s", interval=5
+        )
 
     original = yaml.safe_load(j.MANIFEST.read_text())["spec"]["kvTransfer"]
-    _apply_server(nodes, {"kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 80}})
-    changed = told(120)
-    assert _containers(nodes) == containers
-    assert _templates(nodes) == templates
-    _apply_server(nodes, {"kvTransfer": dict(original)})
-    assert told(original["decodeRetentionSeconds"]) != changed
+    try:
+        _apply_server(
+            nodes, {"kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 80}}
+        )
+        changed = told(120, 80)
+        assert _containers(nodes) == containers
+        assert _templates(nodes) == templates
+    finally:
+        _apply_server(nodes, {})  # the manifest as it is: the tests after it expect it
+    assert told(original["decodeRetentionSeconds"], original["recomputeThreshold"]) != changed
     assert _containers(nodes) == containers
     assert _templates(nodes) == templates
 

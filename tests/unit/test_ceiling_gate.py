@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any
 
-from kvferry_operator import api, handlers, ownership, publisher
+from kvferry_operator import api, handlers, ownership, publisher, render
 from kvferry_operator.settings import Settings
 from tests.manifests import server
 
@@ -30,12 +30,15 @@ def raised(to: int, ceiling: int | None = 600, held: int | None = None) -> dict[
 
 
 class RecordingKube:
-    def __init__(self) -> None:
+    def __init__(self, running: dict[str, Any] | None = None) -> None:
+        self.running = running  # the decode StatefulSet a get finds
         self.applied: dict[tuple[str, str], dict[str, Any]] = {}
         self.status_patches: list[dict[str, Any]] = []
         self.events: list[tuple[str, str, str]] = []
 
     def get(self, api_version, kind, namespace, name):
+        if kind == "StatefulSet":
+            return self.running if name == "tiny-decode" else None
         return None
 
     def apply(self, child: dict[str, Any]) -> dict[str, Any]:
@@ -57,8 +60,13 @@ class RecordingKube:
         return config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
 
 
-def apply(body: dict[str, Any], unreleasable: int | None) -> tuple[RecordingKube, Any]:
-    kube, claims = RecordingKube(), ownership.Claims()
+def apply(
+    body: dict[str, Any],
+    unreleasable: int | None,
+    kube: RecordingKube | None = None,
+    claims: ownership.Claims | None = None,
+) -> tuple[RecordingKube, Any]:
+    kube, claims = kube or RecordingKube(), claims or ownership.Claims()
     result = handlers.apply_children(
         body,
         kube,  # type: ignore[arg-type]
@@ -135,10 +143,46 @@ def test_the_count_is_asked_for_a_raise_only():
         assert claims.last_apply(("ns", "tiny")).applied
 
 
-def test_a_hold_outlasts_a_stale_ceiling_written_over_it():
-    # A publisher pass that read the server before the hold landed wrote the spec's
-    # 3600 s as the ceiling; the hold (600 s) is still what decode runs.
-    kube, _ = apply(raised(3600, ceiling=3600, held=600), unreleasable=1)
+def running(ceiling: int) -> dict[str, Any]:
+    """The decode StatefulSet as an apply at maxRetentionSeconds ``ceiling`` left it."""
+    children = render.render(api.parse_server(raised(ceiling)), SETTINGS.render_context())
+    return next(
+        c for c in children if c["kind"] == "StatefulSet" and "decode" in c["metadata"]["name"]
+    )
+
+
+def test_a_raise_the_publisher_wrote_as_the_ceiling_first_is_still_held():
+    # A publisher pass that read the raised spec before this apply wrote 3600 s as the
+    # ceiling; decode still runs 600 s (its StatefulSet says so), and pins are stuck.
+    kube = RecordingKube(running=running(600))
+    kube, outcome = apply(raised(3600, ceiling=3600), unreleasable=2, kube=kube)
+    assert kube.decode_ttl() == 600 and outcome.ceiling == 600
+    assert kube.status_patches == [{"retention": {"ceiling": 600, "ceilingHeld": 600}}]
+    assert [r for _, r, _ in kube.events] == [publisher.EVENT_CEILING_HELD]
+
+
+def test_a_process_goes_by_what_its_own_last_apply_rendered():
+    kube, claims = RecordingKube(), ownership.Claims()
+    apply(raised(600), unreleasable=0, kube=kube, claims=claims)
+    # Status now says 3600 s (a stale publisher write), no StatefulSet is read.
+    kube.status_patches.clear()
+    apply(raised(3600, ceiling=3600), unreleasable=1, kube=kube, claims=claims)
     assert kube.decode_ttl() == 600
     assert kube.status_patches == [{"retention": {"ceiling": 600, "ceilingHeld": 600}}]
-    assert kube.events == []  # the same hold: nothing new to say
+
+
+def test_a_drift_re_apply_keeps_the_ceiling_of_the_last_whole_apply():
+    kube, claims = RecordingKube(), ownership.Claims()
+    apply(raised(3600), unreleasable=3, kube=kube, claims=claims)  # held at 600
+    # The owner the drift check saw predates the gate's status write: no hold in it.
+    result = handlers.apply_children(
+        raised(3600),
+        kube,  # type: ignore[arg-type]
+        SETTINGS,
+        LOG,
+        only=("StatefulSet", "tiny-decode"),
+        claims=claims,
+        post=kube.create_event,
+    )
+    assert result is handlers.Applied.ALL
+    assert kube.decode_ttl() == 600

@@ -29,6 +29,9 @@ class MemoryKube:
     def get(self, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objs.get((kind, name)))
 
+    def get_pod(self, ns: str, name: str) -> dict[str, Any] | None:
+        return {"metadata": {"name": name, "uid": ""}}  # every reporting pod still runs
+
     def patch_status(self, api_version: str, kind: str, ns: str, name: str, body: Any) -> None:
         self.patches.append((kind, copy.deepcopy(body)))
         obj = self.objs[(kind, name)]
@@ -360,7 +363,11 @@ def test_the_publisher_lifts_a_held_ceiling_once_no_pin_is_unreleasable():
     kube, store, events = held_server(unreleasable=0)
     pub = operator_process(kube, store, [NOW])
     pub.emit = lambda *a: events.append(a)
+    asked: list[tuple[str, str]] = []
+    pub.reapply = lambda ns, name: asked.append((ns, name))
     pub.publish("default", "tiny")
+    # A whole apply is asked for: a new leader has none of its own to compare with.
+    assert asked == [("default", "tiny")]
     retention = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
     # The merge patch nulled the hold (what re-applies decode with the new ceiling).
     assert "ceilingHeld" not in retention and retention["ceiling"] == 3600
@@ -388,9 +395,41 @@ def test_a_leader_with_no_report_yet_goes_by_the_kvcachestatus_its_predecessor_w
     kube, _, _ = held_server(unreleasable=0)
     status = kube.objs[(api.STATUS_KIND, "tiny")]["status"]
     status["retention"] = {"unreleasablePinnedHandles": 2}
+    status["phase"] = "Reporting"
     empty = MutableStore()  # this process has heard no report
     status["lastUpdateTime"] = api.iso_time(NOW - 30)
     assert operator_process(kube, empty, [NOW]).unreleasable(("default", "tiny")) == 2
     # Written longer ago than a report stays fresh: not known.
     status["lastUpdateTime"] = api.iso_time(NOW - 91)
     assert operator_process(kube, empty, [NOW]).unreleasable(("default", "tiny")) is None
+    # A status that summed no fresh report says 0 for want of any: not a zero.
+    status["lastUpdateTime"], status["phase"] = api.iso_time(NOW - 30), "Stale"
+    assert operator_process(kube, empty, [NOW]).unreleasable(("default", "tiny")) is None
+
+
+def test_a_hold_stands_while_a_decode_pod_is_not_heard_from():
+    kube, store, events = held_server(unreleasable=0)
+    obj = kube.objs[(api.SERVER_KIND, "tiny")]
+    obj["spec"]["decode"] = {**obj["spec"].get("decode", {}), "replicas": 2}
+    pub = operator_process(kube, store, [NOW])
+    pub.emit = lambda *a: events.append(a)
+    pub.publish("default", "tiny")  # one of two decode pods reported 0: not enough
+    retention = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]
+    assert retention["ceilingHeld"] == 600
+    # Its only report gone stale: unknown, and a hold stands on unknown.
+    obj["spec"]["decode"]["replicas"] = 1
+    stale = operator_process(kube, store, [NOW + 91])
+    stale.emit = lambda *a: events.append(a)
+    stale.publish("default", "tiny")
+    assert kube.objs[(api.SERVER_KIND, "tiny")]["status"]["retention"]["ceilingHeld"] == 600
+    assert publisher.EVENT_CEILING_RAISED not in [e[2] for e in events]
+
+
+def test_the_publisher_never_writes_a_hold_it_read():
+    # The apply owns ceilingHeld: a pass that read one the apply has cleared since must
+    # not send it back (a merge patch would revive it).
+    kube, store, _ = held_server(unreleasable=2)
+    pub = operator_process(kube, store, [NOW])
+    pub.publish("default", "tiny")
+    sent = [b["retention"] for kind, b in kube.patches if kind == api.SERVER_KIND]
+    assert sent and all("ceilingHeld" not in r for r in sent)
