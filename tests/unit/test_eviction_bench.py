@@ -170,32 +170,54 @@ def test_main_names_a_bad_trace(tmp_path: Path, capsys) -> None:
     assert "bad.jsonl:1: field 't' is missing" in capsys.readouterr().err
 
 
-def test_the_model_check_compares_the_saving_and_names_each_length() -> None:
-    """bench/eviction_model.py's verdict: the model's N x (recompute - pull) against the
-    measured computed leg less the pulling leg, within 20 % at each N."""
+def test_the_model_check_prices_the_model_at_one_length_and_checks_the_others() -> None:
+    """bench/eviction_model.py's verdict: the model's N x (recompute - pull), at the
+    per-token costs measured at the calibration length, against the measured computed
+    leg less the pulling leg at every other length, within 20 %."""
     from bench import eviction_model as em
 
-    per_token = ev.RECOMPUTE_S_PER_TOKEN - ev.PULL_S_PER_TOKEN
-    exact = em.Row(
-        tokens=1000, computed_s=0.1 + 1000 * per_token, pulling_s=0.1, tail_s=0.05, samples=3
-    )
-    assert exact.model_error == pytest.approx(0.0, abs=1e-9)
-    assert exact.recompute_per_token == pytest.approx((exact.computed_s - 0.05) / 1000)
-    off = em.Row(
-        tokens=1000, computed_s=0.1 + 1.3 * 1000 * per_token, pulling_s=0.1, tail_s=0.05, samples=3
-    )
-    assert off.model_error == pytest.approx(1 - 1 / 1.3)
-    none_saved = em.Row(tokens=1000, computed_s=0.1, pulling_s=0.2, tail_s=0.05, samples=3)
-    assert none_saved.model_error == 1.0
-    verdicts = [(t.name, t.met) for t in em.targets([exact, off, none_saved])][-3:]
-    assert [met for _, met in verdicts] == [True, False, False]
-    assert all("N=1000" in name for name, _ in verdicts)
-    # The form alone: savings proportional to N meet it whatever the constant.
-    rows = [
-        em.Row(tokens=n, computed_s=0.1 + 2 * n * per_token, pulling_s=0.1, tail_s=0.0, samples=1)
-        for n in (500, 1000, 2000)
+    def row(n: int, recompute: float, pull: float) -> em.Row:
+        tail = 0.05
+        return em.Row(n, tail + n * recompute, tail + n * pull, tail, samples=3)
+
+    linear = [row(n, 1e-3, 5e-5) for n in (512, 1024, 2048)]
+    cal = em.calibration(linear, 1024)
+    assert cal.recompute_per_token == pytest.approx(1e-3)
+    assert cal.pull_per_token == pytest.approx(5e-5)
+    verdicts = em.targets(linear, 1024)
+    assert [("N=512" in t.name, "N=2048" in t.name) for t in verdicts] == [
+        (True, False),
+        (False, True),
     ]
-    assert em.fitted_saving_per_token(rows) == pytest.approx(2 * per_token)
-    form = [t for t in em.targets(rows) if "form" in t.name]
-    assert len(form) == 3 and all(t.met for t in form)
-    assert not any(t.met for t in em.targets(rows) if "form" not in t.name)
+    assert all(t.met for t in verdicts)
+    # Per-token costs that grow with the history: the held-out lengths miss.
+    growing = [row(512, 0.7e-3, 5e-5), row(1024, 1e-3, 5e-5), row(2048, 1.4e-3, 5e-5)]
+    assert [t.met for t in em.targets(growing, 1024)] == [False, False]
+    # Nothing saved at a length: off by 100 %, never met.
+    worse = [row(512, 1e-3, 2e-3), *linear[1:]]
+    assert not em.targets(worse, 1024)[0].met
+    with pytest.raises(ValueError, match="--calibrate-at 999"):
+        em.calibration(linear, 999)
+    # Beside the targets: the form fitted over every N, and the built-in constants.
+    lines = em.notes(linear)
+    assert len(lines) == 6 and all("off by" in line for line in lines)
+    assert em.fitted_saving_per_token(linear) == pytest.approx(1e-3 - 5e-5)
+
+
+def test_the_simulator_prices_its_savings_at_a_calibration(tmp_path: Path, capsys) -> None:
+    cal = tmp_path / "eviction-model.json"
+    cal.write_text(
+        json.dumps(
+            {
+                "results": {
+                    "calibration": {"recomputeSecondsPerToken": 1e-3, "pullSecondsPerToken": 5e-5}
+                }
+            }
+        )
+    )
+    assert ev.costs_from(cal) == (1e-3, 5e-5)
+    cal.write_text("{}")
+    with pytest.raises(ev.TraceError, match=r"no results\.calibration"):
+        ev.costs_from(cal)
+    assert ev.main(["--costs", str(cal), "--out", str(tmp_path)]) == 2
+    assert "no results.calibration" in capsys.readouterr().err
