@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvferry_wire import policy as wire_policy
+from kvferry_wire.report import Report
 
 from . import aggregate, api, policy, pressure, reports, tune
 from .kube import Kube
@@ -124,17 +125,23 @@ class Publisher:
         first pass (the sidecars keep what they have). A dict read, as ``transport``."""
         return self._policies.get((namespace, name))
 
+    def _fresh_decode(self, key: tuple[str, str]) -> list[Report]:
+        """The server's decode reports within ``stale_after``, one per pod."""
+        now = self.clock()
+        return [
+            r.report
+            for r in self.store.get(*key)
+            if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
+        ]
+
     def unreleasable_everywhere(self, key: tuple[str, str], decode_pods: int) -> int | None:
         """The pinned handles no release can free, summed over fresh reports of at
         least ``decode_pods`` decode pods; None with fewer (a pod not heard from may
         hold some): what lifting a hold needs."""
-        now = self.clock()
-        fresh = {
-            r.report.pod: r.report.pinned.unreleasable_handles
-            for r in self.store.get(*key)
-            if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
-        }
-        return sum(fresh.values()) if fresh and len(fresh) >= decode_pods else None
+        fresh = self._fresh_decode(key)
+        pods = {r.pod for r in fresh}
+        total = sum(r.pinned.unreleasable_handles for r in fresh)
+        return total if pods and len(pods) >= decode_pods else None
 
     def unreleasable(self, key: tuple[str, str]) -> int | None:
         """The pinned handles the server's fresh decode reports say no release can free
@@ -142,14 +149,10 @@ class Publisher:
         leader that just took over has no report yet), what the last writer of its
         KVCacheStatus counted, while that was written within ``stale_after``; None
         when neither is known. A read of whole rows, as ``transport``."""
-        now = self.clock()
-        fresh = [
-            r.report
-            for r in self.store.get(*key)
-            if r.report.role == api.ROLE_DECODE and not reports.is_stale(r, now, self.stale_after)
-        ]
+        fresh = self._fresh_decode(key)
         if fresh:
             return sum(r.pinned.unreleasable_handles for r in fresh)
+        now = self.clock()
         shown = (self.kube.get(api.API_VERSION, api.STATUS_KIND, *key) or {}).get("status") or {}
         written = api.parse_time(shown.get("lastUpdateTime"))
         count = (shown.get("retention") or {}).get("unreleasablePinnedHandles")

@@ -52,6 +52,18 @@ def settled(kubectl: Kubectl, ns: str) -> bool:
     return True
 
 
+def wait_landed(kubectl: Kubectl, ns: str, generation: int) -> None:
+    """Until the operator has applied the server's ``generation`` (observedGeneration)."""
+    wait_until(
+        lambda: (
+            (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("observedGeneration")
+            == generation
+        ),
+        30,
+        f"generation {generation} landed",
+    )
+
+
 def retention(kubectl: Kubectl, ns: str) -> dict[str, Any]:
     return ((kubectl.get("dserver", "tiny", ns) or {}).get("status") or {}).get("retention") or {}
 
@@ -107,14 +119,7 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
     )
     assert (told[wire_policy.K_THRESHOLD], told[wire_policy.K_SKIP]) == (32, 100)
     # The operator handled the new generation (its children applied) ...
-    wait_until(
-        lambda: (
-            (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("observedGeneration")
-            == generation + 1
-        ),
-        30,
-        "the new generation landed",
-    )
+    wait_landed(kubectl, ns, generation + 1)
     # ... and neither StatefulSet changed: no generation, no write, the same template.
     assert statefulsets(kubectl, ns) == before
     # The ConfigMap carries the new values as the start value of a pod started later.
@@ -210,14 +215,7 @@ def test_a_ceiling_raise_waits_while_decode_pins_what_no_release_can_free(
     kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
     held = wait_for_event(kubectl, ns, "tiny", "CeilingHeld")
     assert "3600s held at 600s" in held[0]["message"], held[0]["message"]
-    wait_until(
-        lambda: (
-            (kubectl.get("dserver", "tiny", ns).get("status") or {}).get("observedGeneration")
-            == generation + 1
-        ),
-        30,
-        "the new generation landed",
-    )
+    wait_landed(kubectl, ns, generation + 1)
     # Held: the field survived the API server, and decode was not rolled.
     shown = retention(kubectl, ns)
     assert (shown["ceiling"], shown["ceilingHeld"]) == (600, 600)

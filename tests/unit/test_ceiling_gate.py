@@ -62,11 +62,13 @@ class RecordingKube:
 
 def apply(
     body: dict[str, Any],
-    unreleasable: int | None,
+    unreleasable: int | handlers.Unreleasable | None,
     kube: RecordingKube | None = None,
     claims: ownership.Claims | None = None,
 ) -> tuple[RecordingKube, Any]:
+    """A whole apply with the gate's count ``unreleasable`` (or the function asked)."""
     kube, claims = kube or RecordingKube(), claims or ownership.Claims()
+    count = unreleasable if callable(unreleasable) else (lambda key: unreleasable)
     result = handlers.apply_children(
         body,
         kube,  # type: ignore[arg-type]
@@ -74,7 +76,7 @@ def apply(
         LOG,
         claims=claims,
         post=kube.create_event,
-        unreleasable=lambda key: unreleasable,
+        unreleasable=count,
     )
     assert result is handlers.Applied.ALL
     return kube, claims.last_apply(("ns", "tiny"))
@@ -130,17 +132,8 @@ def test_the_count_is_asked_for_a_raise_only():
         raise AssertionError("counted for an apply that raises nothing")
 
     for body in (raised(300, ceiling=600), raised(600, ceiling=600)):
-        kube, claims = RecordingKube(), ownership.Claims()
-        handlers.apply_children(
-            body,
-            kube,  # type: ignore[arg-type]
-            SETTINGS,
-            LOG,
-            claims=claims,
-            post=kube.create_event,
-            unreleasable=never,
-        )
-        assert claims.last_apply(("ns", "tiny")).applied
+        _, outcome = apply(body, never)
+        assert outcome.applied
 
 
 def running(ceiling: int) -> dict[str, Any]:
