@@ -46,6 +46,7 @@ _HELP = {
     "owner_max_pinned_tokens": "tokens one owner's handles pin (default: D's KV / 8)",
     "retention_seconds": "hold handles this long until the operator's policy says (live)",
     "retention_ceiling_seconds": "D's decoder_kv_blocks_ttl (default: --retention-seconds)",
+    "prefill_placement": "Measured (per turn, from the measured costs) or Threshold",
 }
 
 

@@ -28,6 +28,7 @@ import msgspec
 import yaml
 
 from kvferry_wire import settings as wire
+from kvferry_wire.policy import PLACEMENTS
 from kvferry_wire.protocol import ROLE_DECODE as ROLE_DECODE  # re-exported: app, metrics, runtime
 from kvferry_wire.protocol import ROLES
 from kvferry_wire.settings import DEFAULT_SESSION_KEYS as DEFAULT_SESSION_KEYS
@@ -172,6 +173,11 @@ def validate(settings: Settings) -> Settings:
     for name in ("skip_prefill_below_tokens", "recompute_threshold"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name} must be >= 0")
+    if settings.prefill_placement not in PLACEMENTS:
+        raise ConfigError(
+            f"prefill_placement must be one of {', '.join(PLACEMENTS)}, "
+            f"got {settings.prefill_placement!r}"
+        )
     if settings.internal_port and settings.internal_port == settings.listen_port:
         raise ConfigError(
             "internal_port must differ from listen_port (or be 0 to serve internal "

@@ -32,6 +32,7 @@ from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
 from .config import ROLE_DECODE, Settings
+from .placement import BY_COLD, BY_COSTS, BY_RULE
 from .policy import InForce
 from .types import Stage, TurnReport
 
@@ -163,6 +164,18 @@ class Metrics:
         for outcome in Outcome:
             for route in Route:
                 self.turns.labels(outcome.value, route.value)
+        self.placements = Counter(
+            "kvferry_placements",
+            "Where turns were chosen to prefill (prefill: the P path; decode: D alone) and "
+            "what decided (costs: the measured costs and D's load; cold: the "
+            "skip-prefill rule until both costs are measured; rule: prefillPlacement "
+            "Threshold). The route a turn took (a fallback) is kvferry_turns_total's.",
+            ["placement", "decided_by"],
+            registry=r,
+        )
+        for where in ("prefill", "decode"):
+            for by in (BY_COSTS, BY_COLD, BY_RULE):
+                self.placements.labels(where, by)
 
     def bind_settings(self, settings: Settings) -> None:
         self._decode = settings.role == ROLE_DECODE
@@ -204,6 +217,9 @@ class Metrics:
                 self.stage.labels(stage.value, outcome).observe(value)
         if not report.handle_kept and report.handle_not_kept_reason:
             self.handles_not_kept.labels(report.handle_not_kept_reason).inc()
+        if report.choice is not None:
+            where = "decode" if report.choice.alone else "prefill"
+            self.placements.labels(where, report.choice.decided_by).inc()
         log_turn(report)
 
 
@@ -212,14 +228,15 @@ def _fmt(value: float | None) -> str:
 
 
 def log_turn(report: TurnReport) -> None:
-    t = report.timings
+    t, choice = report.timings, report.choice
     log.info(
         # The client's id is its text: quoted (%r), so it cannot pose as other fields.
         "turn request_id=%s client_request_id=%r session=%s owner=%s api=%s stream=%s status=%s "
         "outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
         "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
-        "total_s=%s reanchor_s=%s error=%s",
+        "total_s=%s reanchor_s=%s decode_s=%s placed_by=%s p_path_s=%s alone_s=%s "
+        "interference_s=%s decode_holds=%s error=%s",
         report.request_id,
         report.client_request_id,
         report.session,
@@ -244,6 +261,12 @@ def log_turn(report: TurnReport) -> None:
         _fmt(t.first_token_s),
         _fmt(t.total_s),
         _fmt(t.reanchor_s),
+        _fmt(t.decode_s),
+        choice.decided_by if choice else "-",
+        _fmt(choice.p_path_s if choice else None),
+        _fmt(choice.alone_s if choice else None),
+        _fmt(choice.interference_s if choice else None),
+        report.decode_holds,
         report.error or "-",
     )
 

@@ -37,7 +37,7 @@ from kvferry_wire.protocol import (
     Route,
 )
 
-from . import allowlist, fields, owners, rewrite
+from . import allowlist, fields, owners, placement, rewrite
 from .align import align, held_by_decode
 from .handles import Lookup, local_deadline
 from .identity import compatible, kv_identity
@@ -80,6 +80,20 @@ class Rules:
     skip_prefill_below_tokens: int
     diagnostic_headers: bool = False  # X-Kvferry-* on responses (routing.diagnosticHeaders)
     media_urls_immutable: bool = False  # the bytes behind a media URL never change
+    # Where a prefill runs (placement.py): Measured or Threshold, the costs measured
+    # so far (None: none) and the D legs in flight now besides this turn's.
+    prefill_placement: str = placement.PLACEMENT_MEASURED
+    costs: placement.Costs | None = None
+    running_on_decode: int = 0
+
+
+def _place(rules: Rules, prompt_len: int, on_decode: int, pull: int) -> placement.Choice:
+    return placement.choose(
+        rules.prefill_placement,
+        rules.skip_prefill_below_tokens,
+        placement.Turn(prompt_len, on_decode, pull, rules.running_on_decode),
+        rules.costs,
+    )
 
 
 # ------------------------------------------------------------------ 1. parse
@@ -204,11 +218,13 @@ def plan_turn(
     off = reuse_off(turn, rules)
     if off is not None:
         # The handle only rides along to be released. D's prefix cache is not asked
-        # either: its block hashes would come from ids this prompt may not have. A
-        # short prompt is still D's alone, as any turn's.
-        short = prompt_len is not None and prompt_len < rules.skip_prefill_below_tokens
-        route = Route.SKIP if short else Route.REMOTE
-        return PrefillPlan(route, off, None, prompt_len, 0, 0, lookup.age_s, taken=handle)
+        # either: its block hashes would come from ids this prompt may not have. Where
+        # the prompt is prefilled is chosen as for any turn holding nothing on D.
+        choice = _place(rules, prompt_len, 0, 0) if prompt_len is not None else None
+        route = Route.SKIP if choice is not None and choice.alone else Route.REMOTE
+        return PrefillPlan(
+            route, off, None, prompt_len, 0, 0, lookup.age_s, taken=handle, choice=choice
+        )
     alignment, held = None, 0
     if handle is None:
         outcome = lookup.outcome
@@ -225,36 +241,46 @@ def plan_turn(
         outcome = alignment.outcome
         held = held_by_decode(alignment, handle, rules.block_size)
     aligned = alignment.aligned_tokens if alignment else 0
-    if prompt_len is not None:
-        skip = rules.skip_prefill_below_tokens
-        if prompt_len - held < skip:
-            return PrefillPlan(
-                Route.SKIP,
-                Outcome.SKIPPED_PREFILL,
-                None,
-                prompt_len,
-                aligned,
-                held,
-                lookup.age_s,
-                taken=handle,
-            )
-        cached = cached_on_decode() if prompt_len - skip > 0 else 0
-        if cached > held and prompt_len - cached < skip:
-            # No usable handle says so, but D's prefix cache holds the prefix.
-            return PrefillPlan(
-                Route.SKIP,
-                Outcome.CACHED_ON_DECODE,
-                None,
-                prompt_len,
-                aligned,
-                cached,
-                lookup.age_s,
-                taken=handle,
-            )
     params = alignment.params if alignment else None
     reused = alignment.usable_tokens if alignment else 0
+    choice, on_decode = None, held
+    if prompt_len is not None:
+        measured = rules.prefill_placement == placement.PLACEMENT_MEASURED
+        skip = rules.skip_prefill_below_tokens
+        # D's prefix cache is asked only when it could change the choice: under the
+        # rule, when the handle alone does not already send the turn to D.
+        ask = measured or (prompt_len - held >= skip and prompt_len - skip > 0)
+        cached = cached_on_decode() if ask else 0
+        on_decode = max(held, cached)
+        pull = reused if params is not None else 0
+        choice = _place(rules, prompt_len, on_decode, pull)
+        if choice.alone:
+            # D holds the prefix through the handle, or else (no usable handle says
+            # so) through its prefix cache.
+            why = Outcome.SKIPPED_PREFILL if cached <= held else Outcome.CACHED_ON_DECODE
+            return PrefillPlan(
+                Route.SKIP,
+                why,
+                None,
+                prompt_len,
+                aligned,
+                on_decode,
+                lookup.age_s,
+                taken=handle,
+                choice=choice,
+                decode_holds=on_decode,
+            )
     return PrefillPlan(
-        Route.REMOTE, outcome, params, prompt_len, aligned, reused, lookup.age_s, taken=handle
+        Route.REMOTE,
+        outcome,
+        params,
+        prompt_len,
+        aligned,
+        reused,
+        lookup.age_s,
+        taken=handle,
+        choice=choice,
+        decode_holds=on_decode,
     )
 
 

@@ -1,4 +1,5 @@
-"""The policy in force: retention, recompute threshold and skip-prefill, changed live.
+"""The policy in force: retention, recompute threshold, skip-prefill and prefill
+placement, changed live.
 
 The operator sends its server's policy in the answer to each report push
 (``kvferry_wire.policy``); ``LivePolicy`` holds what this sidecar applies. Rules (each
@@ -48,6 +49,7 @@ class InForce:
     skip_prefill_below_tokens: int
     revision: str  # the operator's, or "config"
     source: str
+    prefill_placement: str = wire.PLACEMENT_MEASURED
 
 
 class LivePolicy:
@@ -58,6 +60,7 @@ class LivePolicy:
         recompute_threshold: int,
         skip_prefill_below_tokens: int,
         ceiling_seconds: float,
+        prefill_placement: str = wire.PLACEMENT_MEASURED,
         on_change: Callable[[InForce], None] | None = None,
     ) -> None:
         self.ceiling_seconds = ceiling_seconds
@@ -71,6 +74,7 @@ class LivePolicy:
             skip_prefill_below_tokens,
             SOURCE_CONFIG,
             SOURCE_CONFIG,
+            prefill_placement,
         )
 
     @property
@@ -84,6 +88,10 @@ class LivePolicy:
     @property
     def skip_prefill_below_tokens(self) -> int:
         return self.current.skip_prefill_below_tokens
+
+    @property
+    def prefill_placement(self) -> str:
+        return self.current.prefill_placement
 
     def offer(self, raw: Any) -> dict[str, str]:
         """Apply what is good in a policy from the operator; returns the refused
@@ -114,16 +122,19 @@ class LivePolicy:
             # A refused revision with good values: they are in force, unnamed.
             (decoded.revision or REVISION_UNKNOWN) if fields else old.revision,
             SOURCE_OPERATOR if fields else old.source,
+            # Optional on the wire: an older operator's policy leaves it as it is.
+            str(fields.get(wire.K_PLACEMENT, old.prefill_placement)),
         )
         if new != old:
             self.current = new
             log.info(
                 "policy in force revision=%s retention_s=%s recompute_threshold=%s "
-                "skip_prefill_below_tokens=%s",
+                "skip_prefill_below_tokens=%s prefill_placement=%s",
                 new.revision,
                 new.retention_seconds,
                 new.recompute_threshold,
                 new.skip_prefill_below_tokens,
+                new.prefill_placement,
             )
             if self._on_change is not None:
                 self._on_change(new)

@@ -431,9 +431,14 @@ async def run_decode(
                 report,
                 finish,
                 finish_after_break=not streamed,
+                decode_started=p_done,
             )
         else:
             response, capture = await _answered(sc, upstream, turn, headers, report)
+            # D's whole answer, every token of it: the decode leg's cost fit is told how
+            # many (residency.py).
+            timings.decode_s = time.monotonic() - p_done
+            report.timed_output_tokens = len(capture.output_ids) or None
         report.finish_reason = capture.finish_reason
         if report.error is None and not settled:
             if streamed:
@@ -536,11 +541,13 @@ async def _relay_stream(
     finish: Callable[[rewrite.Capture], Awaitable[None]] | None = None,
     *,
     finish_after_break: bool = False,
+    decode_started: float | None = None,
 ) -> tuple[web.StreamResponse, rewrite.Capture]:
     """``finish``: awaited once the answer is relayed, before the client's ``[DONE]``
     (a streamed turn's handle is made then, anchor.py). ``finish_after_break``: also
     called when the stream breaks after the finish chunk (the handle D put on it is
-    pinned; a re-anchor on a D whose stream just broke is not worth starting)."""
+    pinned; a re-anchor on a D whose stream just broke is not worth starting).
+    ``decode_started``: when D's leg began (its first token times the leg)."""
     response = web.StreamResponse(status=200, headers=headers)
     response.content_type = upstream.content_type or "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
@@ -555,6 +562,9 @@ async def _relay_stream(
             if out:
                 if report.timings.first_token_s is None:
                     report.timings.first_token_s = time.monotonic() - turn.received_at
+                    if decode_started is not None:
+                        report.timings.decode_s = time.monotonic() - decode_started
+                        report.timed_output_tokens = 1
                 await response.write(out)
         tail = sse.flush()
         if tail:
@@ -838,6 +848,8 @@ async def _serve(
         aligned_tokens=planned.aligned_tokens,
         reused_tokens=planned.reused_tokens,
         handle_age_s=planned.handle_age_s,
+        decode_holds=planned.decode_holds,
+        choice=planned.choice,
     )
     try:
         prefill = await run_prefill(sc, turn, planned, rules, report.timings)
@@ -854,7 +866,8 @@ async def _serve(
     report.prefill_engine, report.prefill_attempts = prefill.engine, prefill.attempts
     report.timings.prefill_s = prefill.prefill_s if prefill.route is Route.REMOTE else None
     try:
-        response = await run_decode(sc, request, turn, prefill, rules, report)
+        with sc.decoding():
+            response = await run_decode(sc, request, turn, prefill, rules, report)
     except asyncio.CancelledError:
         _client_gone(sc, report, received_at)  # D's connection closed: D aborts
         raise

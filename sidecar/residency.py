@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvferry_wire import costfit
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
@@ -148,6 +149,9 @@ class Residency:
         self.ttft_reused = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
         self.ttft_recomputed = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
         self.transfer = rpt.Transfer()
+        # What each leg cost (costfit.py): P's prefill leg, D's leg.
+        self.prefill_leg = costfit.empty(costfit.PREFILL_LEG)
+        self.decode_leg = costfit.empty(costfit.DECODE_LEG)
         self._sessions: OrderedDict[SessionTag, _Session] = OrderedDict()
         self._taken: OrderedDict[SessionTag, None] = OrderedDict()
         self._engine = Cumulative()
@@ -188,6 +192,54 @@ class Residency:
         elif report.route is Route.REMOTE and report.reused_tokens == 0 and prefill_s is not None:
             self.transfer.recompute_tokens += report.prompt_tokens or 0
             self.transfer.recompute_seconds += prefill_s
+        self._observe_legs(report)
+
+    def _observe_legs(self, report: TurnReport) -> None:
+        """The turn's legs into the cost fits (a successful turn's only, see above).
+        A prefill that took more than one attempt timed the failures too: not a leg."""
+        prompt = report.prompt_tokens
+        if prompt is None:
+            return
+        prefill_s = report.timings.prefill_s
+        if report.route is Route.REMOTE and prefill_s is not None and report.prefill_attempts == 1:
+            pulled = report.reused_tokens if report.outcome is Outcome.REUSED else 0
+            costfit.observe(
+                self.prefill_leg,
+                costfit.PREFILL_LEG,
+                {
+                    costfit.PULL: 1.0 if pulled else 0.0,
+                    costfit.PULLED_TOKENS: pulled,
+                    costfit.COMPUTED_TOKENS: prompt - pulled,
+                },
+                prefill_s,
+                prompt,
+            )
+        decode_s, output = report.timings.decode_s, report.timed_output_tokens
+        # No choice: several sequences (output_tokens counts the first alone) or no
+        # ids; a fallback's D leg followed a failure.
+        if (
+            decode_s is None
+            or not output
+            or report.choice is None
+            or report.route is Route.FALLBACK
+        ):
+            return
+        new = max(0, prompt - report.decode_holds)
+        if report.route is Route.SKIP:
+            x = {costfit.ALONE: 1.0, costfit.ALONE_COMPUTED_TOKENS: new}
+        else:
+            x = {costfit.FETCHED_TOKENS: new}
+        costfit.observe(
+            self.decode_leg,
+            costfit.DECODE_LEG,
+            {**x, costfit.OUTPUT_TOKENS: output},
+            decode_s,
+            prompt,
+        )
+
+    def costs_observed(self) -> int:
+        """Legs in both fits (a change means a refit may say more)."""
+        return self.prefill_leg.observations + self.decode_leg.observations
 
     def _session_turn(self, session: SessionTag, arrival: float, now: float) -> int:
         seen = self._sessions.pop(session, None)
@@ -315,6 +367,7 @@ class Residency:
             evictions=rpt.Evictions(**self.evictions),
             orphans=msgspec.structs.replace(self.orphans),
             transfer=transfer,
+            costs=rpt.Costs(prefill_leg=self.prefill_leg.copy(), decode_leg=self.decode_leg.copy()),
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,
                 preemptions=int(acc.get("preemptions")),

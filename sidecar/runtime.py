@@ -13,19 +13,20 @@ residency report to the operator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from kvferry_wire import costfit, protocol, report
 from kvferry_wire import policy as wire_policy
-from kvferry_wire import protocol, report
 
-from . import config, enginemetrics, owners, plan, retention, transport
+from . import config, enginemetrics, owners, placement, plan, retention, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -95,6 +96,7 @@ class Sidecar:
             recompute_threshold=settings.recompute_threshold,
             skip_prefill_below_tokens=settings.skip_prefill_below_tokens,
             ceiling_seconds=settings.retention_ceiling,
+            prefill_placement=settings.prefill_placement,
             on_change=self._on_policy,
         )
         # Which handle goes first and when each is let go (retention.py): its end is the
@@ -129,6 +131,10 @@ class Sidecar:
         if self._topology is not None:
             self._topology.last = (settings.prefill_engines, settings.decode_sidecars)
         self.kv_index = BlockIndex()
+        # D legs in flight (decoding()) and the cost fits last solved (costs()).
+        self._decoding = 0
+        self._costs: placement.Costs | None = None
+        self._costs_seen = 0
         # The turns in flight and the drain that waits for them when the pod stops.
         self.drainer = Drainer()
         self._drain_task: asyncio.Task[DrainResult] | None = None
@@ -402,6 +408,7 @@ class Sidecar:
         """What the turn plan needs to know, as of now (the engine's capabilities are
         re-read when it restarts)."""
         s = self.settings
+        measured = self.policy.prefill_placement == wire_policy.PLACEMENT_MEASURED
         return plan.Rules(
             bidirectional=s.bidirectional,
             streaming_handles=self.local.streaming_handles,
@@ -410,7 +417,32 @@ class Sidecar:
             skip_prefill_below_tokens=self.policy.skip_prefill_below_tokens,
             diagnostic_headers=s.diagnostic_headers,
             media_urls_immutable=s.media_urls_immutable,
+            prefill_placement=self.policy.prefill_placement,
+            costs=self.costs() if measured else None,
+            running_on_decode=self._decoding,
         )
+
+    def costs(self) -> placement.Costs:
+        """The legs' costs as measured so far, refitted when enough new legs came in
+        (one in 16 more than the last fit saw, so the work per turn stays small)."""
+        seen = self.residency.costs_observed()
+        if self._costs is None or seen - self._costs_seen >= max(1, self._costs_seen // 16):
+            r = self.residency
+            self._costs = placement.Costs(
+                costfit.solve(r.prefill_leg, costfit.PREFILL_LEG, placement.PREFILL_NEEDS),
+                costfit.solve(r.decode_leg, costfit.DECODE_LEG, placement.DECODE_NEEDS),
+            )
+            self._costs_seen = seen
+        return self._costs
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """A turn's D leg in flight: D's load, as placement.py weighs it."""
+        self._decoding += 1
+        try:
+            yield
+        finally:
+            self._decoding -= 1
 
     @property
     def is_decode(self) -> bool:

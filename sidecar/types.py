@@ -1,7 +1,8 @@
 """Typed values and vLLM vocabulary of the sidecar. Nothing else lives here.
 
 No I/O and no aiohttp: every other module imports this one, and it imports only the
-standard library and ``kvferry_wire`` (the headers, outcomes and routes clients see).
+standard library, ``kvferry_wire`` (the headers, outcomes and routes clients see) and
+the pure value modules ``identity`` and ``placement``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Final
 from kvferry_wire.protocol import HandleFate, Outcome, Route
 
 from .identity import KVIdentity
+from .placement import Choice
 
 # ------------------------------------------------------------------ ids
 
@@ -223,6 +225,11 @@ class PrefillPlan:
     # The session's handle, taken from the store (single use) whether or not this turn
     # reads it: one nobody reads still pins D's blocks and must be released.
     taken: KVHandle | None = None
+    # Where the prefill runs and why (placement.Choice; None: not chosen, one route).
+    choice: Choice | None = None
+    # Prompt tokens D holds (the handle's pinned blocks or its prefix cache), as far as
+    # the plan asked: what D does not compute alone, or read from P on the P path.
+    decode_holds: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,9 @@ class TurnTimings:
     total_s: float | None = None
     # A streamed turn's re-anchor request on D (anchor.py), after its last token.
     reanchor_s: float | None = None
+    # D's leg: the request to D until its first token (streamed) or its whole answer
+    # (not streamed: ``TurnReport.timed_output_tokens`` says how many tokens that was).
+    decode_s: float | None = None
 
 
 @dataclass
@@ -279,5 +289,9 @@ class TurnReport:
     handle_kept: bool = False
     handle_not_kept_reason: str | None = None
     finish_reason: str | None = None  # D's: stop, length, ...
+    decode_holds: int = 0  # PrefillPlan.decode_holds
+    choice: Choice | None = None  # where the prefill ran and why (placement.py)
+    # Tokens D generated within timings.decode_s (1 for a streamed turn: its first).
+    timed_output_tokens: int | None = None
     timings: TurnTimings = field(default_factory=TurnTimings)
     error: str | None = None

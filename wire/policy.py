@@ -15,7 +15,12 @@ Fields (camelCase on the wire):
   next turn (at most the pod's ceiling, D's ``decoder_kv_blocks_ttl``: the sidecar
   clamps to it, since a pod started before a ceiling change has the older one);
 - ``recomputeThreshold``: a handle whose usable prefix is shorter is not pulled;
-- ``skipPrefillBelowTokens``: D prefills alone when the uncached tail is shorter.
+- ``skipPrefillBelowTokens``: D prefills alone when the uncached tail is shorter;
+- ``prefillPlacement`` (optional): ``Measured``, where a turn's prefill runs is
+  chosen per turn from the measured costs of P and of D alone and D's load
+  (``kvferry_sidecar.placement``), ``skipPrefillBelowTokens`` deciding until both
+  are measured; ``Threshold``: that rule alone. A policy without it keeps the value
+  in force (an older operator's).
 
 :func:`decode` checks each field apart (type, bounds) and returns the good ones with
 one error per refused field, naming it: the sidecar applies what is good and keeps
@@ -24,6 +29,8 @@ newer operator's policy of the same version).
 
 POLICY_VERSION history:
   1 - first version: retentionSeconds, recomputeThreshold, skipPrefillBelowTokens.
+      Later in 1: prefillPlacement, optional (an older sidecar ignores it, an older
+      operator's policy leaves it as it is).
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ K_REVISION: Final = "revision"
 K_RETENTION: Final = "retentionSeconds"
 K_THRESHOLD: Final = "recomputeThreshold"
 K_SKIP: Final = "skipPrefillBelowTokens"
+K_PLACEMENT: Final = "prefillPlacement"
+PLACEMENT_MEASURED: Final = "Measured"
+PLACEMENT_THRESHOLD: Final = "Threshold"
+PLACEMENTS: Final = (PLACEMENT_MEASURED, PLACEMENT_THRESHOLD)
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class Policy:
     retention_seconds: float
     recompute_threshold: int
     skip_prefill_below_tokens: int
+    prefill_placement: str = PLACEMENT_MEASURED
 
     def revision(self) -> str:
         """A digest of the values: equal policies have equal revisions, whoever built them."""
@@ -74,6 +86,7 @@ def _values(policy: Policy) -> dict[str, Any]:
         K_RETENTION: int(retention) if float(retention).is_integer() else retention,
         K_THRESHOLD: policy.recompute_threshold,
         K_SKIP: policy.skip_prefill_below_tokens,
+        K_PLACEMENT: policy.prefill_placement,
     }
 
 
@@ -88,7 +101,7 @@ class Decoded:
     was refused (field name -> message)."""
 
     revision: str | None
-    fields: dict[str, float | int]
+    fields: dict[str, float | int | str]
     errors: dict[str, str]
 
 
@@ -130,7 +143,15 @@ def decode(raw: Any) -> Decoded:
             f"must be 1-{MAX_REVISION_CHARS} of [A-Za-z0-9._-], got {str(revision)[:80]!r}"
         )
         revision = None
-    fields: dict[str, float | int] = {}
+    fields: dict[str, float | int | str] = {}
+    if K_PLACEMENT in raw:
+        placement = raw[K_PLACEMENT]
+        if placement in PLACEMENTS:
+            fields[K_PLACEMENT] = placement
+        else:
+            errors[K_PLACEMENT] = (
+                f"must be one of {', '.join(PLACEMENTS)}, got {str(placement)[:40]!r}"
+            )
     for key, (lo, hi, integer) in _BOUNDS.items():
         if key not in raw:
             errors[key] = "missing"

@@ -24,6 +24,8 @@ REPORT_VERSION history:
       journal at start); an older report reads as none, as above.
       Later in 2, with a default: ``pinned.unreleasableHandles``; an older report reads
       as none.
+      Later in 2, with defaults: ``costs`` (the legs' least-squares sums,
+      ``kvferry_wire.costfit``); an older report reads as no legs measured.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -47,6 +49,7 @@ from typing import Any
 
 import msgspec
 
+from . import costfit
 from .jsondepth import nested_deeper_than
 from .protocol import ROLES, HandleFate, Outcome
 
@@ -255,6 +258,18 @@ class Transfer(msgspec.Struct, rename="camel"):
     bytes_per_token: float | None = None
 
 
+class Costs(msgspec.Struct, rename="camel"):
+    """What each leg of a turn cost, as least-squares sums over the turns this
+    sidecar served (``kvferry_wire.costfit``: the features, the weights, the solve)."""
+
+    prefill_leg: costfit.LinearFit = msgspec.field(
+        default_factory=lambda: costfit.empty(costfit.PREFILL_LEG)
+    )
+    decode_leg: costfit.LinearFit = msgspec.field(
+        default_factory=lambda: costfit.empty(costfit.DECODE_LEG)
+    )
+
+
 class Engine(msgspec.Struct, rename="camel"):
     kv_usage: float | None = None  # 0..1
     preemptions: int = 0
@@ -300,6 +315,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
     evictions: Evictions = msgspec.field(default_factory=Evictions)
     orphans: Orphans = msgspec.field(default_factory=Orphans)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
+    costs: Costs = msgspec.field(default_factory=Costs)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)
 
@@ -389,6 +405,13 @@ def decode(raw: bytes) -> Report:
     _check_histogram("ttftReused", report.ttft_reused, LATENCY_BOUNDS)
     _check_histogram("ttftRecomputed", report.ttft_recomputed, LATENCY_BOUNDS)
     _check_histogram("transfer.pullLatency", report.transfer.pull_latency, LATENCY_BOUNDS)
+    # A fit of other features (another kvferry version's) cannot be added to this
+    # operator's: read as no legs measured, the rest of the report stands.
+    # (Its numbers are checked below, as every number of the report.)
+    if tuple(report.costs.prefill_leg.features) != costfit.PREFILL_LEG.features:
+        report.costs.prefill_leg = costfit.empty(costfit.PREFILL_LEG)
+    if tuple(report.costs.decode_leg.features) != costfit.DECODE_LEG.features:
+        report.costs.decode_leg = costfit.empty(costfit.DECODE_LEG)
     _check_names(report)
     _check_value("", report)
     return report

@@ -89,6 +89,10 @@ class SidecarSettings(msgspec.Struct, frozen=True, kw_only=True, rename=file_key
     # operator's first report answer says otherwise, and after it, the operator's.
     skip_prefill_below_tokens: int = 256
     recompute_threshold: int = 64
+    # Where a turn's prefill runs (kvferry_wire.policy.PLACEMENTS): Measured chooses
+    # per turn between P and D alone from the measured costs and D's load, with
+    # skip_prefill_below_tokens until both are measured; Threshold is that rule alone.
+    prefill_placement: str = "Measured"
     # How long a decode sidecar holds a handle for the session's next turn.
     retention_seconds: float = 480.0
     # D's decoder_kv_blocks_ttl: D frees a handle's blocks then, whatever the policy

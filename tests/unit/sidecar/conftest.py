@@ -50,11 +50,14 @@ async def engines(aiohttp_server: Any) -> Engines:
 
 def sidecar_settings(engines: Engines, **overrides: Any) -> Settings:
     """Settings for tiny fake prompts: no skipping, a 4-token recompute threshold,
-    background loops slow enough never to run during a test, no KV-event socket."""
+    background loops slow enough never to run during a test, no KV-event socket. The
+    route by the skip-prefill rule alone: the fakes' timings say nothing about costs
+    (test_placement_app.py sets prefillPlacement Measured and the fakes' delays)."""
     values: dict[str, Any] = {
         "engine_url": engines.decode.url,
         "prefill_engines": tuple(p.url for p in engines.prefill),
         "skip_prefill_below_tokens": 0,
+        "prefill_placement": "Threshold",
         "recompute_threshold": 4,
         "probe_interval_seconds": 3600.0,
         "topology_reload_seconds": 3600.0,

@@ -18,7 +18,12 @@ from kvferry_sidecar.types import HandleFate, KVHandle, token_array
 from kvferry_wire import policy as wire
 
 GOOD = wire.encode(
-    wire.Policy(retention_seconds=120, recompute_threshold=32, skip_prefill_below_tokens=512)
+    wire.Policy(
+        retention_seconds=120,
+        recompute_threshold=32,
+        skip_prefill_below_tokens=512,
+        prefill_placement=wire.PLACEMENT_THRESHOLD,
+    )
 )
 CEILING = 1800.0
 
@@ -47,6 +52,7 @@ def test_encode_then_decode_gives_back_every_field():
         wire.K_RETENTION: 120.0,
         wire.K_THRESHOLD: 32,
         wire.K_SKIP: 512,
+        wire.K_PLACEMENT: wire.PLACEMENT_THRESHOLD,
     }
     assert decoded.revision == GOOD[wire.K_REVISION]
 
@@ -74,7 +80,30 @@ def test_equal_policies_have_equal_revisions_and_different_ones_not():
 def test_a_bad_field_is_refused_alone_naming_the_field(field, value, why):
     decoded = wire.decode({**GOOD, field: value})
     assert list(decoded.errors) == [field] and why in decoded.errors[field]
-    assert set(decoded.fields) == {wire.K_RETENTION, wire.K_THRESHOLD, wire.K_SKIP} - {field}
+    assert set(decoded.fields) == {
+        wire.K_RETENTION,
+        wire.K_THRESHOLD,
+        wire.K_SKIP,
+        wire.K_PLACEMENT,
+    } - {field}
+
+
+@pytest.mark.parametrize("value", ["measured", "", None, 1, ["Measured"]])
+def test_a_placement_not_of_the_vocabulary_is_refused_alone(value):
+    decoded = wire.decode({**GOOD, wire.K_PLACEMENT: value})
+    assert list(decoded.errors) == [wire.K_PLACEMENT]
+    assert "Measured, Threshold" in decoded.errors[wire.K_PLACEMENT]
+    assert set(decoded.fields) == {wire.K_RETENTION, wire.K_THRESHOLD, wire.K_SKIP}
+
+
+def test_a_policy_without_a_placement_leaves_the_one_in_force():
+    """An older operator's policy has no prefillPlacement: no error, nothing changed."""
+    p = holder()
+    p.offer(GOOD)
+    assert p.prefill_placement == wire.PLACEMENT_THRESHOLD
+    older = {k: v for k, v in GOOD.items() if k != wire.K_PLACEMENT}
+    assert p.offer({**older, wire.K_SKIP: 100}) == {}
+    assert (p.prefill_placement, p.skip_prefill_below_tokens) == (wire.PLACEMENT_THRESHOLD, 100)
 
 
 @pytest.mark.parametrize(
