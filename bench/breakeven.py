@@ -19,10 +19,12 @@ next turn (N + a short tail) is timed twice -- pulling the handle, and recomputi
 whole prompt (no handle). The break-even N* is where the two curves cross (linear
 interpolation of their difference); none when pulling never wins.
 
-The tuner: a fresh decode sidecar (P path forced: ``skipPrefillBelowTokens: 0``) then
-serves two-turn sessions at several N; its residency report goes through the
-operator's own ``aggregate`` and ``tune.recommend_threshold``, as in the cluster. The
-target: the recommended ``recomputeThreshold`` within 25 % of the measured N*.
+The tuner: a fresh decode sidecar (P path forced: ``skipPrefillBelowTokens: 0``,
+``prefillPlacement: Threshold``) then serves two-turn sessions at every N of the grid,
+``--tuner-reps`` times: turn 1 recomputes N tokens, turn 2 pulls them. Its residency
+report (the prefill legs' least-squares sums, ``kvferry_wire.costfit``) goes through
+the operator's own ``aggregate`` and ``tune.recommend_threshold``, as in the cluster.
+The target: the recommended ``recomputeThreshold`` within 25 % of the measured N*.
 """
 
 from __future__ import annotations
@@ -205,21 +207,30 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def tuner_threshold(
-    pair: EnginePair, server: Server, ids: list[int], logs: Path, sizes: Sequence[int], tag: str
+    pair: EnginePair,
+    server: Server,
+    ids: list[int],
+    logs: Path,
+    sizes: Sequence[int],
+    tag: str,
+    reps: int,
 ) -> tuple[tune.Recommendation, dict[str, Any]]:
     """Two-turn sessions through a fresh P-path sidecar; its report -> aggregate -> tune."""
     sc = start_sidecar(pair, server, logs, name=f"sidecar-{tag}")
     with sc:
-        tokens = pair.decode.tokenize
-        for i, n in enumerate(sizes):
-            words = n  # ~1 token a word
-            first = [{"role": "user", "content": filler_text(f"tuner-{tag}-{i}", words)}]
-            session = f"tuner-{tag}-{i}"
-            r1 = sc.chat(first, max_tokens=1, session_id=session)
-            second = [*first, {"role": "assistant", "content": r1.text}]
-            second.append({"role": "user", "content": filler_text(f"tail-{i}", TAIL_TOKENS)})
-            sc.chat(second, max_tokens=1, session_id=session)
-        del tokens
+        for rep in range(reps):
+            # Each repetition walks the sizes the other way: drift hits short and long alike.
+            order = list(sizes) if rep % 2 == 0 else list(reversed(sizes))
+            for i, n in enumerate(order):
+                words = n  # ~1 token a word
+                session = f"tuner-{tag}-{rep}-{i}"
+                first = [{"role": "user", "content": filler_text(session, words)}]
+                r1 = sc.chat(first, max_tokens=1, session_id=session)
+                second = [*first, {"role": "assistant", "content": r1.text}]
+                second.append(
+                    {"role": "user", "content": filler_text(f"tail-{rep}-{i}", TAIL_TOKENS)}
+                )
+                sc.chat(second, max_tokens=1, session_id=session)
         time.sleep(2.5)  # the sidecar scrapes its engine's NIXL counters every ~2 s
         raw = sc.residency()
     # The harness's sidecar runs in no pod and no namespace; the operator's decode
@@ -230,7 +241,8 @@ def tuner_threshold(
     now = time.time()
     agg = aggregate.aggregate(server, [reports.Received(rep, now)], now, applied_retention=120)
     assert agg.tuning is not None
-    return tune.recommend_threshold(agg.tuning), dict(agg.tuning.__dict__ | {"gaps": None})
+    rec = tune.recommend_threshold(agg.tuning)
+    return rec, dict(rec.inputs)
 
 
 def _json_bytes(raw: Any) -> bytes:
@@ -256,6 +268,7 @@ class RateResult:
     tuner: int
     tuner_reason: str
     tuner_inputs: dict[str, Any]
+    tuner_measured: bool = True  # False: too few legs, the threshold in force kept
 
     @property
     def tuner_error(self) -> float | None:
@@ -302,10 +315,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.breakeven", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--grid", default="8,16,32,64,128,256,512,1024,2048", help="history tokens N")
+    p.add_argument(
+        "--grid", default="8,12,16,24,32,48,64,128,256,512,1024,2048", help="history tokens N"
+    )
     p.add_argument("--ratios", default="3,1.5,0.7", help="target R values after the unshaped run")
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--tuner-sizes", default="256,512,1024,2048")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--tuner-sizes",
+        default="",
+        help="history tokens of the tuner's two-turn sessions (default: the grid)",
+    )
+    p.add_argument("--tuner-reps", type=int, default=3, help="sessions per tuner size")
     p.add_argument("--log-dir", type=Path)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -337,7 +357,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     started = time.monotonic()
     grid = [int(x) for x in args.grid.split(",")]
     ratios = [float(x) for x in args.ratios.split(",") if x]
-    sizes = [int(x) for x in args.tuner_sizes.split(",")]
+    sizes = [int(x) for x in args.tuner_sizes.split(",") if x] or grid
     py = engine_env()
     model = build_tiny_model(py)
     result = Result("breakeven")
@@ -345,7 +365,10 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     server = tiny_server(decode_retention_seconds=120, recompute_threshold=THRESHOLD)
     # The tuner's sidecar: every turn through P, so it sees pulls and recomputes.
     tuner_server = tiny_server(
-        decode_retention_seconds=120, recompute_threshold=THRESHOLD, skip_prefill_below_tokens=0
+        decode_retention_seconds=120,
+        recompute_threshold=THRESHOLD,
+        skip_prefill_below_tokens=0,
+        prefill_placement="Threshold",
     )
     result.settings = {
         "grid": grid,
@@ -354,6 +377,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         "tailTokens": TAIL_TOKENS,
         "threshold": THRESHOLD,
         "tunerSizes": sizes,
+        "tunerReps": args.tuner_reps,
     }
     print(result.header())
     results: list[RateResult] = []
@@ -405,7 +429,9 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                         plan.append((f"R {r:g}: {mbit:.0f} Mbit/s", r, round(mbit, 1)))
                 # The tail is computed in both legs: the pull leg's slope is transfer + ~0.
                 t_transfer = max(t_here, 1e-9)
-                rec, inputs = tuner_threshold(pair, tuner_server, ids, logs, sizes, f"{i}")
+                rec, inputs = tuner_threshold(
+                    pair, tuner_server, ids, logs, sizes, f"{i}", args.tuner_reps
+                )
                 be = break_even(pts)
                 rr = RateResult(
                     label=label,
@@ -419,7 +445,8 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     measured_break_even=be,
                     tuner=rec.value,
                     tuner_reason=rec.reason,
-                    tuner_inputs={k: v for k, v in inputs.items() if k in _TUNER_KEYS},
+                    tuner_inputs=inputs,
+                    tuner_measured=rec.measured,
                 )
                 results.append(rr)
                 say(
@@ -486,7 +513,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         Target(f"{label}: the row finished", None, ">=", 1, "", err) for label, err in failed
     ]
     for r in results:
-        if "no transfer or prefill measurements" in r.tuner_reason:
+        if not r.tuner_measured:
             result.targets.append(
                 Target(f"{r.label}: the tuner had measurements", None, ">=", 1, "", r.tuner_reason)
             )
@@ -531,16 +558,6 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
     plot(results, args.out / "breakeven.png")
     say(f"wrote {path} and {args.out / 'breakeven.png'} in {result.seconds:.0f} s")
     return 0
-
-
-_TUNER_KEYS = {
-    "bytes_per_token",
-    "transfer_bytes_per_second",
-    "pull_fixed_latency_seconds",
-    "recompute_seconds_per_token",
-    "current_threshold",
-    "max_model_len",
-}
 
 
 if __name__ == "__main__":

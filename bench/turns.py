@@ -13,21 +13,31 @@ alternating, heavy-tailed gaps, several sessions at once) through four front end
   (a handle per conversation, single use, no token check);
 - **sidecar, P path**: the sidecar with ``skipPrefillBelowTokens: 0``: every turn
   goes through P with the handle (the path the baseline takes, with the checks);
-- **sidecar, defaults**: the sidecar as the operator renders it by default (a short
-  new tail is prefilled by D itself, from its prefix cache).
+- **sidecar, threshold 256**: the earlier defaults (``prefillPlacement: Threshold``):
+  a new tail shorter than ``skipPrefillBelowTokens`` (256) is prefilled by D itself,
+  from its prefix cache; every other turn goes through P;
+- **sidecar, defaults**: the sidecar as the operator renders it by default
+  (``prefillPlacement: Measured``): each turn where its measured costs and D's load
+  say (kvferry_sidecar.placement), after a warm-up conversation that gives both ways
+  their first legs (the rule decides until then).
 
-Each mode but the last sends its own ``cache_salt``, so no mode finds another's
-prompts in D's prefix cache (the defaults need none: skip-prefill works on unsalted
-prompts only). TTFT is the client's time for a non-streaming ``max_tokens: 1`` turn
-(vLLM 0.32 returns the handle only without streaming, so the first token is the
-answer). Per turn index: TTFT p50/p95 per mode, the tokens reused, and whether each
-greedy answer equals the no-reuse answer.
+Each mode sends its own ``cache_salt``, so no mode finds another's prompts in D's
+prefix cache (the sidecar then knows what D holds from the session's handle alone,
+not from D's KV events, which it reads for unsalted prompts only: every short turn of
+this workload has its session's handle). TTFT is the client's time for a
+non-streaming ``max_tokens: 1`` turn (vLLM 0.32 returns the handle only without
+streaming, so the first token is the answer). Per turn index: TTFT p50/p95 per mode,
+the tokens reused, and whether each greedy answer equals the no-reuse answer.
 
 Then, one turn at a time: two conversations the baseline gets wrong without knowing
 (an answer whose text re-tokenizes to other ids than were generated; an earlier turn
-edited by the client), through every mode, against a recompute; and the physical
-floor of a pull: the TTFT of computing only the tail plus the KV bytes over the
-loopback bandwidth measured here, next to the NIXL transfer time P's /metrics report.
+edited by the client), through every mode, against a recompute; and the floors of
+each way: the P path's, the TTFT of computing only the tail plus the KV bytes pulled
+over the loopback bandwidth measured here (next to the NIXL transfer time P's
+/metrics report); D alone's, D computing only the tail with the history in its prefix
+cache (timed on D directly). The measured placement's targets: every turn within
+``FLOOR_FACTOR`` of the better floor, and none more than ``THRESHOLD_SLACK`` slower
+than the threshold rule in the same run.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry_dev.client import Reply, chat_body, filler_text, http
-from kvferry_dev.configs import tiny_server
+from kvferry_dev.configs import SERVED_MODEL_NAME, tiny_server
 from kvferry_dev.engines import Engine, build_tiny_model, engine_env, start_pair
 from kvferry_dev.procs import LIVE, EngineError, free_port, stop_all, stop_group
 from kvferry_dev.sidecars import start_sidecar
@@ -62,15 +72,30 @@ from . import workload as wl
 from .common import DEFAULT_OUT, Result, Target, engine_versions, pyplot, quantile, say, table
 from .refproxy import HDR_HANDLE, HDR_OFFERED
 
-NO_REUSE, BASELINE, P_PATH, DEFAULTS = "no-reuse", "baseline", "sidecar-p-path", "sidecar-defaults"
-MODES = (NO_REUSE, BASELINE, P_PATH, DEFAULTS)
+NO_REUSE, BASELINE, P_PATH = "no-reuse", "baseline", "sidecar-p-path"
+THRESHOLD, DEFAULTS = "sidecar-threshold", "sidecar-defaults"
+MODES = (NO_REUSE, BASELINE, P_PATH, THRESHOLD, DEFAULTS)
 LABELS = {
     NO_REUSE: "no reuse",
     BASELINE: "baseline (reference proxy)",
     P_PATH: "sidecar, P path forced",
-    DEFAULTS: "sidecar, defaults",
+    THRESHOLD: "sidecar, threshold 256",
+    DEFAULTS: "sidecar, defaults (measured)",
 }
-COLORS = {NO_REUSE: "#888888", BASELINE: "#d62728", P_PATH: "#1f77b4", DEFAULTS: "#2ca02c"}
+COLORS = {
+    NO_REUSE: "#888888",
+    BASELINE: "#d62728",
+    P_PATH: "#1f77b4",
+    THRESHOLD: "#ff7f0e",
+    DEFAULTS: "#2ca02c",
+}
+# Targets of the measured placement (issue 24, item 4): every turn within this of the
+# better floor, and none slower than the threshold rule by more than this.
+FLOOR_FACTOR = 1.5
+THRESHOLD_SLACK = 1.05
+# The warm-up conversation of the placement's sidecars: alternating long and short new
+# tails, so both ways are taken (by the rule) and timed before the workload.
+WARM_TURNS = (600, 60, 400, 40, 500, 80, 300, 50, 450, 70, 350, 60)
 # The reference example keeps handles 450 s against vLLM's 480 s: 30 s short of D's TTL.
 BASELINE_TTL_MARGIN_S = 30.0
 SCENARIO_ANSWER_TOKENS = 24
@@ -538,7 +563,7 @@ def plot(
             "k_",
             markersize=14,
             mew=2,
-            label="floor: tail + KV bytes / loopback",
+            label="the better floor: P path's or D alone's",
         )
     ax1.set_xticks(range(1, turns + 1))
     ax1.set_xlabel("turn (bar: p50, whisker: p95)")
@@ -643,11 +668,22 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
     pair = start_pair(py, model, logs, server=server)
     with pair:
         P, D = pair.prefill, pair.decode
+        threshold = "Threshold"
         sc = {
             DEFAULTS: start_sidecar(pair, server, logs, name="sidecar-defaults"),
+            THRESHOLD: start_sidecar(
+                pair,
+                tiny_server(decode_retention_seconds=args.retention, prefill_placement=threshold),
+                logs,
+                name="sidecar-threshold",
+            ),
             P_PATH: start_sidecar(
                 pair,
-                tiny_server(decode_retention_seconds=args.retention, skip_prefill_below_tokens=0),
+                tiny_server(
+                    decode_retention_seconds=args.retention,
+                    skip_prefill_below_tokens=0,
+                    prefill_placement=threshold,
+                ),
                 logs,
                 name="sidecar-p-path",
             ),
@@ -657,6 +693,7 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
                     decode_retention_seconds=args.retention,
                     bidirectional=False,
                     skip_prefill_below_tokens=0,
+                    prefill_placement=threshold,
                 ),
                 logs,
                 name="sidecar-no-reuse",
@@ -670,7 +707,8 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
             NO_REUSE: Front(NO_REUSE, sc[NO_REUSE].url, f"nr-{run_salt}", "session_id"),
             BASELINE: Front(BASELINE, proxy.url, f"bl-{run_salt}", "conversation_id"),
             P_PATH: Front(P_PATH, sc[P_PATH].url, f"pp-{run_salt}", "session_id"),
-            DEFAULTS: Front(DEFAULTS, sc[DEFAULTS].url, None, "session_id"),
+            THRESHOLD: Front(THRESHOLD, sc[THRESHOLD].url, f"th-{run_salt}", "session_id"),
+            DEFAULTS: Front(DEFAULTS, sc[DEFAULTS].url, f"df-{run_salt}", "session_id"),
         }
         say("warm-up: two turns through each front end (NIXL handshakes, first allocations)")
         for mode, front in fronts.items():
@@ -681,6 +719,19 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
                 {"role": "user", "content": filler_text("warm2", 100)},
             ]
             front.send(m, "warm")
+        say(f"warm-up of the placements: a {len(WARM_TURNS)}-turn conversation each")
+        for mode in (THRESHOLD, DEFAULTS):
+            m = []
+            for k, words in enumerate(WARM_TURNS):
+                m.append({"role": "user", "content": filler_text(f"warm-long-{k}", words)})
+                r = fronts[mode].send(m, "warm-long")
+                m.append({"role": "assistant", "content": r.text})
+        costs = sc[DEFAULTS].residency()["costs"]
+        say(
+            "measured placement's fits after the warm-up: "
+            f"{costs['prefillLeg']['observations']} prefill legs, "
+            f"{costs['decodeLeg']['observations']} decode legs"
+        )
         plans = wl.plan(work)
         records: list[TurnRecord] = []
         scripts: dict[int, Conversation] | None = None
@@ -706,16 +757,17 @@ def _run(args: argparse.Namespace, work: wl.Workload, logs: Path) -> int:
         if not args.no_scenarios:
             say("scenarios the baseline cannot see: re-tokenized answer, edited history ...")
             scenarios = [scenario_retokenized(fronts, D), scenario_edited(fronts)]
-        say("the floor: tail-only TTFT and loopback bandwidth ...")
+        say("the floors: tail-only TTFT (P path, D alone) and loopback bandwidth ...")
         tails = tail_ttft(fronts[NO_REUSE], (60, 420, 1000), reps=3)
+        decode_tails = decode_tail_ttft(D, (60, 420, 1000), history_words=1000, reps=3)
         bandwidth = loopback_bandwidth()
         bytes_per_token = _bytes_per_token(nixl)
 
     result.seconds = round(time.monotonic() - started, 1)
-    report(result, work, records, scenarios, tails, bandwidth, bytes_per_token, nixl, mode_seconds)
+    floors = Floors(tails, decode_tails, bandwidth, bytes_per_token)
+    report(result, work, records, scenarios, floors, nixl, mode_seconds)
     path = result.write(args.out)
-    floor = _floor_by_turn(records, tails, bandwidth, bytes_per_token)
-    plot(records, MODES, work.turns, floor, args.out / "turns.png")
+    plot(records, MODES, work.turns, floors.better_by_turn(records), args.out / "turns.png")
     say(f"wrote {path} and {args.out / 'turns.png'} in {result.seconds:.0f} s")
     return 0
 
@@ -726,21 +778,73 @@ def _bytes_per_token(nixl: dict[str, dict[str, float]]) -> float | None:
     return b / t if b and t else None
 
 
-def _floor_by_turn(records, tails, bandwidth, bpt) -> dict[int, float]:
-    """Per turn index: median over P-path turns of tail-only TTFT + pulled bytes / bw."""
-    out: dict[int, list[float]] = {}
-    for r in records:
-        if r.mode != P_PATH or r.turn == 1 or not bpt:
-            continue
-        tail = r.prompt_tokens - r.reused_tokens
-        out.setdefault(r.turn, []).append(
-            interpolate(tails, tail) + r.reused_tokens * bpt / bandwidth
-        )
-    return {t: statistics.median(v) for t, v in out.items()}
+@dataclass(frozen=True)
+class Floors:
+    """The least each way can take: the P path computes only the tail and moves the
+    pulled KV at the loopback's bandwidth; D alone computes only the tail."""
+
+    tails: dict[int, float]  # tail tokens -> TTFT computing only them (P, then D pulls)
+    decode_tails: dict[int, float]  # tail tokens -> D computing them, history cached
+    bandwidth: float
+    bytes_per_token: float | None
+
+    def p_path(self, records: list[TurnRecord]) -> dict[int, float]:
+        """Per turn index: the median over P-path turns of tail-only TTFT + pulled bytes
+        over the bandwidth (turn 1: the whole prompt, nothing pulled)."""
+        out: dict[int, list[float]] = {}
+        for r in records:
+            if r.mode != P_PATH or not self.bytes_per_token:
+                continue
+            tail = r.prompt_tokens - r.reused_tokens
+            pulled = r.reused_tokens * self.bytes_per_token / self.bandwidth
+            out.setdefault(r.turn, []).append(interpolate(self.tails, tail) + pulled)
+        return {t: statistics.median(v) for t, v in out.items()}
+
+    def decode_alone(self, records: list[TurnRecord]) -> dict[int, float]:
+        """Per turn index: D computing the turn's new tail (turn 1: its whole prompt)."""
+        out: dict[int, list[float]] = {}
+        for r in records:
+            if r.mode == NO_REUSE:
+                out.setdefault(r.turn, []).append(interpolate(self.decode_tails, r.tail_tokens))
+        return {t: statistics.median(v) for t, v in out.items()}
+
+    def better_by_turn(self, records: list[TurnRecord]) -> dict[int, float]:
+        p, d = self.p_path(records), self.decode_alone(records)
+        return {t: min(p[t], d[t]) for t in p if t in d}
 
 
-def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_seconds) -> None:
+def decode_tail_ttft(
+    engine: Engine, sizes: Sequence[int], history_words: int, reps: int
+) -> dict[int, float]:
+    """Median time of D computing a tail of about ``size`` words after a history of
+    ``history_words`` it holds in its prefix cache (a plain request to D, the history
+    sent first): D alone's floor."""
+    out = {}
+    for size in sizes:
+        times = []
+        tail_tokens = 0
+        for i in range(reps):
+            tag = f"dtail-{size}-{i}-{uuid.uuid4().hex[:6]}"
+            history = engine.tokenize(filler_text(tag, history_words))
+            tail = engine.tokenize(filler_text(f"{tag}-tail", size))
+            body = {"model": SERVED_MODEL_NAME, "max_tokens": 1, "temperature": 0}
+            url = engine.url + "/v1/completions"
+            http("POST", url, {**body, "prompt": history}, timeout=600, what="decode")
+            r = http("POST", url, {**body, "prompt": history + tail}, timeout=600, what="decode")
+            if r.status != 200:
+                raise EngineError(f"decode answered {r.status}: {str(r.body)[:300]}")
+            times.append(r.seconds)
+            tail_tokens = len(tail)
+        out[tail_tokens] = statistics.median(times)
+    return out
+
+
+def report(result, work, records, scenarios, floors, nixl, mode_seconds) -> None:
+    tails, bandwidth, bpt = floors.tails, floors.bandwidth, floors.bytes_per_token
     groups = by_turn(records)
+    floor = floors.p_path(records)
+    alone_floor = floors.decode_alone(records)
+    better = floors.better_by_turn(records)
     rows = []
     for t in range(1, work.turns + 1):
         nr = groups[(NO_REUSE, t)]
@@ -752,13 +856,16 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
         for mode in MODES:
             rs = groups[(mode, t)]
             row += [f"{p50(rs):.2f}/{p95(rs):.2f}"]
-        for mode in (BASELINE, P_PATH, DEFAULTS):
+        for mode in (BASELINE, P_PATH, THRESHOLD, DEFAULTS):
             rs = groups[(mode, t)]
             row += [round(statistics.mean(r.reused_tokens for r in rs))]
         row += [
             f"{p50(groups[(BASELINE, t)]) / p50(groups[(P_PATH, t)]):.2f}x",
             f"{p50(groups[(BASELINE, t)]) / p50(groups[(DEFAULTS, t)]):.2f}x",
             f"{p50(nr) / p50(groups[(DEFAULTS, t)]):.2f}x",
+            f"{better[t]:.2f}",
+            f"{p50(groups[(DEFAULTS, t)]) / better[t]:.2f}x",
+            f"{p50(groups[(DEFAULTS, t)]) / p50(groups[(THRESHOLD, t)]):.2f}x",
         ]
         same = {
             m: sum(bool(r.same_as_no_reuse) for r in groups[(m, t)]) for m in MODES if m != NO_REUSE
@@ -772,14 +879,19 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
         "no reuse p50/p95",
         "baseline p50/p95",
         "P path p50/p95",
+        "threshold p50/p95",
         "defaults p50/p95",
         "reused bl",
         "reused pp",
+        "reused th",
         "reused df",
         "bl/pp",
         "bl/df",
         "nr/df",
-        "same bl pp df",
+        "better floor",
+        "df/floor",
+        "df/th",
+        "same bl pp th df",
     )
     print()
     print(table(head, rows))
@@ -811,6 +923,9 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
         )
 
     t1k, t25k = nearest(1000), nearest(2500)
+    every = list(range(1, work.turns + 1))
+    df_floor = [p50(groups[(DEFAULTS, t)]) / better[t] for t in every]
+    df_th = [p50(groups[(DEFAULTS, t)]) / p50(groups[(THRESHOLD, t)]) for t in every]
 
     def hist(t: int) -> int:
         return round(statistics.mean(r.history_tokens for r in groups[(NO_REUSE, t)]))
@@ -849,6 +964,22 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
             7.0,
             "x",
         ),
+        Target(
+            "sidecar defaults (measured placement) / the better floor, worst turn",
+            round(max(df_floor), 2),
+            "<=",
+            FLOOR_FACTOR,
+            "x",
+            "per turn: " + ", ".join(f"{x:.2f}" for x in df_floor),
+        ),
+        Target(
+            "sidecar defaults (measured placement) / threshold 256, worst turn",
+            round(max(df_th), 3),
+            "<=",
+            THRESHOLD_SLACK,
+            "x",
+            "per turn: " + ", ".join(f"{x:.2f}" for x in df_th),
+        ),
     ]
     wrong = {
         m: sum(1 for r in records if r.mode == m and r.same_as_no_reuse is False)
@@ -882,7 +1013,6 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
                 )
             )
 
-    floor = _floor_by_turn(records, tails, bandwidth, bpt)
     pulls = nixl[BASELINE], nixl[P_PATH]
     xfer = sum(f["xferSeconds"] for f in pulls)
     count = sum(f["transfers"] for f in pulls)
@@ -900,8 +1030,28 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
     gaps = []
     for t, f in sorted(floor.items()):
         pp = p50(groups[(P_PATH, t)])
-        gaps.append((t, round(f, 3), round(pp, 3), round(pp - f, 3)))
-    print(table(("turn", "floor p50 (s)", "P path p50 (s)", "above floor (s)"), gaps))
+        df = p50(groups[(DEFAULTS, t)])
+        gaps.append(
+            (t, round(f, 3), round(pp, 3), round(pp - f, 3), round(alone_floor[t], 3), round(df, 3))
+        )
+    print(
+        table(
+            (
+                "turn",
+                "P path floor (s)",
+                "P path p50 (s)",
+                "above floor (s)",
+                "D alone floor (s)",
+                "defaults p50 (s)",
+            ),
+            gaps,
+        )
+    )
+    print(
+        "D alone floor: D computing "
+        + ", ".join(f"{k} tok {v:.2f} s" for k, v in sorted(floors.decode_tails.items()))
+        + " after 1,000 words it holds"
+    )
     result.results = {
         "turns": [asdict(r) | {"answer": None} for r in records],
         "perTurn": [
@@ -929,7 +1079,10 @@ def report(result, work, records, scenarios, tails, bandwidth, bpt, nixl, mode_s
             "loopbackBytesPerSecond": bandwidth,
             "bytesPerToken": bpt,
             "tailOnlyTtft": {str(k): v for k, v in tails.items()},
+            "decodeTailTtft": {str(k): v for k, v in floors.decode_tails.items()},
             "byTurn": {str(k): v for k, v in floor.items()},
+            "decodeAloneByTurn": {str(k): v for k, v in alone_floor.items()},
+            "betterByTurn": {str(k): v for k, v in better.items()},
         },
         "nixl": nixl,
     }

@@ -30,12 +30,22 @@ def tiny_server_manifest(
     skip_prefill_below_tokens: int = 256,
     name: str = "tiny-llama",
     max_retention_seconds: int | None = None,
+    prefill_placement: str | None = None,
 ) -> dict[str, Any]:
     """A DisaggregatedServer for the tiny model, 1 P + 1 D, as a user would write it.
 
     ``max_retention_seconds`` is the ceiling, D's ``decoder_kv_blocks_ttl``; by default
     the retention itself, so D frees a handle no release reached at the retention (short:
-    a pinned handle keeps vLLM 0.32's engine loop busy) rather than the CRD's 1800 s."""
+    a pinned handle keeps vLLM 0.32's engine loop busy) rather than the CRD's 1800 s.
+    ``prefill_placement``: ``routing.prefillPlacement`` (None: the CRD's default,
+    Measured)."""
+    routing: dict[str, Any] = {
+        "skipPrefillBelowTokens": skip_prefill_below_tokens,
+        # The harness reads the per-turn X-Kvferry-* headers (off by default).
+        "diagnosticHeaders": True,
+    }
+    if prefill_placement is not None:
+        routing["prefillPlacement"] = prefill_placement
     return {
         "apiVersion": "kvferry.io/v1alpha1",
         "kind": "DisaggregatedServer",
@@ -61,11 +71,7 @@ def tiny_server_manifest(
             "cacheTuning": {
                 "maxRetentionSeconds": max_retention_seconds or decode_retention_seconds
             },
-            # The harness reads the per-turn X-Kvferry-* headers (off by default).
-            "routing": {
-                "skipPrefillBelowTokens": skip_prefill_below_tokens,
-                "diagnosticHeaders": True,
-            },
+            "routing": routing,
         },
     }
 

@@ -43,7 +43,7 @@ from kvferry_wire.report import (
     merge_histograms,
 )
 
-from . import tune
+from . import costs, tune
 from .api import MODE_OBSERVE, Server, iso_time
 from .reports import Received, is_stale
 
@@ -321,6 +321,8 @@ def _aggregate(
         transfers=transfers,
     )
 
+    prefill_leg, decode_leg = costs.merged(fresh)
+
     # 3. retention vs gaps
     gaps = merge_histograms([r.gaps for r in fresh], GAP_BOUNDS)
     usage = [
@@ -347,8 +349,9 @@ def _aggregate(
             recompute_seconds_per_token=(
                 recompute_seconds / recompute_tokens if recompute_tokens else None
             ),
-            current_threshold=spec.kv_transfer.recompute_threshold,
+            current_threshold=server.recompute_threshold,
             max_model_len=spec.model.max_model_len or tune.DEFAULT_MAX_MODEL_LEN,
+            prefill_leg=prefill_leg,
         )
 
     # 4. ttft
@@ -445,6 +448,9 @@ def _aggregate(
             "decodeKVUsageMax": max(usage) if usage else None,
             "decodePreemptionsRecent": preemptions_delta,
         },
+        # What each leg costs (the decode sidecars' fits) and where turns prefilled.
+        "costs": costs.status(prefill_leg, decode_leg),
+        "placement": costs.placement_status(fresh),
         "ttft": {
             "withReuseSeconds": quantiles(ttft_reused),
             "withoutReuseSeconds": quantiles(ttft_recomputed),

@@ -335,6 +335,9 @@ class Routing:
     session_keys: tuple[str, ...]
     skip_prefill_below_tokens: int
     diagnostic_headers: bool
+    # Measured: each turn's prefill runs where the measured costs and D's load say
+    # (the rule below until both are measured); Threshold: skipPrefillBelowTokens alone.
+    prefill_placement: str = "Measured"
 
 
 @dataclass(frozen=True)
@@ -404,6 +407,9 @@ class Server:
     # The ceiling a raise of maxRetentionSeconds is held at (status.retention.ceilingHeld,
     # policy.ceiling_hold): in status, so every render of the server reads the same.
     ceiling_held: int | None = None
+    # cacheTuning Auto's applied recomputeThreshold (status.recomputeThreshold.applied),
+    # from the measured break-even: in status, as applied_retention.
+    applied_threshold: int | None = None
     # spec.replicas of the RoleScaler of each role in scaling mode External, as read
     # (scaler.py): it lives in another object, so the server's spec never drifts.
     scaled: dict[str, int] = field(default_factory=dict)
@@ -415,6 +421,14 @@ class Server:
         decode's ``decoder_kv_blocks_ttl``)."""
         wanted = self.applied_retention or self.spec.kv_transfer.decode_retention_seconds
         return min(wanted, self.retention_ceiling)
+
+    @property
+    def recompute_threshold(self) -> int:
+        """The recompute threshold in force (the live policy's): Auto's applied value,
+        else the spec's."""
+        if self.applied_threshold is not None:
+            return self.applied_threshold
+        return self.spec.kv_transfer.recompute_threshold
 
     @property
     def retention_ceiling(self) -> int:
@@ -631,6 +645,7 @@ def parse_spec(spec: dict[str, Any]) -> ServerSpec:
                 tuple(routing["sessionKeys"]),
                 routing["skipPrefillBelowTokens"],
                 routing["diagnosticHeaders"],
+                routing["prefillPlacement"],
             ),
             cache_tuning=CacheTuning(
                 mode=tuning["mode"],
@@ -664,6 +679,7 @@ def parse_server(obj: dict[str, Any], scaled: dict[str, int] | None = None) -> S
         labels=dict(meta.get("labels") or {}),
         applied_retention=_applied_retention(obj),
         ceiling_held=_ceiling_held(obj),
+        applied_threshold=_applied_threshold(obj),
         scaled=dict(scaled or {}),
     )
 
@@ -671,6 +687,15 @@ def parse_server(obj: dict[str, Any], scaled: dict[str, int] | None = None) -> S
 def _ceiling_held(obj: dict[str, Any]) -> int | None:
     held = ((obj.get("status") or {}).get("retention") or {}).get("ceilingHeld")
     return held if isinstance(held, int) and not isinstance(held, bool) and held > 0 else None
+
+
+def _applied_threshold(obj: dict[str, Any]) -> int | None:
+    spec = obj.get("spec") or {}
+    if ((spec.get("cacheTuning") or {}).get("mode")) != MODE_AUTO:
+        return None  # leaving Auto returns the sidecars to the spec's value
+    applied = ((obj.get("status") or {}).get("recomputeThreshold") or {}).get("applied")
+    ok = isinstance(applied, int) and not isinstance(applied, bool) and applied >= 0
+    return applied if ok else None
 
 
 def _applied_retention(obj: dict[str, Any]) -> int | None:

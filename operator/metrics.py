@@ -43,6 +43,8 @@ class Decision:
     preemptions_recent: int
     transport: str
     reporting_pods: int
+    # The recompute threshold the decode sidecars are told (Auto's applied, else the spec's).
+    threshold_in_force: int | None = None
 
 
 class DecisionCollector(Collector):
@@ -64,6 +66,10 @@ class DecisionCollector(Collector):
         threshold = gauge(
             "kvferry_operator_recompute_threshold_recommended_tokens",
             "recomputeThreshold the tuner recommends (absent in Observe mode).",
+        )
+        threshold_in_force = gauge(
+            "kvferry_operator_recompute_threshold_tokens",
+            "recomputeThreshold the decode sidecars are told (Auto's applied, else the spec's).",
         )
         preemptions = gauge(
             "kvferry_operator_decode_preemptions_recent",
@@ -87,10 +93,20 @@ class DecisionCollector(Collector):
                 recommended.add_metric(key, d.recommended_retention)
             if d.recommended_threshold is not None:
                 threshold.add_metric(key, d.recommended_threshold)
+            if d.threshold_in_force is not None:
+                threshold_in_force.add_metric(key, d.threshold_in_force)
             preemptions.add_metric(key, d.preemptions_recent)
             transport.add_metric([*key, d.transport], 1)
             pods.add_metric(key, d.reporting_pods)
-        yield from (applied, recommended, threshold, preemptions, transport, pods)
+        yield from (
+            applied,
+            recommended,
+            threshold,
+            threshold_in_force,
+            preemptions,
+            transport,
+            pods,
+        )
 
 
 def registry_for(decisions: Callable[[], Iterable[Decision]]) -> CollectorRegistry:

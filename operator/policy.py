@@ -10,10 +10,11 @@ Two kinds of setting shape how long decode keeps a session's KV:
   engine loop busy;
 - the **live policy** (``kvferry_wire.policy``): the retention under the ceiling
   (``kvTransfer.decodeRetentionSeconds``, or the value ``cacheTuning.mode: Auto``
-  applied), ``kvTransfer.recomputeThreshold`` and ``routing.skipPrefillBelowTokens``.
+  applied), ``kvTransfer.recomputeThreshold`` (or the measured break-even Auto
+  applied), ``routing.skipPrefillBelowTokens`` and ``routing.prefillPlacement``.
   The operator answers each report push with it; the sidecar holds handles for the
   retention and releases them through a P when it ends (D would keep them to the
-  ceiling). None of the three is on a pod template, so changing them restarts nothing.
+  ceiling). None of them is on a pod template, so changing them restarts nothing.
 
 The engines' own ``kv_recompute_threshold`` is fixed (``ENGINE_RECOMPUTE_THRESHOLD``):
 0 on prefill, so P pulls every handle the sidecar offers and the sidecar's live
@@ -64,7 +65,15 @@ def reason(server: api.Server) -> str:
         )
     else:
         held = "spec.cacheTuning.maxRetentionSeconds"
-    return f"retention {retention}s: {source}; ceiling {ceiling}s: {held}"
+    if server.applied_threshold is not None:
+        threshold = "applied by cacheTuning Auto from the measured break-even"
+    else:
+        threshold = "spec.kvTransfer.recomputeThreshold"
+    placement = f"spec.routing.prefillPlacement {spec.routing.prefill_placement}"
+    return (
+        f"retention {retention}s: {source}; ceiling {ceiling}s: {held}; recomputeThreshold "
+        f"{server.recompute_threshold}: {threshold}; prefill placement: {placement}"
+    )
 
 
 def ceiling_hold(wanted: int, in_force: int | None, unreleasable: int | None) -> int | None:
@@ -118,9 +127,10 @@ def build_policy(server: api.Server) -> wire.Policy:
     return wire.Policy(
         retention_seconds=retention_in_force(server),
         recompute_threshold=max(
-            spec.kv_transfer.recompute_threshold, ENGINE_RECOMPUTE_THRESHOLD[api.ROLE_PREFILL]
+            server.recompute_threshold, ENGINE_RECOMPUTE_THRESHOLD[api.ROLE_PREFILL]
         ),
         skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+        prefill_placement=spec.routing.prefill_placement,
     )
 
 
@@ -133,4 +143,5 @@ def config_policy(server: api.Server) -> wire.Policy:
         retention_seconds=min(spec.kv_transfer.decode_retention_seconds, retention_ceiling(server)),
         recompute_threshold=spec.kv_transfer.recompute_threshold,
         skip_prefill_below_tokens=spec.routing.skip_prefill_below_tokens,
+        prefill_placement=spec.routing.prefill_placement,
     )

@@ -19,7 +19,10 @@ Runs on a timer inside the operator. Per server with reports:
   4. write the server's ``status.retention`` when the recommendation changed,
      with an Event (reason and inputs) in Recommend and Auto modes; Auto also
      applies it (``tune.plan_live_apply``) live: it changes the server's policy and
-     no child object, so nothing restarts; and the server's ``status.transport`` /
+     no child object, so nothing restarts; likewise ``status.recomputeThreshold``,
+     the measured break-even (``tune.recommend_threshold``), which Auto applies live
+     when it moved far enough (``tune.plan_threshold_apply``, an Event each time);
+     and the server's ``status.transport`` /
      ``transportReason`` (the KVTransport condition is computed from them by the
      status handler);
   5. keep the server's live policy (``policy.build_policy``, after Auto's decision)
@@ -48,6 +51,7 @@ EVENT_RECOMMENDED = "RetentionRecommended"
 EVENT_APPLIED = "RetentionApplied"
 EVENT_CEILING_HELD = "CeilingHeld"
 EVENT_CEILING_RAISED = "CeilingRaised"
+EVENT_THRESHOLD_APPLIED = "RecomputeThresholdApplied"
 
 
 def without_nulls(value: Any) -> Any:
@@ -214,11 +218,19 @@ class Publisher:
             server = dataclasses.replace(server, ceiling_held=None)
         rec = tune.recommend_retention(agg.tuning) if agg.tuning else None
         threshold = tune.recommend_threshold(agg.tuning) if agg.tuning else None
-        # Auto's decision first: both statuses and the sidecars' answer show its policy.
+        # Auto's decisions first: both statuses and the sidecars' answer show its policy.
         decision = auto_decision(server, rec)
         if decision is not None and decision.apply and rec is not None:
             # In force from this pass on: no child changes, nothing restarts.
             server = dataclasses.replace(server, applied_retention=rec.value)
+        threshold_decision = (
+            tune.plan_threshold_apply(mode, threshold, server.recompute_threshold)
+            if threshold is not None and mode == api.MODE_AUTO
+            else None
+        )
+        threshold_was = server.recompute_threshold
+        if threshold_decision is not None and threshold is not None and threshold_decision.apply:
+            server = dataclasses.replace(server, applied_threshold=threshold.value)
         status = without_nulls(
             {
                 **aggregate.with_recommendations(agg.status, mode, rec, threshold),
@@ -241,6 +253,7 @@ class Publisher:
             preemptions_recent=agg.tuning.preemptions_delta if agg.tuning else 0,
             transport=agg.transport,
             reporting_pods=len(fresh),
+            threshold_in_force=server.recompute_threshold,
         )
 
         old = {
@@ -260,7 +273,17 @@ class Publisher:
             )
             self._last_write[key] = now
 
-        self._publish_retention(obj, server, rec, decision, agg, lifted)
+        self._publish_retention(
+            obj, server, rec, decision, agg, lifted, threshold, threshold_decision
+        )
+        if threshold_decision is not None and threshold_decision.apply and threshold is not None:
+            self.emit(
+                obj,
+                "Normal",
+                EVENT_THRESHOLD_APPLIED,
+                f"applied recomputeThreshold {threshold.value} live (was {threshold_was}; no "
+                f"restart): {threshold.reason}",
+            )
         if lifted:
             if self.reapply is not None:
                 # A new leader has no whole apply of its own to compare the lifted
@@ -300,6 +323,8 @@ class Publisher:
         decision: tune.ApplyDecision | None,
         agg: aggregate.Aggregate,
         lifted: bool = False,
+        threshold: tune.Recommendation | None = None,
+        threshold_decision: tune.ApplyDecision | None = None,
     ) -> None:
         """Write ``status.retention`` (``server`` is the server with Auto's decision
         in force) and the transport. ``ceilingHeld`` is the apply's (handlers.gate_ceiling):
@@ -312,15 +337,22 @@ class Publisher:
         new = without_nulls(retention_status(old, server, rec, mode))
         if decision is not None:
             new["autoDecision"] = decision.reason
+        old_threshold = st.get("recomputeThreshold") or {}
+        new_threshold = threshold_status(server, threshold, threshold_decision, mode)
         transport_changed = (st.get("transport"), st.get("transportReason") or "") != (
             agg.transport,
             agg.transport_reason,
         )
-        if new == old and not transport_changed and not lifted:
+        if new == old and new_threshold == old_threshold and not transport_changed and not lifted:
             return
         patch: dict[str, Any] = {
             # A merge patch keeps what it does not name: a lifted hold is nulled.
             "retention": {**new, **({"ceilingHeld": None} if lifted else {})},
+            "recomputeThreshold": {
+                **{k: None for k in old_threshold if k not in new_threshold},
+                **new_threshold,
+            }
+            or None,
             "transport": agg.transport,
             "transportReason": agg.transport_reason or None,
         }
@@ -338,6 +370,26 @@ class Publisher:
                 f"{new['policyRevision']}, no restart): the sidecars hold handles for it "
                 "from their next report",
             )
+
+
+def threshold_status(
+    server: api.Server,
+    rec: tune.Recommendation | None,
+    decision: tune.ApplyDecision | None,
+    mode: str,
+) -> dict[str, Any]:
+    """The server's ``status.recomputeThreshold``: Auto's applied value (none outside
+    Auto: the spec's is in force), the measured recommendation and why (not in
+    Observe), Auto's decision."""
+    out: dict[str, Any] = {}
+    if server.applied_threshold is not None:
+        out["applied"] = server.applied_threshold
+    if rec is not None and mode != api.MODE_OBSERVE:
+        out["recommended"] = rec.value
+        out["reason"] = rec.reason
+    if decision is not None:
+        out["autoDecision"] = decision.reason
+    return out
 
 
 def auto_decision(server: api.Server, rec: tune.Recommendation | None) -> tune.ApplyDecision | None:
@@ -358,6 +410,7 @@ def policy_status(server: api.Server) -> dict[str, Any]:
         "retentionSeconds": server.decode_retention_seconds,
         "recomputeThreshold": told.recompute_threshold,
         "skipPrefillBelowTokens": told.skip_prefill_below_tokens,
+        "prefillPlacement": told.prefill_placement,
         "ceilingSeconds": policy.retention_ceiling(server),
         "reason": policy.reason(server),
     }

@@ -518,6 +518,7 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
             pin_journal_path=JOURNAL_FILE,
             session_keys=tuple(spec.routing.session_keys),
             skip_prefill_below_tokens=live.skip_prefill_below_tokens,
+            prefill_placement=live.prefill_placement,
             diagnostic_headers=spec.routing.diagnostic_headers,
             requested_transport=kv_transport(spec),
             rdma_enabled=spec.network.rdma.enabled,
@@ -531,7 +532,12 @@ def build_sidecar_settings(server: Server, ctx: Context | None = None) -> Obj:
 # a sidecar starts with, in no pod's hash (either role), so changing them rolls nothing.
 LIVE_SETTINGS = tuple(
     wire_settings.file_key(name)
-    for name in ("retention_seconds", "skip_prefill_below_tokens", "recompute_threshold")
+    for name in (
+        "retention_seconds",
+        "skip_prefill_below_tokens",
+        "recompute_threshold",
+        "prefill_placement",
+    )
 )
 # Settings only the decode sidecar reads: changing them must not restart prefill.
 DECODE_ONLY_SETTINGS = tuple(

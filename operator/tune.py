@@ -17,15 +17,27 @@ The algorithm, per DisaggregatedServer:
    below the minimum): fewer pinned handles, more room for running requests.
 3. **Too little data.** With fewer than ``MIN_GAP_SAMPLES`` gaps the tuner
    recommends what runs now: it never raises retention on a handful of turns.
-4. **Recompute threshold** (``kvTransfer.recomputeThreshold``). A pull costs a
-   fixed latency plus bytes/token over the measured bandwidth; recomputing
-   costs the measured prefill seconds per token. Pulling wins from
-   ``N* = latency / (recompute_s_per_token - transfer_s_per_token)`` tokens
-   on; if transfer per token is not cheaper, the threshold is the model
-   length (never pull).
+4. **Recompute threshold** (``kvTransfer.recomputeThreshold``). Every prefill
+   leg the decode sidecars time goes into one least-squares fit
+   (``kvferry_wire.costfit``, summed over the decode pods): seconds = fixed +
+   pull·[pulled] + per-pulled-token·pulled + per-computed-token·computed. A
+   pull of N history tokens beats computing them from
+   ``N* = pull / (per-computed-token - per-pulled-token)`` on; if a pulled token
+   is not cheaper than a computed one the threshold is the model length (never
+   pull). The fit is of whole legs as the turns saw them, not of NIXL's own
+   counters, which miss the engine steps around a transfer and, on a throttled
+   link, half the wire time (docs/performance.md, "Break-even"). Until it has
+   ``costfit.MIN_NONZERO`` pulls and recomputes the threshold in force is kept.
+   At or above P's engine-side ``kv_recompute_threshold`` (0 as rendered,
+   ``policy.ENGINE_RECOMPUTE_THRESHOLD``), which only a restart changes.
 
 Every recommendation carries the inputs it used and a one-line reason, and is
 deterministic for its inputs.
+
+:func:`plan_threshold_apply` decides, for ``Auto``, whether to apply a threshold:
+live like the retention, once it moved far enough from the one in force that the
+change is worth a new policy revision (near the break-even both ways cost about the
+same, so a fit's noise must not churn the policy).
 
 :func:`plan_live_apply` decides, for ``Auto``, whether to apply a recommendation:
 the retention is live (``policy.py``: the sidecars are told with their next report
@@ -44,6 +56,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry_wire import costfit
 from kvferry_wire.protocol import HANDLE_EXPIRY_MARGIN_SECONDS
 from kvferry_wire.report import Histogram
 
@@ -61,6 +74,11 @@ PRESSURE_FACTOR = 0.5
 # Only a change of at least this share is worth a rolling restart.
 MIN_APPLY_CHANGE = 0.2
 DAY_SECONDS = 86400
+# A threshold moves in force only by at least this much (tokens, and share of it).
+MIN_THRESHOLD_CHANGE_TOKENS = 16
+MIN_THRESHOLD_CHANGE_SHARE = 0.25
+# What the threshold's fit must have seen (costfit.solve's ``needed``).
+THRESHOLD_NEEDS = (costfit.PULL, costfit.PULLED_TOKENS, costfit.COMPUTED_TOKENS)
 
 
 # The context length assumed when spec.model.maxModelLen is unset (the engine's own).
@@ -83,6 +101,9 @@ class TuningInputs:
     recompute_seconds_per_token: float | None = None
     current_threshold: int = 64
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # The decode pods' prefill legs, summed (costfit.PREFILL_LEG): what the threshold
+    # is fitted from.
+    prefill_leg: costfit.LinearFit | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,8 @@ class Recommendation:
     value: int
     reason: str
     inputs: dict[str, Any] = field(default_factory=dict)
+    # False: too little was measured, ``value`` is what runs now.
+    measured: bool = True
 
 
 def is_under_pressure(inp: TuningInputs) -> bool:
@@ -175,50 +198,61 @@ def break_even_tokens(
 
 
 def recommend_threshold(inp: TuningInputs) -> Recommendation:
-    inputs = {
-        "bytesPerToken": inp.bytes_per_token,
-        "transferBytesPerSecond": inp.transfer_bytes_per_second,
-        "pullFixedLatencySeconds": inp.pull_fixed_latency_seconds,
-        "recomputeSecondsPerToken": inp.recompute_seconds_per_token,
-    }
-    needed = (
-        inp.bytes_per_token,
-        inp.transfer_bytes_per_second,
-        inp.pull_fixed_latency_seconds,
-        inp.recompute_seconds_per_token,
+    """The measured break-even (step 4 of the module docstring), with its inputs."""
+    fit = inp.prefill_leg
+    solved = (
+        costfit.solve(fit, costfit.PREFILL_LEG, THRESHOLD_NEEDS)
+        if fit is not None
+        else costfit.Unsolved("no prefill legs reported")
     )
-    if any(v is None or v <= 0 for v in needed[:2]) or any(v is None for v in needed[2:]):
+    if isinstance(solved, costfit.Unsolved):
         return Recommendation(
             inp.current_threshold,
-            f"no transfer or prefill measurements yet: keeping {inp.current_threshold}",
-            inputs,
+            f"{solved.reason}: keeping {inp.current_threshold}",
+            {"prefillLegs": fit.observations if fit is not None else 0},
+            measured=False,
         )
-    assert inp.bytes_per_token and inp.transfer_bytes_per_second
-    assert inp.pull_fixed_latency_seconds is not None
-    assert inp.recompute_seconds_per_token is not None
-    transfer = inp.bytes_per_token / inp.transfer_bytes_per_second
-    inputs["transferSecondsPerToken"] = transfer
-    breakeven = break_even_tokens(
-        inp.bytes_per_token,
-        inp.transfer_bytes_per_second,
-        inp.pull_fixed_latency_seconds,
-        inp.recompute_seconds_per_token,
+    c = solved.coefficients
+    inputs: dict[str, Any] = {
+        "prefillLegs": solved.observations,
+        "pullLegs": fit.nonzero[costfit.PREFILL_LEG.features.index(costfit.PULL)] if fit else 0,
+        "pullFixedSeconds": round(c[costfit.PULL], 6),
+        "pullSecondsPerToken": round(c[costfit.PULLED_TOKENS], 9),
+        "recomputeSecondsPerToken": round(c[costfit.COMPUTED_TOKENS], 9),
+        "rmsSeconds": round(solved.rms_seconds, 6),
+    }
+    pull, per_pulled = c[costfit.PULL], c[costfit.PULLED_TOKENS]
+    costs = (
+        f"a pull costs {pull * 1e3:.1f}ms + {per_pulled * 1e6:.1f}us/token, a recompute "
+        f"{c[costfit.COMPUTED_TOKENS] * 1e6:.1f}us/token ({solved.observations} prefill "
+        f"legs, {inputs['pullLegs']} pulls)"
     )
+    breakeven = costfit.break_even_tokens(solved)
     if breakeven is None:
         return Recommendation(
-            inp.max_model_len,
-            f"pulling a token ({transfer * 1e6:.1f}us) is not faster than recomputing it "
-            f"({inp.recompute_seconds_per_token * 1e6:.1f}us): never pull",
-            inputs,
+            inp.max_model_len, f"{costs}: a pulled token is no cheaper, never pull", inputs
         )
-    value = clamp(breakeven, 0, inp.max_model_len)
-    return Recommendation(
-        value,
-        f"pull costs {inp.pull_fixed_latency_seconds * 1e3:.1f}ms + {transfer * 1e6:.2f}us/token,"
-        f" recompute {inp.recompute_seconds_per_token * 1e6:.1f}us/token: pulls win from "
-        f"{value} tokens",
-        inputs,
-    )
+    # The fit is of floats: a break-even a rounding above a whole number is that number.
+    value = clamp(math.ceil(breakeven - 1e-6), 0, inp.max_model_len)
+    return Recommendation(value, f"{costs}: pulls win from {value} tokens", inputs)
+
+
+def plan_threshold_apply(mode: str, rec: Recommendation, applied: int) -> ApplyDecision:
+    """Whether ``Auto`` puts the measured threshold ``rec`` in force now (live)."""
+    if mode != MODE_AUTO:
+        return ApplyDecision(False, f"mode {mode}: recommendations are not applied")
+    if not rec.measured:
+        return ApplyDecision(False, f"no measured break-even yet ({rec.reason})")
+    moved = abs(rec.value - applied)
+    if moved == 0:
+        return ApplyDecision(False, "already in force")
+    if moved < max(MIN_THRESHOLD_CHANGE_TOKENS, MIN_THRESHOLD_CHANGE_SHARE * applied):
+        return ApplyDecision(
+            False,
+            f"{rec.value} is within {MIN_THRESHOLD_CHANGE_TOKENS} tokens or "
+            f"{MIN_THRESHOLD_CHANGE_SHARE:.0%} of {applied} in force: not worth a new policy",
+        )
+    return ApplyDecision(True, f"applied {rec.value} live (was {applied})")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from kvferry_wire import costfit
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
+from . import placement
 from .enginemetrics import Cumulative, EngineFigures
 from .types import HandleFate, SessionTag, TurnReport
 
@@ -66,6 +67,10 @@ _TAKEN_BY_OUTCOME = {
     Outcome.SKIPPED_PREFILL: FATE_SKIPPED,
     Outcome.CACHED_ON_DECODE: FATE_SKIPPED,
 }
+
+
+# placement.Choice.decided_by -> the report's field name part.
+_BY = {placement.BY_COSTS: "costs", placement.BY_COLD: "cold_rule", placement.BY_RULE: "rule"}
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class Residency:
         self.ttft_recomputed = rpt.Histogram.empty(rpt.LATENCY_BOUNDS)
         self.transfer = rpt.Transfer()
         # What each leg cost (costfit.py): P's prefill leg, D's leg.
+        self.placements = rpt.Placements()
         self.prefill_leg = costfit.empty(costfit.PREFILL_LEG)
         self.decode_leg = costfit.empty(costfit.DECODE_LEG)
         self._sessions: OrderedDict[SessionTag, _Session] = OrderedDict()
@@ -193,6 +199,10 @@ class Residency:
             self.transfer.recompute_tokens += report.prompt_tokens or 0
             self.transfer.recompute_seconds += prefill_s
         self._observe_legs(report)
+        if report.choice is not None:
+            where = "decode" if report.choice.alone else "prefill"
+            key = f"{where}_by_{_BY[report.choice.decided_by]}"
+            setattr(self.placements, key, getattr(self.placements, key) + 1)
 
     def _observe_legs(self, report: TurnReport) -> None:
         """The turn's legs into the cost fits (a successful turn's only, see above).
@@ -368,6 +378,7 @@ class Residency:
             orphans=msgspec.structs.replace(self.orphans),
             transfer=transfer,
             costs=rpt.Costs(prefill_leg=self.prefill_leg.copy(), decode_leg=self.decode_leg.copy()),
+            placements=msgspec.structs.replace(self.placements),
             engine=rpt.Engine(
                 kv_usage=self._kv_usage,
                 preemptions=int(acc.get("preemptions")),

@@ -25,7 +25,9 @@ REPORT_VERSION history:
       Later in 2, with a default: ``pinned.unreleasableHandles``; an older report reads
       as none.
       Later in 2, with defaults: ``costs`` (the legs' least-squares sums,
-      ``kvferry_wire.costfit``); an older report reads as no legs measured.
+      ``kvferry_wire.costfit``) and ``placements`` (where turns were chosen to
+      prefill, and what decided); an older report reads as no legs measured and no
+      choices counted.
 
 :func:`decode` checks every field, not only the shape: names are Kubernetes
 names, counts and sums are finite and not negative, map keys come from fixed
@@ -270,6 +272,20 @@ class Costs(msgspec.Struct, rename="camel"):
     )
 
 
+class Placements(msgspec.Struct, rename="camel"):
+    """Turns by where the decode sidecar chose to prefill them (P: the P path; D: D
+    alone) and what decided: the measured costs and D's load, the skip-prefill rule
+    while the costs are not known yet (cold), or the rule alone (prefillPlacement
+    Threshold). Cumulative."""
+
+    prefill_by_costs: int = 0
+    prefill_by_cold_rule: int = 0
+    prefill_by_rule: int = 0
+    decode_by_costs: int = 0
+    decode_by_cold_rule: int = 0
+    decode_by_rule: int = 0
+
+
 class Engine(msgspec.Struct, rename="camel"):
     kv_usage: float | None = None  # 0..1
     preemptions: int = 0
@@ -316,6 +332,7 @@ class Report(msgspec.Struct, rename="camel", kw_only=True):
     orphans: Orphans = msgspec.field(default_factory=Orphans)
     transfer: Transfer = msgspec.field(default_factory=Transfer)
     costs: Costs = msgspec.field(default_factory=Costs)
+    placements: Placements = msgspec.field(default_factory=Placements)
     engine: Engine = msgspec.field(default_factory=Engine)
     kv_events: KVEvents = msgspec.field(default_factory=KVEvents)
 

@@ -1,5 +1,6 @@
 """The live policy on a real API server with the real operator: a change of the
-retention, the recompute threshold or skip-prefill (by the user, or Auto's) reaches
+retention, the recompute threshold, skip-prefill or the prefill placement (by the user,
+or Auto's: the measured break-even too) reaches
 the sidecars in the answer to their report push and touches neither StatefulSet; only
 the ceiling (cacheTuning.maxRetentionSeconds) rolls decode. The fake sidecar is this
 test: it pushes reports with the pod's bound token, as a sidecar does."""
@@ -12,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvferry_wire import costfit
 from kvferry_wire import policy as wire_policy
+from kvferry_wire import report as wire_report
 from tests.cluster.conftest import Kubectl, Operator, wait_until
 from tests.cluster.test_operator import make, wait_ready
 from tests.cluster.test_reports import bound_token, decode_report, push
@@ -107,10 +110,11 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
     before = statefulsets(kubectl, ns)
     generation = kubectl.get("dserver", "tiny", ns)["metadata"]["generation"]
 
+    assert first[wire_policy.K_PLACEMENT] == wire_policy.PLACEMENT_MEASURED
     patch = {
         "spec": {
             "kvTransfer": {"decodeRetentionSeconds": 120, "recomputeThreshold": 32},
-            "routing": {"skipPrefillBelowTokens": 100},
+            "routing": {"skipPrefillBelowTokens": 100, "prefillPlacement": "Threshold"},
         }
     }
     kubectl.run("patch", "dserver", "tiny", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
@@ -118,6 +122,7 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
         "the new policy in a report answer", lambda p: p[wire_policy.K_RETENTION] == 120
     )
     assert (told[wire_policy.K_THRESHOLD], told[wire_policy.K_SKIP]) == (32, 100)
+    assert told[wire_policy.K_PLACEMENT] == wire_policy.PLACEMENT_THRESHOLD
     # The operator handled the new generation (its children applied) ...
     wait_landed(kubectl, ns, generation + 1)
     # ... and neither StatefulSet changed: no generation, no write, the same template.
@@ -150,9 +155,12 @@ def test_a_spec_change_of_the_policy_reaches_the_sidecars_and_rolls_nothing(
         "retentionSeconds": 120,
         "recomputeThreshold": 32,
         "skipPrefillBelowTokens": 100,
+        "prefillPlacement": "Threshold",
         "ceilingSeconds": 1800,
         "reason": "retention 120s: spec.kvTransfer.decodeRetentionSeconds; ceiling 1800s: "
-        "spec.cacheTuning.maxRetentionSeconds",
+        "spec.cacheTuning.maxRetentionSeconds; recomputeThreshold 32: "
+        "spec.kvTransfer.recomputeThreshold; prefill placement: spec.routing.prefillPlacement "
+        "Threshold",
     }
 
 
@@ -279,3 +287,54 @@ def test_auto_applies_each_recommendation_live_without_a_restart(
     assert statefulsets(kubectl, ns) == before
     events = wait_for_event(kubectl, ns, "tiny", "RetentionApplied")
     assert events and all("live" in e["message"] for e in events), [e["message"] for e in events]
+
+
+def measured_report(ns: str, per_pulled: float) -> bytes:
+    """tiny-decode-0's report with prefill legs timed at 17 ms a pull, ``per_pulled`` s a
+    pulled token and 1.3 ms a computed one."""
+    rep = wire_report.decode(gap_report(ns, "tiny-decode-0", []))
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        for pulled in (0, n):
+            x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
+            x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
+            seconds = 0.05 + (0.017 if pulled else 0.0) + per_pulled * pulled
+            seconds += 0.0013 * (n + 16 - pulled)
+            costfit.observe(rep.costs.prefill_leg, costfit.PREFILL_LEG, x, seconds, n + 16)
+    return wire_report.encode(rep)
+
+
+def threshold_status(kubectl: Kubectl, ns: str) -> dict[str, Any]:
+    status = (kubectl.get("dserver", "tiny", ns) or {}).get("status") or {}
+    return status.get("recomputeThreshold") or {}
+
+
+def test_auto_applies_the_measured_break_even_live_without_a_restart(
+    kubectl: Kubectl, operator: Operator, ns: str
+):
+    """The decode sidecars' prefill legs say a pull of more than 22 tokens pays (then,
+    on a slower link, that no pull does): Auto tells the sidecars each threshold in
+    its report answer, status shows it and why, and neither StatefulSet changes."""
+    spec = {"cacheTuning": {"mode": "Auto"}, "model": {"maxModelLen": 4096}}
+    kubectl.apply(make(ns, spec=spec), "--server-side")
+    wait_ready(kubectl, ns)
+    wait_until(lambda: settled(kubectl, ns), 60, "both roles settled")
+    before = statefulsets(kubectl, ns)
+    sidecar = Sidecar(kubectl, operator, ns)
+    for per_pulled, want in ((0.0005, 22), (0.002, 4096)):  # 4096: maxModelLen, never pull
+        told = sidecar.policy_where(
+            f"recomputeThreshold {want} in a report answer",
+            lambda p, w=want: p[wire_policy.K_THRESHOLD] == w,
+            measured_report(ns, per_pulled),
+        )
+        shown = wait_until(
+            lambda w=want: (t := threshold_status(kubectl, ns)).get("applied") == w and t,
+            30,
+            f"status.recomputeThreshold.applied {want}",
+        )
+        assert shown["recommended"] == want and shown["reason"]
+        assert retention(kubectl, ns)["policyRevision"] == told[wire_policy.K_REVISION]
+    assert statefulsets(kubectl, ns) == before
+    events = wait_for_event(kubectl, ns, "tiny", "RecomputeThresholdApplied")
+    assert events and all("no restart" in e["message"] for e in events)
+    costs = kubectl.get("kvcachestatus", "tiny", ns)["status"]["costs"]
+    assert costs["pullLegs"] == 9 and costs["pullSecondsPerToken"] == 0.002

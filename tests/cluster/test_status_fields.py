@@ -35,6 +35,7 @@ from kvferry_operator import (
 )
 from kvferry_operator.kube import Kube
 from kvferry_operator.reports import ReportStore
+from kvferry_wire import costfit
 from kvferry_wire import report as wire
 from tests.cluster.conftest import Kubectl, Operator
 from tests.cluster.test_operator import make
@@ -133,6 +134,21 @@ def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
         rep.transfer.pull_latency.observe(0.02)
     rep.engine = wire.Engine(kv_usage=0.42, preemptions=0, healthy=True)
     rep.kv_events = wire.KVEvents(blocks_held=100, sessions_held=4, batches=50)
+    # Legs of both kinds and both ways, so every cost figure is fitted (and Auto applies
+    # a measured recompute threshold: the server's status.recomputeThreshold). A pull's
+    # fixed cost below 0 (as a fit may give within its noise) must read back too.
+    for n in (16, 64, 256, 1024, 2048):
+        for pulled in (0, n):
+            x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
+            x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
+            seconds = 0.05 - (0.004 if pulled else 0) + 0.0001 * pulled + 0.0013 * (n + 16 - pulled)
+            costfit.observe(rep.costs.prefill_leg, costfit.PREFILL_LEG, x, seconds, n + 16)
+        alone = {costfit.ALONE: 1.0, costfit.ALONE_COMPUTED_TOKENS: n, costfit.OUTPUT_TOKENS: 1}
+        fetched = {costfit.FETCHED_TOKENS: n, costfit.OUTPUT_TOKENS: 1 + n // 64}
+        costfit.observe(rep.costs.decode_leg, costfit.DECODE_LEG, alone, 0.02 + 0.0012 * n, n)
+        seconds = 0.03 + 0.0001 * n + 0.01 * (1 + n // 64)
+        costfit.observe(rep.costs.decode_leg, costfit.DECODE_LEG, fetched, seconds, n)
+    rep.placements = wire.Placements(1, 2, 3, 4, 5, 6)
     return rep
 
 
@@ -260,6 +276,14 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
             assert "restarts" not in retention  # applied live: no restart
             assert (retention["ceiling"], len(retention["policyRevision"])) == (1800, 16)
             assert retention["autoDecision"] == "already in force"
+            threshold = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"][
+                "recomputeThreshold"
+            ]
+            assert threshold["applied"] == threshold["recommended"] == 0  # a pull costs < 0
+            shown = kube.get(api.API_VERSION, api.STATUS_KIND, ns, "tiny")["status"]
+            assert shown["costs"]["pullFixedSeconds"] < 0
+            assert shown["placement"]["decodeAlone"] == {"byCosts": 4, "byColdRule": 5, "byRule": 6}
+            assert shown["policy"]["prefillPlacement"] == "Measured"
     finally:
         operator.start()
 

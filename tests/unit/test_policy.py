@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -103,13 +105,20 @@ def test_a_held_ceiling_is_never_above_the_one_in_force_nor_the_spec(
     assert hold == in_force and hold < wanted and unreleasable
 
 
-def test_the_reason_names_where_the_retention_and_the_ceiling_come_from():
+def test_the_reason_names_where_the_retention_ceiling_threshold_and_placement_come_from():
     assert policy.reason(parsed({"kvTransfer": {"decodeRetentionSeconds": 7200}})) == (
         "retention 1800s: spec.kvTransfer.decodeRetentionSeconds (7200s), at most the "
-        "ceiling; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds"
+        "ceiling; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds; recomputeThreshold "
+        "64: spec.kvTransfer.recomputeThreshold; prefill placement: "
+        "spec.routing.prefillPlacement Measured"
     )
     auto = policy.reason(parsed({"cacheTuning": {"mode": "Auto"}}, applied=120))
     assert auto.startswith("retention 120s: applied by cacheTuning Auto")
     assert "held below maxRetentionSeconds 3600s" in policy.reason(
         held({"cacheTuning": {"maxRetentionSeconds": 3600}}, 600)
     )
+    measured = dataclasses.replace(parsed({"cacheTuning": {"mode": "Auto"}}), applied_threshold=21)
+    assert "recomputeThreshold 21: applied by cacheTuning Auto from the measured break-even" in (
+        policy.reason(measured)
+    )
+    assert policy.build_policy(measured).recompute_threshold == 21

@@ -14,6 +14,7 @@ from kvferry_operator import api, publisher, reports, tune
 from kvferry_wire import policy as wire_policy
 from kvferry_wire import report as wire
 from tests.manifests import server
+from tests.unit.test_tune import prefill_fit
 
 NOW = 1_800_000_000.0
 DAY = tune.DAY_SECONDS
@@ -179,9 +180,12 @@ def test_auto_applies_live_and_logs_no_restart():
         "retentionSeconds": retention["applied"],
         "recomputeThreshold": 64,
         "skipPrefillBelowTokens": 256,
+        "prefillPlacement": "Measured",
         "ceilingSeconds": 1800,
         "reason": f"retention {retention['applied']}s: applied by cacheTuning Auto from the "
-        "tuner's recommendation; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds",
+        "tuner's recommendation; ceiling 1800s: spec.cacheTuning.maxRetentionSeconds; "
+        "recomputeThreshold 64: spec.kvTransfer.recomputeThreshold; prefill placement: "
+        "spec.routing.prefillPlacement Measured",
     }
     assert shown["summary"]["retention"] == f"{retention['applied']}s"
     assert shown["retention"]["inputs"]["current"] == 480  # what the tuner worked from
@@ -355,6 +359,8 @@ def test_a_held_ceiling_stays_while_a_decode_pod_reports_unreleasable_pins():
     assert shown["reason"] == (
         "retention 480s: spec.kvTransfer.decodeRetentionSeconds; ceiling 600s: held below "
         "maxRetentionSeconds 3600s while the decode sidecars report unreleasable pinned handles"
+        "; recomputeThreshold 64: spec.kvTransfer.recomputeThreshold; prefill placement: "
+        "spec.routing.prefillPlacement Measured"
     )
     assert publisher.EVENT_CEILING_RAISED not in [e[2] for e in events]
 
@@ -433,3 +439,82 @@ def test_the_publisher_never_writes_a_hold_it_read():
     pub.publish("default", "tiny")
     sent = [b["retention"] for kind, b in kube.patches if kind == api.SERVER_KIND]
     assert sent and all("ceilingHeld" not in r for r in sent)
+
+
+# ------------------------------------------------------------------ the measured threshold
+
+
+def measured_store(per_pulled: float = 0.0005, per_computed: float = 0.0013) -> Any:
+    """tiny-decode-0's report with prefill legs timed at these costs (17 ms a pull)."""
+    rep = decode_report([], NOW - 600, NOW)
+    rep.costs.prefill_leg = prefill_fit(0.017, per_pulled, per_computed)
+
+    class Store:
+        def servers(self) -> list[tuple[str, str]]:
+            return [("default", "tiny")]
+
+        def get(self, ns: str, name: str) -> list[reports.Received]:
+            return [reports.Received(rep, NOW - 1)]
+
+        def forget(self, ns: str, name: str) -> None:
+            pass
+
+    return Store()
+
+
+def publish_measured(kube: MemoryKube, store: Any) -> tuple[publisher.Publisher, list[tuple]]:
+    events: list[tuple] = []
+    pub = publisher.Publisher(
+        kube,  # type: ignore[arg-type]
+        store,
+        stale_after=90,
+        min_write_seconds=0,
+        emit=lambda *a: events.append(a),
+        clock=lambda: NOW,
+    )
+    pub.publish("default", "tiny")
+    return pub, events
+
+
+def test_auto_applies_the_measured_break_even_live_and_tells_the_sidecars():
+    kube = MemoryKube(auto_server(), kvcs())
+    pub, events = publish_measured(kube, measured_store())
+    shown = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["recomputeThreshold"]
+    assert (shown["applied"], shown["recommended"]) == (22, 22)
+    assert shown["autoDecision"] == "applied 22 live (was 64)"
+    assert shown["reason"].endswith("pulls win from 22 tokens")
+    told = pub.policy("default", "tiny")
+    assert told is not None and told[wire_policy.K_THRESHOLD] == 22
+    applied = [e for e in events if e[2] == publisher.EVENT_THRESHOLD_APPLIED]
+    assert len(applied) == 1 and "recomputeThreshold 22 live (was 64; no restart)" in applied[0][3]
+    policy_shown = kube.objs[(api.STATUS_KIND, "tiny")]["status"]["policy"]
+    assert policy_shown["recomputeThreshold"] == 22
+    assert "recomputeThreshold 22: applied by cacheTuning Auto" in policy_shown["reason"]
+    costs = kube.objs[(api.STATUS_KIND, "tiny")]["status"]["costs"]
+    assert (costs["prefillLegs"], costs["pullLegs"]) == (18, 9)
+    assert abs(costs["pullFixedSeconds"] - 0.017) < 1e-6
+    # A second pass with the same legs: in force already, nothing posted again.
+    _, again = publish_measured(kube, measured_store())
+    assert publisher.EVENT_THRESHOLD_APPLIED not in [e[2] for e in again]
+
+
+def test_recommend_shows_the_measured_break_even_and_applies_nothing():
+    obj = server({"cacheTuning": {"mode": "Recommend"}})
+    kube = MemoryKube(obj, kvcs())
+    pub, events = publish_measured(kube, measured_store())
+    shown = kube.objs[(api.SERVER_KIND, "tiny")]["status"]["recomputeThreshold"]
+    assert shown == {"recommended": 22, "reason": shown["reason"]}
+    told = pub.policy("default", "tiny")
+    assert told is not None and told[wire_policy.K_THRESHOLD] == 64
+    assert publisher.EVENT_THRESHOLD_APPLIED not in [e[2] for e in events]
+
+
+def test_leaving_auto_returns_the_sidecars_to_the_spec_threshold():
+    obj = auto_server()
+    obj["status"]["recomputeThreshold"] = {"applied": 22, "recommended": 22}
+    obj["spec"]["cacheTuning"]["mode"] = "Recommend"
+    kube = MemoryKube(obj, kvcs())
+    pub, _ = publish_measured(kube, measured_store())
+    told = pub.policy("default", "tiny")
+    assert told is not None and told[wire_policy.K_THRESHOLD] == 64
+    assert "applied" not in kube.objs[(api.SERVER_KIND, "tiny")]["status"]["recomputeThreshold"]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvferry_operator import tune
 from kvferry_operator.tune import TuningInputs
+from kvferry_wire import costfit
 from kvferry_wire.report import Histogram, merge_histograms
 
 BOUNDS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
@@ -168,38 +169,73 @@ def test_the_recommendation_depends_on_the_gaps_not_on_which_pod_saw_them(sample
         assert tune.recommend_retention(inputs([], gaps=merged)) == whole
 
 
+def prefill_fit(pull: float, per_pulled: float, per_computed: float, fixed: float = 0.05):
+    """The prefill legs a decode pod would time at these costs: a recompute and a
+    pull of each history size (16 new tokens each)."""
+    fit = costfit.empty(costfit.PREFILL_LEG)
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        for pulled in (0, n):
+            x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
+            x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
+            seconds = fixed + (pull if pulled else 0) + per_pulled * pulled
+            costfit.observe(
+                fit, costfit.PREFILL_LEG, x, seconds + per_computed * (n + 16 - pulled), n
+            )
+    return fit
+
+
 class TestThreshold:
-    def test_no_measurements_keeps_current(self):
+    def test_no_legs_keeps_the_threshold_in_force(self):
         rec = tune.recommend_threshold(inputs([], current_threshold=64))
-        assert (rec.value, "no transfer or prefill measurements" in rec.reason) == (64, True)
+        assert (rec.value, rec.measured) == (64, False)
+        assert rec.reason == "no prefill legs reported: keeping 64"
 
-    def test_breakeven_from_latency_and_per_token_costs(self):
-        # 128 KiB/token at 10 GB/s = 13.1us/token; recompute 100us/token; 5 ms fixed:
-        # 0.005 / (100e-6 - 13.1072e-6) = 57.5 -> 58 tokens.
-        rec = tune.recommend_threshold(
-            inputs(
-                [],
-                bytes_per_token=131072,
-                transfer_bytes_per_second=10e9,
-                pull_fixed_latency_seconds=0.005,
-                recompute_seconds_per_token=100e-6,
-            )
-        )
-        assert rec.value == 58
-        assert "pulls win from 58 tokens" in rec.reason
+    def test_too_few_pulls_keep_the_threshold_in_force(self):
+        fit = costfit.empty(costfit.PREFILL_LEG)
+        for n in range(20):
+            costfit.observe(fit, costfit.PREFILL_LEG, {costfit.COMPUTED_TOKENS: 100 + n}, 0.1, 100)
+        rec = tune.recommend_threshold(inputs([], current_threshold=64, prefill_leg=fit))
+        assert (rec.value, rec.measured) == (64, False)
+        assert rec.reason.startswith("pull seen in 0 legs, 3 needed")
 
-    def test_slow_transport_means_never_pull(self):
+    def test_the_break_even_of_the_fitted_legs(self):
+        # 17 ms a pull, 0.5 ms a pulled token, 1.3 ms a computed one:
+        # 0.017 / (0.0013 - 0.0005) = 21.25 -> pulls win from 22 tokens.
+        rec = tune.recommend_threshold(inputs([], prefill_leg=prefill_fit(0.017, 0.0005, 0.0013)))
+        assert (rec.value, rec.measured) == (22, True)
+        assert "a pull costs 17.0ms + 500.0us/token, a recompute 1300.0us/token" in rec.reason
+        assert rec.reason.endswith("pulls win from 22 tokens")
+        assert rec.inputs["pullLegs"] == 9 and rec.inputs["prefillLegs"] == 18
+
+    def test_a_pulled_token_no_cheaper_than_a_computed_one_means_never_pull(self):
         rec = tune.recommend_threshold(
-            inputs(
-                [],
-                bytes_per_token=327680,
-                transfer_bytes_per_second=1e9,
-                pull_fixed_latency_seconds=0.001,
-                recompute_seconds_per_token=50e-6,
-                max_model_len=32768,
-            )
+            inputs([], max_model_len=32768, prefill_leg=prefill_fit(0.01, 0.002, 0.0013))
         )
-        assert rec.value == 32768 and "never pull" in rec.reason
+        assert rec.value == 32768
+        assert "never pull" in rec.reason
+
+    @pytest.mark.parametrize(
+        ("mode", "recommended", "applied", "apply"),
+        [
+            ("Recommend", 200, 64, False),
+            ("Auto", 64, 64, False),
+            ("Auto", 70, 64, False),  # 6 tokens: under 16
+            ("Auto", 90, 64, True),
+            ("Auto", 1000, 900, False),  # 100 tokens: under 25 % of 900
+            ("Auto", 1200, 900, True),
+            ("Auto", 0, 64, True),
+        ],
+    )
+    def test_auto_moves_the_threshold_only_when_it_moved_far(
+        self, mode, recommended, applied, apply
+    ):
+        rec = tune.Recommendation(recommended, "fitted")
+        assert tune.plan_threshold_apply(mode, rec, applied).apply is apply
+
+    def test_auto_never_applies_what_was_not_measured(self):
+        rec = tune.Recommendation(0, "no prefill legs reported: keeping 0", measured=False)
+        decision = tune.plan_threshold_apply("Auto", rec, 64)
+        assert not decision.apply and "no measured break-even yet" in decision.reason
 
 
 APPLY_CASES = [

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvferry_operator import cli, tune, whatif
 from kvferry_operator.traces import Turn
+from kvferry_wire import costfit
 
 COSTS = whatif.Costs(
     recompute_seconds_per_token=1e-3,
@@ -34,16 +35,23 @@ TRACE = [
 
 
 def test_break_even_is_the_tuners() -> None:
+    """The tuner, fed the prefill legs a server with these costs would time, puts the
+    threshold where the what-if's model does."""
+    fit = costfit.empty(costfit.PREFILL_LEG)
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        for pulled in (0, n):
+            x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
+            x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
+            tail = COSTS.recompute(n + 16 - pulled)
+            seconds = 0.05 + tail + (COSTS.pull(pulled) if pulled else 0.0)
+            costfit.observe(fit, costfit.PREFILL_LEG, x, seconds, n)
     inputs = tune.TuningInputs(
-        gaps=[],
+        gaps=None,
         current_retention=45,
         coverage=0.95,
         min_retention=30,
         max_retention=1800,
-        bytes_per_token=1000,
-        transfer_bytes_per_second=1e7,
-        pull_fixed_latency_seconds=0.009,
-        recompute_seconds_per_token=1e-3,
+        prefill_leg=fit,
     )
     assert COSTS.break_even_tokens() == tune.recommend_threshold(inputs).value == 10
 
