@@ -30,14 +30,16 @@ The target: the recommended ``recomputeThreshold`` within 25 % of the measured N
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import signal
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +53,15 @@ from kvferry_operator import aggregate, reports, tune
 from kvferry_operator.api import Server
 from kvferry_sidecar.promtext import Scrape
 from kvferry_sidecar.types import PREFILL_REQUEST_PARAMS
+from kvferry_wire import costfit
 from kvferry_wire import report as wire_report
 
 from .common import DEFAULT_OUT, Result, Target, engine_versions, pyplot, say, table
 
 TAIL_TOKENS = 16
+# Histories up to this are measured ``--small-reps`` times: near a small break-even the
+# two legs differ by a few ms, the noise of one leg.
+SMALL_N = 64
 # The spec's recomputeThreshold for the tuner's sidecar (its live threshold, and what the
 # tuner keeps without measurements). P's engine-side kv_recompute_threshold is 0 as
 # rendered (kvferry_operator.policy), so the direct legs below pull at any N.
@@ -139,12 +145,21 @@ def p2p(scrape: Scrape) -> tuple[float, float]:
 
 
 def measure(
-    pair: EnginePair, ids: list[int], grid: Sequence[int], reps: int, rate: float | None
+    pair: EnginePair,
+    ids: list[int],
+    grid: Sequence[int],
+    reps: int,
+    rate: float | None,
+    small_reps: int = 0,
 ) -> list[Sample]:
+    """``reps`` samples of each N, ``small_reps`` of each N up to ``SMALL_N`` (where a
+    break-even is decided by differences of a few ms)."""
     out = []
     tail = ids[-TAIL_TOKENS:]
-    for rep in range(reps):
+    for rep in range(max(reps, small_reps)):
         for n in grid:
+            if rep >= (small_reps if n <= SMALL_N else reps):
+                continue
             prompt1 = ids[:n]
             handle, answer = handle_for(pair, prompt1)
             prompt2 = prompt1 + answer + tail
@@ -195,6 +210,53 @@ def break_even(points: dict[int, tuple[float, float]]) -> float | None:
     return None
 
 
+def direct_fit(samples: Sequence[Sample]) -> costfit.LinearFit:
+    """The direct legs as the tuner's fit reads legs (``kvferry_wire.costfit``): a pull
+    leg pulls what P's /metrics says it pulled and computes the rest of N + 1 + tail."""
+    fit = costfit.empty(costfit.PREFILL_LEG)
+    for s in samples:
+        prompt = s.tokens + 1 + TAIL_TOKENS
+        pulled = int(s.pulled_tokens) or s.tokens
+        x = {costfit.PULL: 1.0, costfit.PULLED_TOKENS: pulled}
+        x[costfit.COMPUTED_TOKENS] = prompt - pulled
+        costfit.observe(fit, costfit.PREFILL_LEG, x, s.pull_s, prompt)
+        costfit.observe(
+            fit, costfit.PREFILL_LEG, {costfit.COMPUTED_TOKENS: prompt}, s.recompute_s, prompt
+        )
+    return fit
+
+
+def fitted_break_even(samples: Sequence[Sample]) -> tuple[float | None, costfit.Solved]:
+    solved = costfit.solve(direct_fit(samples), costfit.PREFILL_LEG)
+    assert isinstance(solved, costfit.Solved), solved
+    return costfit.break_even_tokens(solved), solved
+
+
+def bootstrap(samples: Sequence[Sample], rounds: int = 300, seed: int = 7) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the fitted break-even over resamplings of the
+    samples, each N resampled within itself (never pulling: infinity)."""
+    rnd = random.Random(seed)
+    by: dict[int, list[Sample]] = {}
+    for s in samples:
+        by.setdefault(s.tokens, []).append(s)
+    found = []
+    for _ in range(rounds):
+        drawn = [rnd.choice(v) for v in by.values() for _ in v]
+        be, _ = fitted_break_even(drawn)
+        found.append(math.inf if be is None else be)
+    found.sort()
+    return found[int(0.05 * rounds)], found[int(0.95 * rounds) - 1]
+
+
+def loss_ms(solved: costfit.Solved, threshold: int, be: float | None, most: int) -> float:
+    """What a threshold costs a turn at worst against the direct legs' lines: the
+    saving missed (or the loss taken) by a history between it and the break-even."""
+    c = solved.coefficients
+    saving = c[costfit.COMPUTED_TOKENS] - c[costfit.PULLED_TOKENS]
+    edge = min(threshold, most) if be is None else threshold
+    return abs(saving * edge - c[costfit.PULL]) * 1e3
+
+
 def slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares (slope, intercept)."""
     mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -214,14 +276,17 @@ def tuner_threshold(
     sizes: Sequence[int],
     tag: str,
     reps: int,
+    small_reps: int,
 ) -> tuple[tune.Recommendation, dict[str, Any]]:
     """Two-turn sessions through a fresh P-path sidecar; its report -> aggregate -> tune."""
     sc = start_sidecar(pair, server, logs, name=f"sidecar-{tag}")
     with sc:
-        for rep in range(reps):
+        for rep in range(max(reps, small_reps)):
             # Each repetition walks the sizes the other way: drift hits short and long alike.
             order = list(sizes) if rep % 2 == 0 else list(reversed(sizes))
             for i, n in enumerate(order):
+                if rep >= (small_reps if n <= SMALL_N else reps):
+                    continue
                 words = n  # ~1 token a word
                 session = f"tuner-{tag}-{rep}-{i}"
                 first = [{"role": "user", "content": filler_text(session, words)}]
@@ -264,11 +329,17 @@ class RateResult:
     pull_fixed_s: float  # the pull leg's intercept: request, tail and pull overhead
     pull_overhead_s: float  # pull leg's intercept less the recompute leg's: the pull's own
     achieved_r: float
+    # The fit of the direct legs (the tuner's estimator on the bench's own legs), its
+    # 90 % bootstrap interval, and the crossing of the medians (model-free, noisier).
     measured_break_even: float | None
+    interval: tuple[float, float]
+    crossing: float | None
     tuner: int
     tuner_reason: str
     tuner_inputs: dict[str, Any]
     tuner_measured: bool = True  # False: too few legs, the threshold in force kept
+    tuner_loss_ms: float = 0.0  # the worst a turn loses to the tuner's threshold
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tuner_error(self) -> float | None:
@@ -320,6 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--ratios", default="3,1.5,0.7", help="target R values after the unshaped run")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--small-reps",
+        type=int,
+        default=8,
+        help=f"samples of each N up to {SMALL_N}, direct and the tuner's (default 8)",
+    )
     p.add_argument(
         "--tuner-sizes",
         default="",
@@ -378,6 +455,8 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         "threshold": THRESHOLD,
         "tunerSizes": sizes,
         "tunerReps": args.tuner_reps,
+        "smallReps": args.small_reps,
+        "smallN": SMALL_N,
     }
     print(result.header())
     results: list[RateResult] = []
@@ -396,7 +475,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 try:
                     link.set_rate(rate)
                     say(f"{label}: N in {grid} x {args.reps} ...")
-                    samples = measure(pair, ids, grid, args.reps, rate)
+                    samples = measure(pair, ids, grid, args.reps, rate, args.small_reps)
                 except EngineError as e:
                     if i == 0:
                         raise
@@ -430,9 +509,10 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 # The tail is computed in both legs: the pull leg's slope is transfer + ~0.
                 t_transfer = max(t_here, 1e-9)
                 rec, inputs = tuner_threshold(
-                    pair, tuner_server, ids, logs, sizes, f"{i}", args.tuner_reps
+                    pair, tuner_server, ids, logs, sizes, f"{i}", args.tuner_reps, args.small_reps
                 )
-                be = break_even(pts)
+                be, direct = fitted_break_even(samples)
+                lo, hi = bootstrap(samples)
                 rr = RateResult(
                     label=label,
                     target_r=target_r,
@@ -443,6 +523,10 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     pull_overhead_s=fixed - rec_fixed,
                     achieved_r=(c or c_here) / t_transfer,
                     measured_break_even=be,
+                    interval=(lo, hi),
+                    crossing=break_even(pts),
+                    tuner_loss_ms=loss_ms(direct, rec.value, be, max(grid)),
+                    samples=[asdict(x) for x in samples],
                     tuner=rec.value,
                     tuner_reason=rec.reason,
                     tuner_inputs=inputs,
@@ -455,19 +539,24 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 )
     result.seconds = round(time.monotonic() - started, 1)
     rows = []
+
+    def tokens(x: float | None) -> str:
+        return "never" if x is None or math.isinf(x) else f"{x:.0f}"
+
     for r in results:
         err = r.tuner_error
         rows.append(
             (
                 r.label,
-                r.target_r,
                 f"{r.achieved_r:.2f}",
                 f"{r.transfer_s_per_token * 1e3:.3f}",
-                f"{r.pull_fixed_s * 1e3:.0f}",
                 f"{r.pull_overhead_s * 1e3:.0f}",
-                "never" if r.measured_break_even is None else round(r.measured_break_even),
+                tokens(r.measured_break_even),
+                f"{tokens(r.interval[0])}-{tokens(r.interval[1])}",
+                tokens(r.crossing),
                 r.tuner,
                 "-" if err is None else f"{err:.0%}",
+                f"{r.tuner_loss_ms:.1f}",
             )
         )
     print()
@@ -479,14 +568,15 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         table(
             (
                 "link",
-                "R target",
                 "R achieved",
                 "pull ms/token",
-                "pull fixed ms",
                 "pull overhead ms",
-                "measured N*",
+                "measured N* (fit)",
+                "90% interval",
+                "crossing of medians",
                 "tuner",
                 "tuner off by",
+                "loss ms/turn",
             ),
             rows,
         )
@@ -495,7 +585,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
         print(
             f"{r.label}: "
             + ", ".join(
-                f"N={n}: pull {p:.2f}s / recompute {q:.2f}s ({q / p:.2f}x)"
+                f"N={n}: pull {p:.3f}s / recompute {q:.3f}s ({q / p:.2f}x)"
                 for n, (p, q) in r.points.items()
             )
         )
@@ -530,8 +620,9 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                 )
             )
         elif r.measured_break_even <= min(grid):
-            # Pull won at every N tried: N* is at most the smallest N, and 25 % of a bound
-            # is no figure. The tuner agrees when it pulls from there on too.
+            # Below the shortest history tried: the legs say only that a pull wins from
+            # there on, and 25 % of an extrapolation is no figure. The tuner agrees when
+            # it pulls from there on too.
             result.targets.append(
                 Target(
                     f"{r.label}: tuner pulls from the smallest N tried (measured N* <= "
@@ -550,7 +641,10 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     "<=",
                     0.25,
                     "",
-                    f"tuner {r.tuner}",
+                    f"tuner {r.tuner}; measured 90% interval {r.interval[0]:.0f}-"
+                    f"{r.interval[1]:.0f}, crossing of medians "
+                    f"{'never' if r.crossing is None else round(r.crossing)}; a turn loses "
+                    f"at most {r.tuner_loss_ms:.1f} ms to the difference",
                 )
             )
     result.print_targets()

@@ -115,12 +115,23 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
 
         status = section(obj, "status")
         transfer = section(status, "transfer")
+        fitted = section(status, "costs")
         gbps = number(transfer, "gigabytesPerSecond")
+        bpt = number(transfer, "bytesPerToken")
+        per_pulled = number(fitted, "pullSecondsPerToken")
+        fixed = fitted.get("pullFixedSeconds")
         measured = {
-            "bytes_per_token": number(transfer, "bytesPerToken"),
-            "bandwidth": gbps * 1e9 if gbps else None,
-            # The operator's tuner takes the median pull as its fixed cost: so does this.
-            "pull_fixed": number(section(transfer, "pullLatencySeconds"), "p50"),
+            "bytes_per_token": bpt,
+            # The costs the tuner fits from the pods' prefill legs (status.costs): a
+            # pulled token's seconds as a bandwidth, a pull's fixed cost (0 when the fit
+            # puts it below). Without them, NIXL's own GB/s.
+            "bandwidth": bpt / per_pulled if bpt and per_pulled else (gbps * 1e9 if gbps else None),
+            "pull_fixed": (
+                max(0.0, float(fixed))
+                if isinstance(fixed, (int, float)) and not isinstance(fixed, bool)
+                else None
+            ),
+            "recompute": number(fitted, "recomputeSecondsPerToken"),
         }
         retention = number(section(status, "retention"), "appliedSeconds")
     bytes_per_token = args.bytes_per_token or measured.get("bytes_per_token")
@@ -133,17 +144,21 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
         raise ValueError(f"--bytes-per-token: the KV bytes per token are needed{where}")
     if not bandwidth or bandwidth <= 0:
         raise ValueError(f"--bandwidth-gbps: the P<->D bandwidth is needed{where}")
-    if args.recompute_us_per_token is None or args.recompute_us_per_token <= 0:
+    recompute = (
+        args.recompute_us_per_token / 1e6
+        if args.recompute_us_per_token is not None
+        else measured.get("recompute")
+    )
+    if recompute is None or recompute <= 0:
         raise ValueError(
-            "--recompute-us-per-token: the prefill cost per token is needed (> 0); "
-            "KVCacheStatus does not carry it"
+            f"--recompute-us-per-token: the prefill cost per token is needed (> 0){where}"
         )
     if pull_fixed is not None and pull_fixed < 0:
         raise ValueError("--pull-fixed-ms: a latency >= 0")
     if any(r <= 0 for r in args.also or ()):
         raise ValueError("--also: retentions are seconds > 0")
     costs = whatif.Costs(
-        recompute_seconds_per_token=args.recompute_us_per_token / 1e6,
+        recompute_seconds_per_token=float(recompute),
         bytes_per_token=float(bytes_per_token),
         transfer_bytes_per_second=float(bandwidth),
         pull_fixed_seconds=float(pull_fixed or 0.0),
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--status",
         help="a KVCacheStatus as `kubectl get kv-cache-status NAME -o json` prints it: its "
-        "measured bytes per token, bandwidth, pull latency and retention",
+        "fitted costs (recompute, pull), bytes per token and retention",
     )
     p.add_argument("--recompute-us-per-token", type=float, help="prefill cost per token (us)")
     p.add_argument("--bytes-per-token", type=float, help="KV bytes per token (all layers)")

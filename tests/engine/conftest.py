@@ -88,8 +88,10 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server() -> Server:
-    """The DisaggregatedServer the engines and sidecars are configured from."""
-    return tiny_server()
+    """The DisaggregatedServer the engines and sidecars are configured from. The tier's
+    tests check the turn protocol on routes the skip-prefill rule fixes
+    (``prefillPlacement: Threshold``); test_placement.py runs the default, Measured."""
+    return tiny_server(prefill_placement="Threshold")
 
 
 @pytest.fixture(scope="package")
@@ -146,7 +148,7 @@ def sidecar_off(
 ) -> Iterator[SidecarProcess]:
     """The same, for a server with ``kvTransfer.bidirectional: false`` (the engines keep
     theirs on: D still pins a handle, which this sidecar releases unread)."""
-    off = tiny_server(bidirectional=False)
+    off = tiny_server(bidirectional=False, prefill_placement="Threshold")
     name = f"sidecar-off-{request.module.__name__.rsplit('.', 1)[-1]}"
     sc = start_sidecar(engine_pair, off, engine_log_dir, name=name)
     yield sc

@@ -58,7 +58,8 @@ def expired_on(engine: Engine) -> float:
 
 
 def start(pair: EnginePair, log_dir: Path, name: str, **overrides: Any) -> SidecarProcess:
-    return start_sidecar(pair, tiny_server(), log_dir, name=name, overrides=overrides)
+    server = tiny_server(prefill_placement="Threshold")  # routes by the rule (conftest.server)
+    return start_sidecar(pair, server, log_dir, name=name, overrides=overrides)
 
 
 def reanchor_seconds(sc: SidecarProcess) -> list[float]:

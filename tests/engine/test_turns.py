@@ -305,7 +305,7 @@ def test_decode_engine_killed_between_turns(
     stale handle, P's pull fails (engine id mismatch), and it recomputes (pull-failed).
     Either way the client gets the right answer and no error. Runs last: it restarts D."""
     # The handles must outlive D's restart (40-60 s here) for the second case.
-    long = tiny_server(decode_retention_seconds=LONG_RETENTION_S)
+    long = tiny_server(decode_retention_seconds=LONG_RETENTION_S, prefill_placement="Threshold")
     decode.restart(kv_transfer_config=kv_transfer_config("decode", long))
     watching = start_sidecar(engine_pair, long, engine_log_dir, name="sidecar-watching")
     blind = start_sidecar(

@@ -46,3 +46,33 @@ def test_workload_rejects_nonsense() -> None:
 def test_break_even_interpolates_the_lasting_crossing(points: dict, expected: float | None) -> None:
     got = break_even(points)
     assert got == pytest.approx(expected) if expected is not None else got is None
+
+
+def direct_samples(noise: float = 0.0, seed: int = 1) -> list:
+    """Legs of the bench's shape at 17 ms a pull, 0.5 ms a pulled token, 1.3 ms a
+    computed one (the break-even: 21.25 tokens)."""
+    import random
+
+    from bench.breakeven import TAIL_TOKENS, Sample
+
+    rnd = random.Random(seed)
+    out = []
+    for n in (8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048):
+        for _ in range(8 if n <= 64 else 3):
+            prompt = n + 1 + TAIL_TOKENS
+            pull = 0.05 + 0.017 + 0.0005 * n + 0.0013 * (prompt - n)
+            rec = 0.05 + 0.0013 * prompt
+            jitter = (rnd.lognormvariate(0, noise) for _ in range(2))
+            out.append(Sample(None, n, pull * next(jitter), rec * next(jitter), float(n), 0.0))
+    return out
+
+
+def test_the_bench_measures_the_break_even_as_the_tuner_fits_it() -> None:
+    from bench.breakeven import bootstrap, fitted_break_even, loss_ms
+
+    be, solved = fitted_break_even(direct_samples())
+    assert be == pytest.approx(21.25, rel=1e-6)
+    # A threshold of 8 pulls 8..21-token histories at a loss: at most 17 - 8 x 0.8 ms.
+    assert loss_ms(solved, 8, be, 2048) == pytest.approx(17 - 8 * 0.8, rel=1e-6)
+    lo, hi = bootstrap(direct_samples(noise=0.05), rounds=60)
+    assert lo < 21.25 < hi

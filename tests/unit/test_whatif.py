@@ -172,7 +172,10 @@ def test_cli_prints_the_four_answers(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "pulls win from 10 tokens of history" in out, out
 
 
-def test_cli_json_reads_costs_from_a_kv_cache_status(tmp_path: Path, capsys) -> None:
+def test_cli_json_reads_the_fitted_costs_from_a_kv_cache_status(tmp_path: Path, capsys) -> None:
+    """status.costs (the tuner's fit of the pods' prefill legs) gives the recompute
+    cost, a pulled token's seconds (as a bandwidth) and a pull's fixed cost: the same
+    break-even the tuner recommends, no flag needed."""
     trace = write(tmp_path / "t.jsonl", TRACE)
     status = tmp_path / "status.json"
     status.write_text(
@@ -180,10 +183,11 @@ def test_cli_json_reads_costs_from_a_kv_cache_status(tmp_path: Path, capsys) -> 
             {
                 "kind": "KVCacheStatus",
                 "status": {
-                    "transfer": {
-                        "bytesPerToken": 1000,
-                        "gigabytesPerSecond": 0.01,
-                        "pullLatencySeconds": {"p50": 0.009},
+                    "transfer": {"bytesPerToken": 1000, "gigabytesPerSecond": 5.0},
+                    "costs": {
+                        "pullFixedSeconds": 0.009,
+                        "pullSecondsPerToken": 1e-4,
+                        "recomputeSecondsPerToken": 1e-3,
                     },
                     "retention": {"appliedSeconds": 60},
                 },
@@ -191,11 +195,28 @@ def test_cli_json_reads_costs_from_a_kv_cache_status(tmp_path: Path, capsys) -> 
         )
     )
     argv = ["what-if", "--trace", str(trace), "--status", str(status)]
-    assert cli.main([*argv, "--recompute-us-per-token", "1000", "--json"]) == 0
+    assert cli.main([*argv, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["retentionSeconds"] == 60
     assert got["costs"]["pullFixedLatencySeconds"] == 0.009
     assert got["bandwidth"]["breakEvenTokens"] == 10
+
+
+def test_cli_reads_an_older_status_by_nixl_s_bandwidth(tmp_path: Path, capsys) -> None:
+    """A status without costs (an operator from before): NIXL's GB/s, no fixed cost,
+    and the recompute cost must be given."""
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    status = tmp_path / "status.json"
+    status.write_text(
+        json.dumps({"status": {"transfer": {"bytesPerToken": 1000, "gigabytesPerSecond": 0.01}}})
+    )
+    argv = ["what-if", "--trace", str(trace), "--status", str(status)]
+    assert cli.main([*argv, "--json"]) == 2
+    assert "--recompute-us-per-token" in capsys.readouterr().err
+    assert cli.main([*argv, "--recompute-us-per-token", "1000", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["costs"]["pullFixedLatencySeconds"] == 0
+    assert got["costs"]["transferBytesPerSecond"] == 1e7
 
 
 @pytest.mark.parametrize(
