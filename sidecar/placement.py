@@ -10,13 +10,16 @@ it timed, refitted as legs come in):
 - **D alone**: D's leg computing the prompt tokens its prefix cache does not hold
   (through the session's pinned handle or its KV events), then the first token.
 
-D alone costs more than its own time to first token: while D computes the tail,
-each stream D is decoding waits about as long (its next token comes a step later),
-so the seconds D spends computing count once more per stream in flight on D
-(``running``). The P path's cost to those streams (D reading KV over NIXL, in the
-background of D's steps) is left out. So:
+D alone costs more than its own time to first token: while D computes the tail
+(``compute`` seconds), each stream D is decoding waits about as long (its next token
+comes a step later), and each turn that reaches D meanwhile waits, on average, half
+of it. So the seconds D spends computing count once more per stream in flight on D
+(``running``) and the turns expected during them add ``arrivals x compute² / 2``
+(``arrivals``: the rate of D legs over the last minute, the M/G/1 view of one job's
+effect on those behind it). The P path's cost to the others (D reading KV over
+NIXL, in the background of D's steps) is left out. So:
 
-    D alone   when   alone + running x D's compute of the tail   <   P path
+    D alone   when   alone + compute x (running + arrivals x compute / 2)   <   P path
 
 as NVIDIA Dynamo's conditional disaggregation decides, with the measured costs and
 D's load in place of its fixed length and queue limits.
@@ -34,7 +37,9 @@ leg times show, and the turn's later tokens (D decodes them either way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvferry_wire import costfit
 from kvferry_wire.policy import PLACEMENT_MEASURED
@@ -77,6 +82,7 @@ class Turn:
     on_decode: int  # prompt tokens D holds: the handle's pinned blocks or its prefix cache
     pull: int  # tokens P would pull with the handle (0: no usable handle)
     running: int  # D legs in flight besides this turn's
+    arrivals: float = 0.0  # D legs a second, of late
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class Choice:
     decided_by: str
     p_path_s: float | None = None  # predicted time to first token on the P path
     alone_s: float | None = None  # predicted, D alone, its own
-    interference_s: float | None = None  # D's compute of the tail x the streams on D
+    interference_s: float | None = None  # what D's compute of the tail costs the others
 
 
 def p_path_seconds(costs: Costs, turn: Turn) -> float:
@@ -108,7 +114,7 @@ def p_path_seconds(costs: Costs, turn: Turn) -> float:
 
 def alone_seconds(costs: Costs, turn: Turn) -> tuple[float, float]:
     """D alone's time to first token, and the seconds its compute of the tail costs
-    the streams D is decoding."""
+    the streams D is decoding and the turns that reach D meanwhile."""
     assert isinstance(costs.decode, costfit.Solved)
     tail = max(0, turn.prompt - turn.on_decode)
     own = costfit.predict(
@@ -116,7 +122,7 @@ def alone_seconds(costs: Costs, turn: Turn) -> tuple[float, float]:
         {costfit.ALONE: 1.0, costfit.ALONE_COMPUTED_TOKENS: tail, costfit.OUTPUT_TOKENS: 1},
     )
     compute = costs.decode.coefficients[costfit.ALONE_COMPUTED_TOKENS] * tail
-    return own, compute * max(0, turn.running)
+    return own, compute * (max(0, turn.running) + max(0.0, turn.arrivals) * compute / 2)
 
 
 def choose(placement: str, skip_below: int, turn: Turn, costs: Costs | None) -> Choice:
@@ -129,3 +135,31 @@ def choose(placement: str, skip_below: int, turn: Turn, costs: Costs | None) -> 
     p_path = p_path_seconds(costs, turn)
     own, interference = alone_seconds(costs, turn)
     return Choice(own + interference < p_path, BY_COSTS, p_path, own, interference)
+
+
+# The window of D legs the arrival rate is taken over, and the most it remembers (a
+# bound on memory under any load: past it the rate reads as at least that many a
+# window, which already sends every long prefill to P).
+ARRIVAL_WINDOW_S = 60.0
+ARRIVAL_CAP = 4096
+
+
+@dataclass
+class Arrivals:
+    """D legs a second over the last ``ARRIVAL_WINDOW_S`` (since the first, if more
+    recent)."""
+
+    clock: Callable[[], float]
+    _times: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVAL_CAP))
+
+    def note(self) -> None:
+        self._times.append(self.clock())
+
+    def rate(self) -> float:
+        now = self.clock()
+        while self._times and now - self._times[0] > ARRIVAL_WINDOW_S:
+            self._times.popleft()
+        if not self._times:
+            return 0.0
+        span = max(now - self._times[0], 1.0)
+        return len(self._times) / min(span, ARRIVAL_WINDOW_S) if len(self._times) > 1 else 0.0

@@ -81,17 +81,19 @@ class Rules:
     diagnostic_headers: bool = False  # X-Kvferry-* on responses (routing.diagnosticHeaders)
     media_urls_immutable: bool = False  # the bytes behind a media URL never change
     # Where a prefill runs (placement.py): Measured or Threshold, the costs measured
-    # so far (None: none) and the D legs in flight now besides this turn's.
+    # so far (None: none), the D legs in flight now besides this turn's and the rate
+    # of D legs of late (a second).
     prefill_placement: str = placement.PLACEMENT_MEASURED
     costs: placement.Costs | None = None
     running_on_decode: int = 0
+    decode_arrivals: float = 0.0
 
 
 def _place(rules: Rules, prompt_len: int, on_decode: int, pull: int) -> placement.Choice:
     return placement.choose(
         rules.prefill_placement,
         rules.skip_prefill_below_tokens,
-        placement.Turn(prompt_len, on_decode, pull, rules.running_on_decode),
+        placement.Turn(prompt_len, on_decode, pull, rules.running_on_decode, rules.decode_arrivals),
         rules.costs,
     )
 

@@ -133,6 +133,7 @@ class Sidecar:
         self.kv_index = BlockIndex()
         # D legs in flight (decoding()) and the cost fits last solved (costs()).
         self._decoding = 0
+        self._arrivals = placement.Arrivals(clock=time.monotonic)
         self._costs: placement.Costs | None = None
         self._costs_seen = 0
         # The turns in flight and the drain that waits for them when the pod stops.
@@ -420,6 +421,7 @@ class Sidecar:
             prefill_placement=self.policy.prefill_placement,
             costs=self.costs() if measured else None,
             running_on_decode=self._decoding,
+            decode_arrivals=self._arrivals.rate() if measured else 0.0,
         )
 
     def costs(self) -> placement.Costs:
@@ -439,6 +441,7 @@ class Sidecar:
     def decoding(self) -> Iterator[None]:
         """A turn's D leg in flight: D's load, as placement.py weighs it."""
         self._decoding += 1
+        self._arrivals.note()
         try:
             yield
         finally:

@@ -147,3 +147,26 @@ def test_plan_keeps_a_turn_on_p_when_d_is_busy():
     )
     assert planned.route is Route.REMOTE and planned.decode_holds == 1024
     assert planned.choice is not None and not planned.choice.alone
+
+
+def test_turns_expected_on_d_meanwhile_pay_for_the_tail_too():
+    """With no stream on D but turns reaching it two a second, a 464-token tail
+    (0.56 s of D's compute) costs those arriving meanwhile 2 x 0.56² / 2 s."""
+    t = turn(1611, on_decode=1147, pull=1147)
+    quiet = pl.choose(PLACEMENT_MEASURED, 256, t, COSTS)
+    busy = pl.choose(PLACEMENT_MEASURED, 256, pl.Turn(1611, 1147, 1147, 0, 2.0), COSTS)
+    compute = 464 * 0.0012
+    assert quiet.interference_s == 0
+    assert busy.interference_s == pytest.approx(2.0 * compute * compute / 2)
+
+
+def test_the_arrival_rate_is_of_the_last_minute():
+    now = [0.0]
+    arrivals = pl.Arrivals(clock=lambda: now[0])
+    assert arrivals.rate() == 0.0
+    for _ in range(30):
+        arrivals.note()
+        now[0] += 2.0  # one every 2 s for a minute
+    assert arrivals.rate() == pytest.approx(0.5, rel=0.05)
+    now[0] += 120.0  # then nothing: the window forgets them
+    assert arrivals.rate() == 0.0
