@@ -343,7 +343,7 @@ class RateResult:
 
     @property
     def tuner_error(self) -> float | None:
-        if self.measured_break_even is None:
+        if not self.measured_break_even:  # never, or a pull wins from 0 tokens
             return None
         return abs(self.tuner - self.measured_break_even) / self.measured_break_even
 
@@ -389,7 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--grid", default="8,12,16,24,32,48,64,128,256,512,1024,2048", help="history tokens N"
     )
-    p.add_argument("--ratios", default="3,1.5,0.7", help="target R values after the unshaped run")
+    p.add_argument(
+        "--ratios", default="3,1.5,1.1,0.7", help="target R values after the unshaped run"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(
         "--small-reps",

@@ -89,6 +89,10 @@ class Rules:
     decode_arrivals: float = 0.0
 
 
+# The handle verdicts a turn D prefills alone still reports as its outcome.
+_VERDICTS_KEPT_ON_DECODE = (Outcome.MISALIGNED, Outcome.KV_MISMATCH)
+
+
 def _place(rules: Rules, prompt_len: int, on_decode: int, pull: int) -> placement.Choice:
     return placement.choose(
         rules.prefill_placement,
@@ -258,8 +262,14 @@ def plan_turn(
         choice = _place(rules, prompt_len, on_decode, pull)
         if choice.alone:
             # D holds the prefix through the handle, or else (no usable handle says
-            # so) through its prefix cache.
-            why = Outcome.SKIPPED_PREFILL if cached <= held else Outcome.CACHED_ON_DECODE
+            # so) through its prefix cache. A handle whose ids or KV the prompt does not
+            # match keeps its verdict: it says a client rewrote its history.
+            if outcome in _VERDICTS_KEPT_ON_DECODE:
+                why = outcome
+            elif cached <= held:
+                why = Outcome.SKIPPED_PREFILL
+            else:
+                why = Outcome.CACHED_ON_DECODE
             return PrefillPlan(
                 Route.SKIP,
                 why,

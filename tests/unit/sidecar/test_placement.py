@@ -4,6 +4,8 @@ known; and plan_turn routing by that choice. One test per rule, named after it."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -170,3 +172,18 @@ def test_the_arrival_rate_is_of_the_last_minute():
     assert arrivals.rate() == pytest.approx(0.5, rel=0.05)
     now[0] += 120.0  # then nothing: the window forgets them
     assert arrivals.rate() == 0.0
+
+
+def test_a_misaligned_turn_d_prefills_alone_still_says_misaligned():
+    """A client that rewrote its history is what ``misaligned`` tells the operator:
+    the verdict stays when the costs send the turn to D alone (the handle's fate too)."""
+    from tests.unit.sidecar.test_align import make_handle
+
+    t = a_turn()
+    handle = dataclasses.replace(
+        make_handle(list(range(1, 1201)), block_size=4), identity=t.identity
+    )
+    prompt = [7, *range(2, 1501)]  # the first token rewritten
+    planned = plan.plan_turn(t, prompt, Lookup(handle, Outcome.REUSED, 5.0), RULES)
+    assert (planned.route, planned.outcome) == (Route.SKIP, Outcome.MISALIGNED)
+    assert planned.handle_params is None and planned.taken is handle
