@@ -310,7 +310,6 @@ def _aggregate(
     recompute_seconds = sum(r.transfer.recompute_seconds for r in fresh)
     bpt = [r.transfer.bytes_per_token for r in fresh if r.transfer.bytes_per_token]
     bytes_per_token = max(bpt) if bpt else None
-    bandwidth = pull_bytes / pull_seconds if pull_seconds > 0 and pull_bytes > 0 else None
     gbps = gigabytes_per_second(pull_bytes, pull_seconds)
     seen = majority_transport(fresh)
     transport, reason = measured_transport(
@@ -330,7 +329,6 @@ def _aggregate(
     ]
     tuning = None
     if fresh:
-        pull_p50 = _q(pull_latency, 0.5)
         tuning = tune.TuningInputs(
             gaps=gaps,
             current_retention=applied_retention,
@@ -343,12 +341,6 @@ def _aggregate(
                 else (max(usage) if usage else None)
             ),
             preemptions_delta=preemptions_delta,
-            bytes_per_token=bytes_per_token,
-            transfer_bytes_per_second=bandwidth,
-            pull_fixed_latency_seconds=pull_p50,
-            recompute_seconds_per_token=(
-                recompute_seconds / recompute_tokens if recompute_tokens else None
-            ),
             current_threshold=server.recompute_threshold,
             max_model_len=spec.model.max_model_len or tune.DEFAULT_MAX_MODEL_LEN,
             prefill_leg=prefill_leg,

@@ -39,8 +39,9 @@ def _seen(fit: costfit.LinearFit, shape: costfit.Shape, name: str) -> int:
     return fit.nonzero[shape.features.index(name)]
 
 
-def _r(value: float, digits: int = 7) -> float:
-    return round(value, digits)
+def _r(value: float) -> float:
+    """Four significant digits: a per-token cost of a fast link is 1e-7 s."""
+    return float(f"{value:.4g}")
 
 
 def status(prefill: costfit.LinearFit, decode: costfit.LinearFit) -> dict[str, Any]:
@@ -56,11 +57,11 @@ def status(prefill: costfit.LinearFit, decode: costfit.LinearFit) -> dict[str, A
     if isinstance(p, costfit.Solved):
         c = p.coefficients
         out.update(
-            prefillFixedSeconds=_r(c[costfit.ONE], 5),
-            pullFixedSeconds=_r(c[costfit.PULL], 5),
+            prefillFixedSeconds=_r(c[costfit.ONE]),
+            pullFixedSeconds=_r(c[costfit.PULL]),
             pullSecondsPerToken=_r(c[costfit.PULLED_TOKENS]),
             recomputeSecondsPerToken=_r(c[costfit.COMPUTED_TOKENS]),
-            prefillRmsSeconds=_r(p.rms_seconds, 5),
+            prefillRmsSeconds=_r(p.rms_seconds),
         )
     else:
         out["prefillReason"] = p.reason
@@ -68,12 +69,12 @@ def status(prefill: costfit.LinearFit, decode: costfit.LinearFit) -> dict[str, A
     if isinstance(d, costfit.Solved):
         c = d.coefficients
         out.update(
-            decodeFixedSeconds=_r(c[costfit.ONE], 5),
-            decodeAloneFixedSeconds=_r(c[costfit.ALONE], 5),
+            decodeFixedSeconds=_r(c[costfit.ONE]),
+            decodeAloneFixedSeconds=_r(c[costfit.ALONE]),
             decodeAloneSecondsPerToken=_r(c[costfit.ALONE_COMPUTED_TOKENS]),
             decodeFetchSecondsPerToken=_r(c[costfit.FETCHED_TOKENS]),
             decodeOutputSecondsPerToken=_r(c[costfit.OUTPUT_TOKENS]),
-            decodeRmsSeconds=_r(d.rms_seconds, 5),
+            decodeRmsSeconds=_r(d.rms_seconds),
         )
     else:
         out["decodeReason"] = d.reason

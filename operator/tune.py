@@ -77,8 +77,11 @@ DAY_SECONDS = 86400
 # A threshold moves in force only by at least this much (tokens, and share of it).
 MIN_THRESHOLD_CHANGE_TOKENS = 16
 MIN_THRESHOLD_CHANGE_SHARE = 0.25
-# What the threshold's fit must have seen (costfit.solve's ``needed``).
+# What the threshold's fit must have seen (costfit.solve's ``needed``), and how many
+# pulls and recomputes: a threshold Auto applies from a few noisy legs (a slow first
+# NIXL handshake) could stop every pull, and with it the measuring of pulls.
 THRESHOLD_NEEDS = (costfit.PULL, costfit.PULLED_TOKENS, costfit.COMPUTED_TOKENS)
+MIN_THRESHOLD_LEGS = 20
 
 
 # The context length assumed when spec.model.maxModelLen is unset (the engine's own).
@@ -95,10 +98,6 @@ class TuningInputs:
     decode_kv_usage_max: float | None = None  # 0..1, highest among decode pods
     preemptions_delta: int = 0  # decode preemptions within pressure.WINDOW_SECONDS
     # For the recompute threshold:
-    bytes_per_token: float | None = None
-    transfer_bytes_per_second: float | None = None
-    pull_fixed_latency_seconds: float | None = None
-    recompute_seconds_per_token: float | None = None
     current_threshold: int = 64
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # The decode pods' prefill legs, summed (costfit.PREFILL_LEG): what the threshold
@@ -199,23 +198,28 @@ def break_even_tokens(
 
 def recommend_threshold(inp: TuningInputs) -> Recommendation:
     """The measured break-even (step 4 of the module docstring), with its inputs."""
-    fit = inp.prefill_leg
-    solved = (
-        costfit.solve(fit, costfit.PREFILL_LEG, THRESHOLD_NEEDS)
-        if fit is not None
-        else costfit.Unsolved("no prefill legs reported")
-    )
+    fit = inp.prefill_leg or costfit.empty(costfit.PREFILL_LEG)
+    pulls = fit.nonzero[costfit.PREFILL_LEG.features.index(costfit.PULL)]
+    recomputes = fit.observations - pulls
+    solved: costfit.Solved | costfit.Unsolved
+    if pulls < MIN_THRESHOLD_LEGS or recomputes < MIN_THRESHOLD_LEGS:
+        solved = costfit.Unsolved(
+            f"{pulls} pulls and {recomputes} recomputes measured, {MIN_THRESHOLD_LEGS} of "
+            "each needed"
+        )
+    else:
+        solved = costfit.solve(fit, costfit.PREFILL_LEG, THRESHOLD_NEEDS)
     if isinstance(solved, costfit.Unsolved):
         return Recommendation(
             inp.current_threshold,
             f"{solved.reason}: keeping {inp.current_threshold}",
-            {"prefillLegs": fit.observations if fit is not None else 0},
+            {"prefillLegs": fit.observations, "pullLegs": pulls},
             measured=False,
         )
     c = solved.coefficients
     inputs: dict[str, Any] = {
         "prefillLegs": solved.observations,
-        "pullLegs": fit.nonzero[costfit.PREFILL_LEG.features.index(costfit.PULL)] if fit else 0,
+        "pullLegs": pulls,
         "pullFixedSeconds": round(c[costfit.PULL], 6),
         "pullSecondsPerToken": round(c[costfit.PULLED_TOKENS], 9),
         "recomputeSecondsPerToken": round(c[costfit.COMPUTED_TOKENS], 9),

@@ -69,8 +69,9 @@ class Costs:
         return ""
 
 
-# What each fit must have seen before its coefficients are read for a choice.
-PREFILL_NEEDS = (costfit.COMPUTED_TOKENS,)
+# What each fit must have seen before its coefficients are read for a choice (a feature
+# never seen would price at 0: a pull would look free).
+PREFILL_NEEDS = (costfit.PULL, costfit.PULLED_TOKENS, costfit.COMPUTED_TOKENS)
 DECODE_NEEDS = (costfit.ALONE, costfit.ALONE_COMPUTED_TOKENS, costfit.FETCHED_TOKENS)
 
 

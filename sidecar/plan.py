@@ -229,7 +229,16 @@ def plan_turn(
         choice = _place(rules, prompt_len, 0, 0) if prompt_len is not None else None
         route = Route.SKIP if choice is not None and choice.alone else Route.REMOTE
         return PrefillPlan(
-            route, off, None, prompt_len, 0, 0, lookup.age_s, taken=handle, choice=choice
+            route,
+            off,
+            None,
+            prompt_len,
+            0,
+            0,
+            lookup.age_s,
+            taken=handle,
+            choice=choice,
+            holds_known=False,
         )
     alignment, held = None, 0
     if handle is None:

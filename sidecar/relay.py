@@ -849,6 +849,7 @@ async def _serve(
         reused_tokens=planned.reused_tokens,
         handle_age_s=planned.handle_age_s,
         decode_holds=planned.decode_holds,
+        holds_known=planned.holds_known,
         choice=planned.choice,
     )
     try:

@@ -51,6 +51,9 @@ from .types import HandleFate, SessionTag, TurnReport
 
 Clock = Callable[[], float]
 
+# A decode leg timed to its whole answer tells its prefill's cost only when the answer
+# is short (a streamed leg is timed to its first token).
+MAX_TIMED_OUTPUT_TOKENS = 64
 SESSION_CAP = 100_000  # sessions remembered for gaps and turn index (~100 B each)
 PENDING_CAP = 10_000  # handles taken by turns still in flight
 
@@ -226,12 +229,16 @@ class Residency:
             )
         decode_s, output = report.timings.decode_s, report.timed_output_tokens
         # No choice: several sequences (output_tokens counts the first alone) or no
-        # ids; a fallback's D leg followed a failure.
+        # ids; a fallback's D leg followed a failure; what D held not asked (a turn
+        # off the allowlist); a non-streamed answer longer than MAX_TIMED_OUTPUT_TOKENS
+        # is mostly decoding, whose pace is the batch's, not the prefill's.
         if (
             decode_s is None
             or not output
+            or output > MAX_TIMED_OUTPUT_TOKENS
             or report.choice is None
             or report.route is Route.FALLBACK
+            or not report.holds_known
         ):
             return
         new = max(0, prompt - report.decode_holds)

@@ -229,7 +229,10 @@ class PrefillPlan:
     choice: Choice | None = None
     # Prompt tokens D holds (the handle's pinned blocks or its prefix cache), as far as
     # the plan asked: what D does not compute alone, or read from P on the P path.
+    # ``holds_known`` False: not asked (a turn off the allowlist), so its D leg is not
+    # one the cost fit can use.
     decode_holds: int = 0
+    holds_known: bool = True
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,7 @@ class TurnReport:
     handle_not_kept_reason: str | None = None
     finish_reason: str | None = None  # D's: stop, length, ...
     decode_holds: int = 0  # PrefillPlan.decode_holds
+    holds_known: bool = True  # PrefillPlan.holds_known
     choice: Choice | None = None  # where the prefill ran and why (placement.py)
     # Tokens D generated within timings.decode_s (1 for a streamed turn: its first).
     timed_output_tokens: int | None = None

@@ -47,7 +47,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -59,6 +59,15 @@ MIN_OBSERVATIONS_PER_FEATURE: Final = 2
 MIN_NONZERO: Final = 3
 # A pivot below this share of its diagonal after scaling: the design is singular.
 _SINGULAR: Final = 1e-10
+# A fit has a handful of features: a report naming more is refused at decode, before
+# any sum is allocated for them.
+MAX_FEATURES: Final = 16
+MAX_FEATURE_NAME: Final = 64
+# No leg costs this much per unit of anything (seconds): sums that say so were not
+# made by legs.
+MAX_COEFFICIENT_SECONDS: Final = 600.0
+# Sums made by real legs hold Cauchy-Schwarz to rounding; past this, they were made up.
+_SLACK: Final = 1e-6
 
 ONE: Final = "one"
 PULL: Final = "pull"
@@ -107,7 +116,10 @@ class LinearFit(msgspec.Struct, rename="camel", forbid_unknown_fields=False):
     ``xx``: the upper triangle of ``Σ w x xᵀ``, row by row; ``xy``: ``Σ w x y``;
     ``yy``: ``Σ w y²``; ``nonzero[i]``: observations whose feature i was not 0."""
 
-    features: list[str]
+    features: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_FEATURE_NAME)]],
+        msgspec.Meta(max_length=MAX_FEATURES),
+    ]
     observations: int = 0
     weight: float = 0.0
     xx: list[float] = msgspec.field(default_factory=list)
@@ -141,15 +153,39 @@ def empty(shape: Shape) -> LinearFit:
 
 
 def check(shape: Shape, fit: LinearFit) -> str | None:
-    """Why ``fit`` is not a fit of ``shape`` (None: it is)."""
+    """Why ``fit`` is not a fit of ``shape`` that legs could have made (None: it is).
+    Each leg weighs at most 1, sums of products obey Cauchy-Schwarz, no feature is
+    non-zero in more legs than there are, and no legs means no sums: what a report
+    claims past that was not measured."""
+    name = shape.name
     if tuple(fit.features) != shape.features:
-        return f"{shape.name}.features must be {list(shape.features)}"
+        return f"{name}.features must be {list(shape.features)}"
     values = [fit.weight, fit.yy, *fit.xx, *fit.xy]
     if not all(math.isfinite(v) for v in values):
-        return f"{shape.name} holds a number that is not finite"
+        return f"{name} holds a number that is not finite"
     k = len(shape.features)
-    if any(fit.xx[_index(i, i, k)] < 0 for i in range(k)) or fit.yy < 0 or fit.weight < 0:
-        return f"{shape.name} holds a negative sum of squares"
+    diag = [fit.xx[_index(i, i, k)] for i in range(k)]
+    if any(d < 0 for d in diag) or fit.yy < 0 or fit.weight < 0:
+        return f"{name} holds a negative sum of squares"
+    if fit.observations == 0 and (any(values) or any(fit.nonzero)):
+        return f"{name} has sums but no legs"
+    if fit.weight > fit.observations * (1 + _SLACK) or any(
+        n > fit.observations for n in fit.nonzero
+    ):
+        return f"{name} weighs or counts more than its {fit.observations} legs"
+
+    def bound(a: float, b: float) -> float:
+        return a * b * (1 + _SLACK) + 1e-300
+
+    # Products, not powers: a square past a float's range is inf here, not an error.
+    for i in range(k):
+        for j in range(i + 1, k):
+            v = fit.xx[_index(i, j, k)]
+            if v * v > bound(diag[i], diag[j]):
+                return f"{name}.xx is not the sum of any legs' products"
+    for i in range(k):
+        if fit.xy[i] * fit.xy[i] > bound(diag[i], fit.yy):
+            return f"{name}.xy[{i}] is more than its legs could sum to"
     return None
 
 
@@ -225,10 +261,12 @@ def _solve_on(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][k] / m[i][i] / scale[i] for i in range(k)]
 
 
-def solve(fit: LinearFit, shape: Shape, needed: Sequence[str] = ()) -> Solved | Unsolved:
+def solve(
+    fit: LinearFit, shape: Shape, needed: Sequence[str] = (), min_nonzero: int = MIN_NONZERO
+) -> Solved | Unsolved:
     """Least squares with ``shape.nonnegative`` coefficients >= 0 (see the module
     docstring). ``needed``: features the caller reads; each must have been non-zero
-    in ``MIN_NONZERO`` observations (a pull cost from two pulls is a guess)."""
+    in ``min_nonzero`` observations (a pull cost from two pulls is a guess)."""
     why = check(shape, fit)
     if why is not None:
         return Unsolved(why)
@@ -238,8 +276,8 @@ def solve(fit: LinearFit, shape: Shape, needed: Sequence[str] = ()) -> Solved | 
         return Unsolved(f"{fit.observations} legs measured, {wanted} needed")
     for name in needed:
         seen = fit.nonzero[shape.features.index(name)]
-        if seen < MIN_NONZERO:
-            return Unsolved(f"{name} seen in {seen} legs, {MIN_NONZERO} needed")
+        if seen < min_nonzero:
+            return Unsolved(f"{name} seen in {seen} legs, {min_nonzero} needed")
     full = [[fit.xx[_index(min(i, j), max(i, j), k)] for j in range(k)] for i in range(k)]
     # Features never seen carry no information: left out (coefficient 0).
     present = [i for i in range(k) if full[i][i] > 0]
@@ -258,19 +296,23 @@ def solve(fit: LinearFit, shape: Shape, needed: Sequence[str] = ()) -> Solved | 
             beta = [0.0] * k
             for i, v in zip(support, sub, strict=True):
                 beta[i] = v
-            if any(beta[i] < 0 for i in constrained):
+            if any(beta[i] < 0 for i in constrained) or not all(map(math.isfinite, beta)):
                 continue
             sse = (
                 fit.yy
                 - 2 * sum(beta[i] * fit.xy[i] for i in range(k))
                 + sum(beta[i] * full[i][j] * beta[j] for i in range(k) for j in range(k))
             )
+            if not math.isfinite(sse):
+                continue
             if best is None or sse < best[0]:
                 best = (sse, beta)
     if best is None:
         return Unsolved("the legs measured do not tell the costs apart (a singular design)")
     sse, beta = best
     rms = math.sqrt(max(0.0, sse) / fit.weight) if fit.weight > 0 else 0.0
+    if not math.isfinite(rms) or any(abs(b) > MAX_COEFFICIENT_SECONDS for b in beta):
+        return Unsolved("the legs give no plausible cost (seconds per unit out of bounds)")
     return Solved(dict(zip(shape.features, beta, strict=True)), rms, fit.observations)
 
 
@@ -288,4 +330,5 @@ def break_even_tokens(solved: Solved) -> float | None:
     saving = c[COMPUTED_TOKENS] - c[PULLED_TOKENS]
     if saving <= 0:
         return None
-    return max(0.0, c[PULL]) / saving
+    tokens = max(0.0, c[PULL]) / saving
+    return tokens if math.isfinite(tokens) else None

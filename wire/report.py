@@ -422,15 +422,19 @@ def decode(raw: bytes) -> Report:
     _check_histogram("ttftReused", report.ttft_reused, LATENCY_BOUNDS)
     _check_histogram("ttftRecomputed", report.ttft_recomputed, LATENCY_BOUNDS)
     _check_histogram("transfer.pullLatency", report.transfer.pull_latency, LATENCY_BOUNDS)
-    # A fit of other features (another kvferry version's) cannot be added to this
-    # operator's: read as no legs measured, the rest of the report stands.
-    # (Its numbers are checked below, as every number of the report.)
-    if tuple(report.costs.prefill_leg.features) != costfit.PREFILL_LEG.features:
-        report.costs.prefill_leg = costfit.empty(costfit.PREFILL_LEG)
-    if tuple(report.costs.decode_leg.features) != costfit.DECODE_LEG.features:
-        report.costs.decode_leg = costfit.empty(costfit.DECODE_LEG)
     _check_names(report)
     _check_value("", report)
+    # A fit of other features (another kvferry version's) cannot be added to this
+    # operator's: read as no legs measured, the rest of the report stands. A fit of its
+    # features must be one legs could have made (costfit.check).
+    for shape, attr in ((costfit.PREFILL_LEG, "prefill_leg"), (costfit.DECODE_LEG, "decode_leg")):
+        fit = getattr(report.costs, attr)
+        if tuple(fit.features) != shape.features:
+            setattr(report.costs, attr, costfit.empty(shape))
+            continue
+        why = costfit.check(shape, fit)
+        if why is not None:
+            raise ReportError(f"costs.{why}")
     return report
 
 

@@ -293,7 +293,7 @@ def measured_report(ns: str, per_pulled: float) -> bytes:
     """tiny-decode-0's report with prefill legs timed at 17 ms a pull, ``per_pulled`` s a
     pulled token and 1.3 ms a computed one."""
     rep = wire_report.decode(gap_report(ns, "tiny-decode-0", []))
-    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048) * 3:
         for pulled in (0, n):
             x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
             x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
@@ -337,4 +337,4 @@ def test_auto_applies_the_measured_break_even_live_without_a_restart(
     events = wait_for_event(kubectl, ns, "tiny", "RecomputeThresholdApplied")
     assert events and all("no restart" in e["message"] for e in events)
     costs = kubectl.get("kvcachestatus", "tiny", ns)["status"]["costs"]
-    assert costs["pullLegs"] == 9 and costs["pullSecondsPerToken"] == 0.002
+    assert costs["pullLegs"] == 27 and costs["pullSecondsPerToken"] == 0.002

@@ -137,7 +137,7 @@ def full_report(ns: str, server: str, pod: str, role: str) -> wire.Report:
     # Legs of both kinds and both ways, so every cost figure is fitted (and Auto applies
     # a measured recompute threshold: the server's status.recomputeThreshold). A pull's
     # fixed cost below 0 (as a fit may give within its noise) must read back too.
-    for n in (16, 64, 256, 1024, 2048):
+    for n in (16, 64, 256, 1024, 2048) * 4:  # 20 pulls: what Auto needs to apply
         for pulled in (0, n):
             x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
             x[costfit.COMPUTED_TOKENS] = n + 16 - pulled

@@ -5,7 +5,9 @@ why it cannot answer; the report carries them and reads another version's as non
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 
 import msgspec
 import pytest
@@ -213,3 +215,52 @@ def test_a_fit_with_bad_sums_is_refused_naming_the_field(field, value, why):
     fit[field] = value
     with pytest.raises(rpt.ReportError, match=why):
         rpt.decode(json.dumps(report_json(prefillLeg=fit)).encode())
+
+
+def test_sums_a_hostile_pod_made_huge_give_no_cost_rather_than_infinities():
+    """Finite but enormous sums (what a report may carry) must not put an infinity into
+    status, nor a crash into the tuner."""
+    fit = fitted(legs(reps=1))
+    fit.xx = [v * 1e300 if i % 3 else v for i, v in enumerate(fit.xx)]
+    fit.yy = 1e308
+    solved = cf.solve(fit, P)
+    if isinstance(solved, cf.Solved):
+        assert all(map(math.isfinite, solved.coefficients.values()))
+        be = cf.break_even_tokens(solved)
+        assert be is None or math.isfinite(be)
+    else:
+        assert solved.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        # Sums with no legs behind them (a pod that reports 0 legs yet moves the merge).
+        ({"observations": 0, "nonzero": [0, 0, 0, 0]}, "has sums but no legs"),
+        ({"weight": 1e6}, "weighs or counts more than"),
+        ({"nonzero": [10**6, 0, 0, 0]}, "weighs or counts more than"),
+        # A pull cost no set of legs could sum to (Cauchy-Schwarz).
+        ({"xy": [0.0, 1e200, 0.0, 1e-3]}, "xy[1] is more than its legs could sum to"),
+        ({"xx": [1.0, 1e9, 0, 0, 1.0, 0, 0, 1.0, 0, 1.0]}, "xx is not the sum of any legs"),
+    ],
+    ids=["no-legs", "weight", "nonzero", "xy", "xx"],
+)
+def test_sums_no_legs_could_make_are_refused_naming_why(change, why):
+    fit = json.loads(msgspec.json.encode(fitted(legs(reps=1))))
+    fit.update(change)
+    with pytest.raises(rpt.ReportError, match=f"costs.prefillLeg.{re.escape(why)}"):
+        rpt.decode(json.dumps(report_json(prefillLeg=fit)).encode())
+
+
+def test_every_fit_legs_make_passes_the_check():
+    for noise in (0.0, 0.3):
+        fit = fitted(legs(noise=noise, reps=2))
+        assert cf.check(P, fit) is None
+    assert cf.check(P, cf.empty(P)) is None
+
+
+def test_a_report_naming_thousands_of_features_is_refused_before_any_sum_exists():
+    """A 15 KB report naming 3,000 features once made 36 MB of sums at decode."""
+    raw = report_json(prefillLeg={"features": [""] * 3000})
+    with pytest.raises(rpt.ReportError, match="length <= 16"):
+        rpt.decode(json.dumps(raw).encode())

@@ -491,7 +491,7 @@ def test_auto_applies_the_measured_break_even_live_and_tells_the_sidecars():
     assert policy_shown["recomputeThreshold"] == 22
     assert "recomputeThreshold 22: applied by cacheTuning Auto" in policy_shown["reason"]
     costs = kube.objs[(api.STATUS_KIND, "tiny")]["status"]["costs"]
-    assert (costs["prefillLegs"], costs["pullLegs"]) == (18, 9)
+    assert (costs["prefillLegs"], costs["pullLegs"]) == (54, 27)
     assert abs(costs["pullFixedSeconds"] - 0.017) < 1e-6
     # A second pass with the same legs: in force already, nothing posted again.
     _, again = publish_measured(kube, measured_store())

@@ -173,7 +173,7 @@ def prefill_fit(pull: float, per_pulled: float, per_computed: float, fixed: floa
     """The prefill legs a decode pod would time at these costs: a recompute and a
     pull of each history size (16 new tokens each)."""
     fit = costfit.empty(costfit.PREFILL_LEG)
-    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048) * 3:
         for pulled in (0, n):
             x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
             x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
@@ -188,15 +188,19 @@ class TestThreshold:
     def test_no_legs_keeps_the_threshold_in_force(self):
         rec = tune.recommend_threshold(inputs([], current_threshold=64))
         assert (rec.value, rec.measured) == (64, False)
-        assert rec.reason == "no prefill legs reported: keeping 64"
+        assert rec.reason == "0 pulls and 0 recomputes measured, 20 of each needed: keeping 64"
 
     def test_too_few_pulls_keep_the_threshold_in_force(self):
+        """19 pulls (and as many recomputes) say what they say, but a threshold Auto
+        applies from them could stop every pull: kept until 20 of each."""
         fit = costfit.empty(costfit.PREFILL_LEG)
-        for n in range(20):
-            costfit.observe(fit, costfit.PREFILL_LEG, {costfit.COMPUTED_TOKENS: 100 + n}, 0.1, 100)
+        for n in range(19):
+            x = {costfit.PULL: 1.0, costfit.PULLED_TOKENS: 100 + n, costfit.COMPUTED_TOKENS: 16}
+            costfit.observe(fit, costfit.PREFILL_LEG, x, 0.1, 116)
+            costfit.observe(fit, costfit.PREFILL_LEG, {costfit.COMPUTED_TOKENS: 116 + n}, 0.2, 116)
         rec = tune.recommend_threshold(inputs([], current_threshold=64, prefill_leg=fit))
         assert (rec.value, rec.measured) == (64, False)
-        assert rec.reason.startswith("pull seen in 0 legs, 3 needed")
+        assert rec.reason == "19 pulls and 19 recomputes measured, 20 of each needed: keeping 64"
 
     def test_the_break_even_of_the_fitted_legs(self):
         # 17 ms a pull, 0.5 ms a pulled token, 1.3 ms a computed one:
@@ -205,7 +209,7 @@ class TestThreshold:
         assert (rec.value, rec.measured) == (22, True)
         assert "a pull costs 17.0ms + 500.0us/token, a recompute 1300.0us/token" in rec.reason
         assert rec.reason.endswith("pulls win from 22 tokens")
-        assert rec.inputs["pullLegs"] == 9 and rec.inputs["prefillLegs"] == 18
+        assert rec.inputs["pullLegs"] == 27 and rec.inputs["prefillLegs"] == 54
 
     def test_a_pulled_token_no_cheaper_than_a_computed_one_means_never_pull(self):
         rec = tune.recommend_threshold(

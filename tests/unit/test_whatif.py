@@ -38,7 +38,7 @@ def test_break_even_is_the_tuners() -> None:
     """The tuner, fed the prefill legs a server with these costs would time, puts the
     threshold where the what-if's model does."""
     fit = costfit.empty(costfit.PREFILL_LEG)
-    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048) * 3:
         for pulled in (0, n):
             x = {costfit.PULL: 1.0 if pulled else 0.0, costfit.PULLED_TOKENS: pulled}
             x[costfit.COMPUTED_TOKENS] = n + 16 - pulled
