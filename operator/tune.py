@@ -27,7 +27,9 @@ The algorithm, per DisaggregatedServer:
    pull). The fit is of whole legs as the turns saw them, not of NIXL's own
    counters, which miss the engine steps around a transfer and, on a throttled
    link, half the wire time (docs/performance.md, "Break-even"). Until it has
-   ``costfit.MIN_NONZERO`` pulls and recomputes the threshold in force is kept.
+   ``MIN_THRESHOLD_LEGS`` pulls and as many recomputes the threshold in force is
+   kept (a threshold from a few noisy pulls could stop every pull, and with them the
+   measuring).
    At or above P's engine-side ``kv_recompute_threshold`` (0 as rendered,
    ``policy.ENGINE_RECOMPUTE_THRESHOLD``), which only a restart changes.
 

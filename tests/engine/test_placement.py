@@ -21,6 +21,7 @@ from kvferry_dev.client import filler_text
 from kvferry_dev.configs import tiny_server
 from kvferry_dev.engines import Engine, EnginePair
 from kvferry_dev.sidecars import SidecarProcess, start_sidecar
+from kvferry_sidecar import placement
 from kvferry_wire import costfit
 from tests.engine.helpers import assistant, reference, send
 
@@ -49,16 +50,10 @@ def fits_solve(report: dict) -> tuple[bool, bool]:
     decode = costfit.LinearFit(**_snake(legs["decodeLeg"]))
     return (
         isinstance(
-            costfit.solve(prefill, costfit.PREFILL_LEG, (costfit.COMPUTED_TOKENS,)),
-            costfit.Solved,
+            costfit.solve(prefill, costfit.PREFILL_LEG, placement.PREFILL_NEEDS), costfit.Solved
         ),
         isinstance(
-            costfit.solve(
-                decode,
-                costfit.DECODE_LEG,
-                (costfit.ALONE, costfit.ALONE_COMPUTED_TOKENS, costfit.FETCHED_TOKENS),
-            ),
-            costfit.Solved,
+            costfit.solve(decode, costfit.DECODE_LEG, placement.DECODE_NEEDS), costfit.Solved
         ),
     )
 
