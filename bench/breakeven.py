@@ -13,11 +13,15 @@ token are measured first on the unshaped link; a target R then gives the link ra
 the pull time over the pulled tokens): on loopback NIXL itself moves far less than
 the wire can, so the highest R is what the engine allows.
 
-Per rate and history length N (tokens, the prefix D holds), one at a time, ``--reps``
-times: D prefills the N-token turn itself and returns its handle; then P's leg of the
-next turn (N + a short tail) is timed twice -- pulling the handle, and recomputing the
-whole prompt (no handle). The break-even N* is where the two curves cross (linear
-interpolation of their difference); none when pulling never wins.
+Per rate and history length N (tokens, the prefix D holds: whole 32-token KV blocks,
+as the sidecar pulls them; a partial block moves a whole block's bytes), one at a time,
+``--reps`` times (``--small-reps`` up to ``SMALL_N``): a first turn leaves D's handle of
+N tokens; then P's leg of the next turn (N + a short tail) is timed twice -- pulling the
+handle, and recomputing the whole prompt (no handle). The measured break-even N* is
+the fit of those legs the tuner makes of the sidecar's (``kvferry_wire.costfit``), with
+a bootstrap interval; beside it the crossing of the two curves' medians (linear
+interpolation of their difference; none when pulling never wins), and what the
+tuner's threshold costs a turn at worst against the fitted lines.
 
 The tuner: a fresh decode sidecar (P path forced: ``skipPrefillBelowTokens: 0``,
 ``prefillPlacement: Threshold``) then serves two-turn sessions at every N of the grid,
@@ -61,7 +65,7 @@ from .common import DEFAULT_OUT, Result, Target, engine_versions, pyplot, say, t
 TAIL_TOKENS = 16
 # Histories up to this are measured ``--small-reps`` times: near a small break-even the
 # two legs differ by a few ms, the noise of one leg.
-SMALL_N = 64
+SMALL_N = 128
 # The spec's recomputeThreshold for the tuner's sidecar (its live threshold, and what the
 # tuner keeps without measurements). P's engine-side kv_recompute_threshold is 0 as
 # rendered (kvferry_operator.policy), so the direct legs below pull at any N.
@@ -248,13 +252,18 @@ def bootstrap(samples: Sequence[Sample], rounds: int = 300, seed: int = 7) -> tu
     return found[int(0.05 * rounds)], found[int(0.95 * rounds) - 1]
 
 
-def loss_ms(solved: costfit.Solved, threshold: int, be: float | None, most: int) -> float:
-    """What a threshold costs a turn at worst against the direct legs' lines: the
-    saving missed (or the loss taken) by a history between it and the break-even."""
+def loss_ms(solved: costfit.Solved, threshold: int, lo: int, hi: int) -> float:
+    """What a threshold costs a turn at worst against the direct legs' lines, over the
+    histories measured (``lo`` to ``hi`` tokens): the saving a history below it misses
+    where a pull wins, or the loss a history at or above it takes where a pull loses."""
     c = solved.coefficients
     saving = c[costfit.COMPUTED_TOKENS] - c[costfit.PULLED_TOKENS]
-    edge = min(threshold, most) if be is None else threshold
-    return abs(saving * edge - c[costfit.PULL]) * 1e3
+    worst = 0.0
+    for n in range(lo, hi + 1):
+        gain = saving * n - c[costfit.PULL]  # > 0: pulling n tokens wins
+        if (gain > 0) != (n >= threshold):
+            worst = max(worst, abs(gain))
+    return worst * 1e3
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -387,7 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.breakeven", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
-        "--grid", default="8,12,16,24,32,48,64,128,256,512,1024,2048", help="history tokens N"
+        "--grid",
+        default="32,64,96,128,192,256,512,1024,2048",
+        help="history tokens N: whole KV blocks (32 tokens), as the sidecar pulls them",
     )
     p.add_argument(
         "--ratios", default="3,1.5,1.1,0.7", help="target R values after the unshaped run"
@@ -527,7 +538,7 @@ def _run(args: argparse.Namespace, logs: Path) -> int:
                     measured_break_even=be,
                     interval=(lo, hi),
                     crossing=break_even(pts),
-                    tuner_loss_ms=loss_ms(direct, rec.value, be, max(grid)),
+                    tuner_loss_ms=loss_ms(direct, rec.value, min(grid), max(grid)),
                     samples=[asdict(x) for x in samples],
                     tuner=rec.value,
                     tuner_reason=rec.reason,

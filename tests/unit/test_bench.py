@@ -72,7 +72,10 @@ def test_the_bench_measures_the_break_even_as_the_tuner_fits_it() -> None:
 
     be, solved = fitted_break_even(direct_samples())
     assert be == pytest.approx(21.25, rel=1e-6)
-    # A threshold of 8 pulls 8..21-token histories at a loss: at most 17 - 8 x 0.8 ms.
-    assert loss_ms(solved, 8, be, 2048) == pytest.approx(17 - 8 * 0.8, rel=1e-6)
+    # A threshold of 8 pulls 8..21-token histories at a loss: at most 17 - 8 x 0.8 ms;
+    # one of 30 misses the pulls of 22..29 tokens: at most 29 x 0.8 - 17 ms.
+    assert loss_ms(solved, 8, 8, 2048) == pytest.approx(17 - 8 * 0.8, rel=1e-6)
+    assert loss_ms(solved, 30, 8, 2048) == pytest.approx(29 * 0.8 - 17, rel=1e-6)
+    assert loss_ms(solved, 22, 8, 2048) == 0.0
     lo, hi = bootstrap(direct_samples(noise=0.05), rounds=60)
     assert lo < 21.25 < hi
