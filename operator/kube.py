@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +65,22 @@ def is_namespace_terminating(exc: ApiException) -> bool:
     return exc.status == 403 and "because it is being terminated" in (exc.body or "")
 
 
+# Characters YAML takes only escaped (DEL, the C1 controls, U+FFFE/U+FFFF, a lone
+# surrogate, which UTF-8 cannot even encode) or reads as line breaks (NEL, U+2028,
+# U+2029: a YAML 1.1 parser folds them): JSON without ensure_ascii leaves them raw.
+_YAML_RAW_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
+
+
+def apply_body(obj: Obj) -> bytes:
+    """``obj`` as an apply patch, which is YAML to the API server. UTF-8 JSON is YAML,
+    but not all of it: YAML has no surrogate-pair escapes (the client's own json.dumps
+    writes an emoji as "\\ud83d\\ude00", which the API server refuses: 400 "invalid
+    Unicode character escape code"), so characters stay raw, except those YAML takes
+    only escaped, which get JSON's \\u escape (YAML reads it the same)."""
+    text = json.dumps(obj, ensure_ascii=False)
+    return _YAML_RAW_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
+
+
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         if api_client is None:
@@ -85,15 +102,10 @@ class Kube:
         """Server-side apply ``obj`` as ours; forced, since these are our children."""
         meta = obj["metadata"]
         res = self._resource(obj["apiVersion"], obj["kind"])
-        # An apply patch is YAML to the API server, and YAML has no surrogate-pair
-        # escapes: the client's json.dumps writes an emoji as "\ud83d\ude00", which
-        # the API server refuses (400 "invalid Unicode character escape code"). UTF-8
-        # JSON is YAML too.
-        body = json.dumps(obj, ensure_ascii=False).encode()
         out = self.dyn.request(
             "patch",
             res.path(name=meta["name"], namespace=meta.get("namespace")),
-            body=body,
+            body=apply_body(obj),
             content_type="application/apply-patch+yaml",
             field_manager=api.FIELD_MANAGER,
             force_conflicts=True,
