@@ -28,6 +28,7 @@ import msgspec
 import yaml
 
 from kvferry_wire import settings as wire
+from kvferry_wire.jsondepth import nested_deeper_than, value_deeper_than
 from kvferry_wire.policy import PLACEMENTS
 from kvferry_wire.protocol import ROLE_DECODE as ROLE_DECODE  # re-exported: app, metrics, runtime
 from kvferry_wire.protocol import ROLES
@@ -127,10 +128,27 @@ def _from_mapping(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
     return out
 
 
+# A settings or topology file is a mapping of scalars and lists of strings: two
+# levels. Deeper is refused with a SettingsError (TopologyWatch keeps the old
+# topology on one), never left to the parser's RecursionError.
+MAX_FILE_DEPTH: Final = 16
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """A JSON or YAML settings/topology file as Settings fields."""
     text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    too_deep = ConfigError(f"{path}: nested deeper than {MAX_FILE_DEPTH} levels")
+    if str(path).endswith(".json"):
+        if nested_deeper_than(text.encode(), MAX_FILE_DEPTH):
+            raise too_deep
+        data = json.loads(text)
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except RecursionError:
+            raise too_deep from None
+    if value_deeper_than(data, MAX_FILE_DEPTH):
+        raise too_deep
     if data is None:
         return {}
     if not isinstance(data, Mapping):

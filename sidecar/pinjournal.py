@@ -22,9 +22,11 @@ holds them).
   lines, dropping what is past its deadline; a read takes at most
   ``MAX_READ_BYTES`` and ``max_entries`` pins.
 - **Hostile or torn lines lose nothing else**: each line is parsed strictly
-  (msgspec, bounded fields); one that does not parse (a torn last line after a
-  crash is the usual one) is skipped, counted, and the first few are logged by
-  number.
+  (msgspec, bounded fields; JSON nested past ``MAX_DEPTH`` is refused before it is
+  parsed, since the parser's own bound is a RecursionError; ``params`` holds no
+  integer past 64 bits); one that does not parse, whatever it holds (a torn last
+  line after a crash is the usual one), is skipped, counted, and the first few are
+  logged by number. No line stops the sidecar: the file outlives its restarts.
 - **A journal that cannot be written stops nothing**: the turn goes on; the failure
   is logged (the first, then every ``LOG_EVERY``-th) and counted, and the next write
   tries again.
@@ -42,6 +44,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvferry_wire.jsondepth import nested_deeper_than
+
 log = logging.getLogger("kvferry.sidecar.pinjournal")
 
 # The file stays under this: past it, a rewrite; still past it, new pins go
@@ -55,6 +59,10 @@ MAX_ENTRIES = 200_000
 COMPACT_SLACK = 1024
 LOG_EVERY = 100
 BAD_LINES_LOGGED = 5
+# A line is a pin, its params D's kv_transfer_params (block ids: lists of lists):
+# a few levels. Deeper is refused unparsed (the parser would raise RecursionError).
+MAX_DEPTH = 16
+_INT64 = range(-(1 << 63), 1 << 63)
 
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
@@ -92,6 +100,30 @@ class Recovered:
     void: int = 0  # another D's: freed when that engine stopped
     bad_lines: int = 0
     truncated: bool = False  # the file was longer than MAX_READ_BYTES
+
+
+def _line(raw: bytes) -> Line:
+    """One journal line, or DecodeError/ValidationError naming what is wrong."""
+    if nested_deeper_than(raw, MAX_DEPTH):
+        raise msgspec.DecodeError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    line = _decode(raw)
+    if isinstance(line, Pin):
+        _check_ints(line.params)
+    return line
+
+
+def _check_ints(value: Any) -> None:
+    """No integer in ``value`` (at most MAX_DEPTH deep) is past 64 bits: D hands out
+    none, and a release carries them to P."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool) and item not in _INT64:
+            raise msgspec.ValidationError("Integer value out of range - at `$.params[...]`")
 
 
 class PinJournal:
@@ -143,8 +175,8 @@ class PinJournal:
             if not raw.strip():
                 continue
             try:
-                line = _decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                line = _line(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 out.bad_lines += 1
                 if out.bad_lines <= BAD_LINES_LOGGED:
                     log.warning(

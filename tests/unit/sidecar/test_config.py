@@ -377,3 +377,33 @@ def test_a_removed_setting_is_named_in_a_warning(
     assert "key=expiryMarginSeconds" in removed[0] or "key=expiryMarginSeconds" in removed[1]
     assert any("env=KVFERRY_EXPIRY_MARGIN_SECONDS" in m for m in removed)
     assert all("HANDLE_EXPIRY_MARGIN_SECONDS" in m for m in removed)
+
+
+DEEP_FILES = [
+    ("sidecar.json", '{"prefillEngines": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    ("sidecar.json", '{"model": ' + '{"a":' * 100_000 + "1" + "}" * 100_000 + "}"),
+    ("sidecar.yaml", "prefillEngines: " + "[" * 100_000 + "]" * 100_000),
+    ("sidecar.yaml", "model:\n" + "".join(" " * n + "- \n" for n in range(1, 400))),
+    ("sidecar.yaml", "model:\n  " + "- " * 5_000 + "x"),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), DEEP_FILES)
+def test_a_file_nested_too_deep_is_a_settings_error_not_a_crash(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    """A settings or topology file nested 100,000 deep made the parser raise
+    RecursionError: a traceback at start, and a dead background loop on a live
+    topology reload (TopologyWatch keeps the old topology on a ValueError alone)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        config.load_file(path)
+    watch = TopologyWatch(str(path))
+    assert watch.poll() is None  # logged; the old topology stays
+
+
+def test_a_file_nested_within_the_limit_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "topology.json"
+    path.write_text(json.dumps({**OPERATOR_TOPOLOGY, "version": 1}))
+    assert config.load_topology(path)[1] == tuple(OPERATOR_TOPOLOGY["decodeSidecars"])

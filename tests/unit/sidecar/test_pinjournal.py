@@ -169,3 +169,88 @@ def test_recovery_matches_a_model_of_what_d_still_pins(
             model.pop(key, None)
     j.close()
     assert {p.key for p in journal(path).recover(engine=7.0).orphans} == set(model)
+
+
+# Hostile lines, generated: each must be skipped and counted, whatever it holds.
+FIELDS = ("type", "key", "blocks", "deadline", "params", "token", "model", "engine")
+
+
+def nested(depth: int, kind: str) -> str:
+    """A JSON value nested ``depth`` deep: lists, maps, or both in turn."""
+    if kind == "list":
+        return "[" * depth + "]" * depth
+    if kind == "map":
+        return '{"a":' * depth + "1" + "}" * depth
+    return '[{"a":' * (depth // 2) + "1" + "}]" * (depth // 2)
+
+
+def with_field(name: str, value: str) -> str:
+    """A valid line but for ``name``, whose JSON text is ``value`` (put in raw)."""
+    line = json.loads(raw(model="m", engine=7.0))
+    line[name] = "@@"
+    return json.dumps(line).replace('"@@"', value)
+
+
+DEEP = st.builds(
+    nested,
+    st.integers(min_value=2_000, max_value=100_000),
+    st.sampled_from(["list", "map", "both"]),
+)
+HUGE_INT = st.integers(min_value=20, max_value=5_000).map(lambda digits: "9" * digits)
+# Per field, values of a type (or a range) no pin has there.
+WRONG = {
+    "type": ['"evil"', "1", "null", "[]"],
+    "key": ['""', "1", "null", "[]", '"' + "k" * 600 + '"'],
+    "blocks": ["-1", '"3"', "1.5", "null", "4294967296", "true"],
+    "deadline": ['"soon"', "null", "[]", "1e999", "true"],
+    "params": ["[]", '"x"', "null", "1", "true"],
+    "token": ["-1", '"5"', "null", "{}", "2.5"],
+    "model": ["1", "[]", "{}", '"' + "m" * 2000 + '"', "false"],
+    "engine": ['"7"', "[]", "{}", "1e999", "true"],
+}
+WRONG_TYPE = st.sampled_from([(name, value) for name, values in WRONG.items() for value in values])
+HOSTILE_LINE = st.one_of(
+    # deep nesting of lists and maps: in params, at any field, or as the whole line
+    st.builds(lambda d: with_field("params", '{"a":' + d + "}"), DEEP),
+    st.builds(with_field, st.sampled_from(FIELDS), DEEP),
+    DEEP,
+    # huge ints: in params (no id D hands out is past 64 bits), and where a count,
+    # a string or an object belongs
+    st.builds(lambda n: with_field("params", '{"remote_block_ids":[[1,' + n + "]]}"), HUGE_INT),
+    st.builds(lambda n: with_field("params", '{"remote_port":-' + n + "}"), HUGE_INT),
+    st.builds(
+        with_field, st.sampled_from(["type", "key", "blocks", "token", "model", "params"]), HUGE_INT
+    ),
+    # wrong types at every field
+    WRONG_TYPE.map(lambda nv: with_field(*nv)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(hostile=st.lists(HOSTILE_LINE, min_size=1, max_size=4))
+def test_any_hostile_line_is_skipped_and_counted_never_raised(
+    tmp_path_factory: pytest.TempPathFactory, hostile: list[str]
+) -> None:
+    """A line nested 100,000 deep once made recover() raise RecursionError: the
+    sidecar's start-up stopped, and every restart read the same emptyDir file."""
+    path = tmp_path_factory.mktemp("j") / "pins.jsonl"
+    good = pinjournal._encode(pin("good")).decode()
+    path.write_text("\n".join([*hostile, good, *hostile]) + "\n")
+    found = journal(path).recover(engine=7.0)
+    assert [p.key for p in found.orphans] == ["good"]
+    assert found.bad_lines == 2 * len(hostile)
+
+
+def test_a_line_nested_past_the_limit_is_skipped_one_within_it_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "pins.jsonl"
+    within = pinjournal.MAX_DEPTH - 2  # the line and params are two levels
+    path.write_text(
+        "\n".join(
+            [
+                with_field("params", '{"a":' + nested(within, "list") + "}"),
+                with_field("params", '{"a":' + nested(100_000, "map") + "}"),
+            ]
+        )
+    )
+    found = journal(path).recover(engine=7.0)
+    assert (len(found.orphans), found.bad_lines) == (1, 1)
