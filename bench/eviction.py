@@ -74,6 +74,7 @@ and chat (human gaps of minutes), each with and without KV pressure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -87,9 +88,10 @@ from typing import Any
 
 from kvferry_operator import traces, tune
 from kvferry_operator.api import MODE_AUTO
-from kvferry_sidecar import retention
+from kvferry_wire import replay, retention
 from kvferry_wire.protocol import HANDLE_EXPIRY_MARGIN_SECONDS
 from kvferry_wire.report import GAP_BOUNDS, Histogram
+from kvferry_wire.settings import SidecarSettings
 
 from .common import DEFAULT_OUT, Result, Target, say, table
 
@@ -218,6 +220,7 @@ class Stats:
     restarts: int = 0
     restart_handles: int = 0
     restart_bytes: float = 0.0
+    preemptions: int = 0  # requests that found D's KV full (the sidecar's replay)
 
     @property
     def seconds_saved(self) -> float:
@@ -357,61 +360,61 @@ def run_tuner(turns: Sequence[Turn], capacity: int) -> Stats:
     return led.stats
 
 
-def policy_limits() -> retention.Limits:
-    # High water 1.0: the capacity here is what D has for kept handles alone. The
-    # server's decodeRetentionSeconds (480, the CRD's default) is the least it keeps.
-    return retention.Limits(
-        max_retention_s=CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS,
-        kv_high_water=1.0,
-        min_retention_s=float(TUNER_START_S),
+def sidecar_wiring(**changes: Any) -> retention.Wiring:
+    """The decode sidecar's wiring as the operator renders it at the CRD's defaults
+    (decodeRetentionSeconds 480, maxRetentionSeconds 1800): the settings file's two
+    values and the sidecar's own defaults, through the sidecar's constructor."""
+    wiring = retention.Wiring.of(
+        SidecarSettings(retention_seconds=float(TUNER_START_S), retention_ceiling_seconds=CEILING_S)
     )
+    return dataclasses.replace(wiring, **changes)
 
 
 class _LeastRecent(retention.RetentionPolicy):
-    """The reference: the least recently stored goes first (``handles.first_to_evict``,
-    today's sidecar store), under the same ceiling, with no usefulness rule."""
+    """The reference: the least recently stored goes first (``handles.first_to_evict``
+    without a policy), room made for every new handle that fits, no usefulness rule."""
 
     def value(self, h: retention.Held, now: float) -> float:
         return h.t
 
+    def _schedule(self, h: retention.Held, now: float) -> None:
+        h.recheck_at = math.inf
 
-def run_value(turns: Sequence[Turn], capacity: int, *, lru: bool = False) -> Stats:
-    """The value policy (sidecar/retention.py), its releases applied as it decides them;
-    ``lru``: the least-recently-stored reference instead."""
-    if lru:
-        limits = policy_limits()
-        pol: retention.RetentionPolicy = _LeastRecent(
-            COSTS,
-            retention.Limits(
-                limits.max_retention_s, kv_high_water=1.0, min_retention_s=limits.max_retention_s
-            ),
-        )
-    else:
-        pol = retention.RetentionPolicy(COSTS, policy_limits())
-    led = Ledger(capacity)
+    def _admit(self, new: retention.Held, now: float) -> None:
+        share = self.share_blocks()
+        if share is None:
+            return
+        if self.costs.blocks(new.tokens) > share + self._running_blocks:
+            self._pending.append(self._release(new, retention.REASON_ADMISSION))
+            return
+        for h in sorted(self.held.values(), key=lambda h: h.t):
+            if self.held_blocks <= share:
+                break
+            if h is not new:
+                self._pending.append(self._release(h, retention.REASON_PRESSURE))
 
-    def apply(releases: list[retention.Release], now: float) -> None:
-        for r in releases:
-            led.drop(r.session, now, r.reason)
 
-    for turn in turns:
-        while (d := pol.next_deadline()) is not None and d <= turn.t:
-            apply(pol.decide(d), d)
-        taken = pol.observe_turn(turn.session, turn.t, turn.kept_tokens)
-        if turn.session in led.kept:
-            assert taken is not None
-            led.read(turn)
-        else:
-            led.stats.turns += 1
-        led.keep(turn.session, turn.t, turn.kept_tokens, math.inf)
-        if led.used > capacity:
-            apply(pol.decide(turn.t, retention.Pressure(led.used, capacity)), turn.t)
-        assert led.used <= capacity, "the policy left D over its capacity"
-    end = turns[-1].t if turns else 0.0
-    while (d := pol.next_deadline()) is not None and d <= end:
-        apply(pol.decide(d), d)
-    led.finish(end)
-    return led.stats
+def run_value(
+    turns: Sequence[Turn],
+    capacity: int,
+    *,
+    lru: bool = False,
+    wiring: retention.Wiring | None = None,
+) -> Stats:
+    """The value policy as the decode sidecar runs it (``kvferry_wire.replay``, the
+    sidecar's wiring unless ``wiring``); ``lru``: the least-recently-stored reference."""
+    w = wiring or sidecar_wiring()
+    pol = _LeastRecent(COSTS, w.limits()) if lru else None
+    fig = replay.Replay(w, COSTS, capacity, policy=pol).run(turns)
+    stats = Stats(
+        tokens_saved=fig.tokens_saved,
+        hits=fig.hits,
+        turns=fig.turns,
+        pinned_byte_s=fig.pinned_byte_s,
+        evictions=Counter(fig.releases),
+    )
+    stats.preemptions = fig.preemptions
+    return stats
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry_wire import retention as rp
 from kvferry_wire.protocol import Outcome
 
-from . import retention as rp
 from .owners import EVICT_OWNER_HANDLES, EVICT_OWNER_TOKENS, EVICT_STORE_CAP, Caps, OwnerTag
 from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 
@@ -70,6 +70,9 @@ EVICT_PREEMPTION = "preemption"  # D preempted a request
 EVICT_USEFULNESS = "usefulness"  # the policy: the session's next turn is not coming
 EVICT_RETENTION = "retention"  # the retention in force (at most the ceiling) ran out
 EVICT_LEASE = "lease"  # D's lease of a turn it prefilled alone ran out
+# A finished turn's handle worth less than what it would displace, or larger than the
+# handles' share of D's KV: not kept (released at birth).
+EVICT_ADMISSION = "admission"
 # The policy's release reasons as the store counts them, and the fate each gives: a
 # handle let go for being out of time (usefulness, retention, lease) is expired, and
 # the session's next turn is told so; one a cap or D's pressure took is evicted.
@@ -80,6 +83,7 @@ POLICY_REASONS: dict[str, tuple[str, HandleFate]] = {
     rp.REASON_USELESS: (EVICT_USEFULNESS, HandleFate.EXPIRED),
     rp.REASON_CEILING: (EVICT_RETENTION, HandleFate.EXPIRED),
     rp.REASON_LEASE: (EVICT_LEASE, HandleFate.EXPIRED),
+    rp.REASON_ADMISSION: (EVICT_ADMISSION, HandleFate.EVICTED),
 }
 
 
@@ -171,6 +175,8 @@ class HandleStore:
         # after its handle expired almost always found nothing and was counted as
         # no-handle (seen with real engines: `expired` was never reported).
         self._expired: OrderedDict[SessionTag, float] = OrderedDict()
+        # Why the last ``put`` did not keep its handle (an EVICT_* reason), else None.
+        self.refused_by: str | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -226,22 +232,32 @@ class HandleStore:
 
     def put(self, handle: KVHandle, *, previous: SessionTag | None = None) -> bool:
         """Keep ``handle`` for its session, replacing (and evicting) as the rules say;
-        False when a cap evicted the handle itself at once (alone over its owner's
-        token cap). ``previous``: the slot the turn looked up, whose gaps the policy
-        carries on under the handle's (``session.next_handle_slot``)."""
+        False when the handle itself went at once (admission refused it, or it is
+        alone over its owner's token cap). ``previous``: the slot the turn looked up,
+        whose gaps the policy carries on under the handle's
+        (``session.next_handle_slot``)."""
         self._expired.pop(handle.session, None)
+        self.refused_by = None
         old = self._pop(handle.session)
         if old is not None:
             self._drop(HandleFate.SUPERSEDED, old)
         self._items[handle.session] = handle
-        if self.policy is not None:
-            self._observe(handle, previous)
         if handle.owner is not None:
             owned = self._owned.setdefault(handle.owner, _Owned())
             owned.slots[handle.session] = handle
             owned.tokens += handle.num_tokens
+        if self.policy is not None:
+            # Admission: kept only if worth what it displaces (kvferry_wire.retention).
+            self._observe(handle, previous)
+            releases = self.policy.take_releases()
+            if any(r.session == handle.session for r in releases):
+                self.refused_by = EVICT_ADMISSION
+            self._apply(releases)
+        if handle.owner is not None and self._items.get(handle.session) is handle:
             if self._owner_caps is not None:
-                self._enforce(owned, self._owner_caps(), handle)
+                self._enforce(self._owned[handle.owner], self._owner_caps(), handle)
+            if self._items.get(handle.session) is not handle:
+                self.refused_by = EVICT_OWNER_TOKENS
         while len(self._items) > self._cap:
             self._evict(self._first_to_evict(self._items.values(), handle), EVICT_STORE_CAP)
         return self._items.get(handle.session) is handle
@@ -297,8 +313,12 @@ class HandleStore:
         Returns how many went."""
         if self.policy is None:
             return 0
+        return self._apply(self.policy.decide(self._clock(), pressure))
+
+    def _apply(self, releases: list[rp.Release]) -> int:
+        """Let go the handles the policy released, each with its fate and reason."""
         count = 0
-        for release in self.policy.decide(self._clock(), pressure):
+        for release in releases:
             handle = self._items.get(release.session)
             if handle is None:
                 continue

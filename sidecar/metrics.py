@@ -348,7 +348,9 @@ def report_families(r: rpt.Report) -> list:
             "pressure and preemption (D's KV), the lowest value first, which add up to "
             'kvferry_handle_fates_total{fate="evicted"}; usefulness (the retention '
             "policy: no next turn expected), retention (the retention in force) and "
-            "lease (D's lease of a turn it prefilled alone), part of the expired fate.",
+            "lease (D's lease of a turn it prefilled alone), part of the expired fate; "
+            "admission (a finished turn's handle worth less than what it would displace, "
+            "or larger than the handles' share of D's KV: released at birth, evicted).",
             "reason",
             {
                 name.replace("_", "-"): getattr(r.evictions, name)

@@ -684,8 +684,8 @@ def _keep_handle(
             report.handle_kept = True
             report.next_session = handle.session
         else:
-            # Alone over its owner's token cap: evicted (and released) at once.
-            report.handle_not_kept_reason = owners.EVICT_OWNER_TOKENS
+            # Refused by admission, or alone over its owner's token cap: released at once.
+            report.handle_not_kept_reason = sc.store.refused_by or owners.EVICT_OWNER_TOKENS
         return
     report.handle_not_kept_reason = reason or why
     if handle is not None:

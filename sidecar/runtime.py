@@ -23,10 +23,10 @@ from typing import Any
 
 import aiohttp
 
-from kvferry_wire import costfit, protocol, report
+from kvferry_wire import costfit, protocol, report, retention
 from kvferry_wire import policy as wire_policy
 
-from . import config, enginemetrics, owners, placement, plan, retention, transport
+from . import config, enginemetrics, owners, placement, plan, transport
 from .blockhash import HASH_ALGO, prefix_block_hashes
 from .blockindex import BlockIndex
 from .config import ROLE_DECODE, Settings
@@ -67,9 +67,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_RELEASE_SECONDS = 5.0
 # The retention policy's block size until the engine tells its own (vLLM's default).
 DEFAULT_BLOCK_TOKENS = 16
-# A ceiling within the expiry margin leaves no time to hold a handle; the policy still
-# needs a positive one (the store's expiry rules then let every handle go at once).
-MIN_POLICY_CEILING_S = 1.0
 # Why a handle stays pinned on D to its deadline although no turn will read it (the
 # ledger's reasons less releasing and expiring): what a higher ceiling makes costlier.
 UNRELEASABLE = (PINNED_NO_PREFILL, PINNED_RELEASE_FAILED, PINNED_PULL_FAILED)
@@ -99,16 +96,9 @@ class Sidecar:
             prefill_placement=settings.prefill_placement,
             on_change=self._on_policy,
         )
-        # Which handle goes first and when each is let go (retention.py): its end is the
-        # retention in force or D's lease, less the margin, at most the ceiling's.
-        margin = protocol.HANDLE_EXPIRY_MARGIN_SECONDS
-        self.retention = retention.RetentionPolicy(
-            retention.nominal_costs(settings.block_size or DEFAULT_BLOCK_TOKENS),
-            retention.Limits(
-                max_retention_s=max(settings.retention_ceiling - margin, MIN_POLICY_CEILING_S),
-                handle_cap=settings.handle_store_cap,
-            ),
-        )
+        # Which handle is kept, which goes first and when (kvferry_wire.retention): built
+        # from the settings as the simulator builds it (retention.Wiring).
+        self.retention = retention.build(settings, settings.block_size or DEFAULT_BLOCK_TOKENS)
         # D's preemptions the policy has seen (None: none looked at yet; those before
         # the first look are not this sidecar's to answer for).
         self._preemptions_seen: int | None = None

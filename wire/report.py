@@ -246,6 +246,7 @@ class Evictions(msgspec.Struct, rename="camel"):
     usefulness: int = 0  # the retention policy: the session's next turn is not coming
     retention: int = 0  # the retention in force (at most the ceiling) ran out
     lease: int = 0  # D's lease of a turn it prefilled alone ran out
+    admission: int = 0  # a finished turn's handle was worth less than it would displace
 
 
 class Transfer(msgspec.Struct, rename="camel"):

@@ -79,8 +79,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-from kvferry_wire.report import GAP_BOUNDS, Histogram
+from .protocol import HANDLE_EXPIRY_MARGIN_SECONDS
+from .report import GAP_BOUNDS, Histogram
+
+if TYPE_CHECKING:
+    from .settings import SidecarSettings
 
 REASON_CEILING = "ceiling"  # maxRetentionSeconds reached
 REASON_LEASE = "lease"  # D's lease of a turn it prefilled alone ran out
@@ -88,6 +93,7 @@ REASON_USELESS = "usefulness"  # expected saving per byte-second below the floor
 REASON_PRESSURE = "pressure"  # D's KV usage above the high-water mark
 REASON_PREEMPTION = "preemption"  # D preempted a request
 REASON_CAP = "cap"  # more handles than the cap
+REASON_ADMISSION = "admission"  # not kept: worth less than it would displace, or too big
 REASONS = (
     REASON_CEILING,
     REASON_LEASE,
@@ -95,7 +101,11 @@ REASONS = (
     REASON_PRESSURE,
     REASON_PREEMPTION,
     REASON_CAP,
+    REASON_ADMISSION,
 )
+# D's KV usage above this share is pressure (vLLM keeps a watermark of free blocks
+# too, and new requests need room before the next look).
+KV_HIGH_WATER = 0.90
 
 # Pseudo-gaps, log-uniform over [1 s, ceiling], in the server's distribution.
 PRIOR_GAPS = 1.0
@@ -152,7 +162,7 @@ def nominal_costs(block_tokens: int) -> Costs:
 class Limits:
     max_retention_s: float  # the ceiling: no handle is kept longer
     handle_cap: int = 10_000
-    kv_high_water: float = 0.90  # D's KV usage above this share is pressure
+    kv_high_water: float = KV_HIGH_WATER  # D's KV usage above this share is pressure
     min_hit: float = 0.01  # the floor: this chance of a hit over the whole ceiling
     # K: the server's distribution counts as K gaps of a session; None: estimated
     # from how much the sessions differ (module docstring).
@@ -160,6 +170,9 @@ class Limits:
     # Without pressure no handle goes for usefulness before this (the server's
     # decodeRetentionSeconds): the policy then never keeps less than that fixed TTL would.
     min_retention_s: float = 0.0
+    # A released handle's blocks count in D's usage until its release lands: what it
+    # released this long ago is taken as still pinned (not met twice, not running).
+    release_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_retention_s <= 0 or self.handle_cap < 1:
@@ -194,6 +207,67 @@ class Pressure:
 
 
 NO_PRESSURE = Pressure()
+
+# A ceiling within the expiry margin leaves no time to hold a handle; the policy still
+# needs a positive one (the store's expiry rules then let every handle go at once).
+MIN_POLICY_CEILING_S = 1.0
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How a decode sidecar runs the policy, all of it from its settings: the one
+    description the sidecar (``kvferry_sidecar.runtime``) and the simulator
+    (``replay.py``, ``make bench-eviction``, ``what-if --capacity-blocks``) build from,
+    so the two cannot drift (``tests/unit/test_replay.py``).
+
+    A handle is offered until its keeping plus the retention in force (at most the
+    ceiling, D's ``decoder_kv_blocks_ttl``) less the expiry margin; the policy runs
+    every probe tick with D's KV usage as scraped then (its running requests
+    included); a handle let go stays pinned on D until its release lands."""
+
+    ceiling_s: float  # D's decoder_kv_blocks_ttl: no handle outlives it
+    retention_s: float  # the retention in force at start (decodeRetentionSeconds)
+    tick_s: float  # probe_interval_seconds: D scraped and decide() run this often
+    handle_cap: int  # handle_store_cap
+    release_after_s: float  # an unread handle's release lands this long after
+    margin_s: float = HANDLE_EXPIRY_MARGIN_SECONDS
+    kv_high_water: float = KV_HIGH_WATER
+    floor_s: float = 0.0  # Limits.min_retention_s: no usefulness release before this
+
+    @classmethod
+    def of(cls, settings: SidecarSettings) -> Wiring:
+        ceiling = settings.retention_ceiling_seconds
+        return cls(
+            ceiling_s=settings.retention_seconds if ceiling is None else ceiling,
+            retention_s=settings.retention_seconds,
+            tick_s=settings.probe_interval_seconds,
+            handle_cap=settings.handle_store_cap,
+            release_after_s=settings.release_after_seconds,
+        )
+
+    def hold_s(self, retention_s: float | None = None) -> float:
+        """Seconds from its keeping that a handle is offered: the retention in force
+        (``retention_s``, else the wiring's), at most the ceiling, less the margin."""
+        retention = self.retention_s if retention_s is None else retention_s
+        return min(retention, self.ceiling_s) - self.margin_s
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_retention_s=max(self.ceiling_s - self.margin_s, MIN_POLICY_CEILING_S),
+            handle_cap=self.handle_cap,
+            kv_high_water=self.kv_high_water,
+            min_retention_s=min(self.floor_s, max(self.ceiling_s - self.margin_s, 0.0)),
+            release_window_s=self.release_after_s + self.tick_s,
+        )
+
+    def policy(self, costs: Costs) -> RetentionPolicy:
+        return RetentionPolicy(costs, self.limits())
+
+
+def build(settings: SidecarSettings, block_tokens: int) -> RetentionPolicy:
+    """The policy a decode sidecar with ``settings`` runs, D's blocks of
+    ``block_tokens``: the one constructor (``Wiring``)."""
+    return Wiring.of(settings).policy(nominal_costs(block_tokens))
 
 
 @dataclass
@@ -239,6 +313,16 @@ class RetentionPolicy:
         self.ended = 0  # sessions with no turn for a whole ceiling
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # by last turn
         self._held: dict[str, Held] = {}
+        self._held_blocks = 0  # the blocks of every held handle
+        # D's KV as last scraped (observe_engine): its blocks, and what its running
+        # requests (and releases not yet landed) claim besides the held handles.
+        self._total_blocks = 0
+        self._running_blocks = 0
+        self._pending: list[Release] = []  # admission's releases, for take_releases
+        # Blocks released and when, while their release may not have landed yet.
+        self._in_flight: deque[tuple[float, int]] = deque()
+        self._in_flight_blocks = 0
+        self._now = -math.inf  # the latest time the caller named
         self._cum: list[int] = []
         self._cum_total = -1
         self._k = limits.prior_weight if limits.prior_weight is not None else K_DEFAULT
@@ -269,7 +353,8 @@ class RetentionPolicy:
         """A turn of ``session`` arrived at ``t``: its gap since the session's last kept
         handle is observed, and the handle it reads, if still kept, is returned (and no
         longer held). The sidecar calls this when a turn looks its handle up."""
-        taken = self._held.pop(session, None)
+        self._age_in_flight(t)
+        taken = self._pop_held(session)
         s = self._sessions.pop(session, None)
         if s is None:
             s = _Session(last_t=t)
@@ -301,6 +386,7 @@ class RetentionPolicy:
         (``session.next_handle_slot``): its gaps continue under ``session``. The next
         gap runs from ``t``: the time from a handle's keeping to its reading is what
         the chance of a next turn is about."""
+        self._age_in_flight(t)
         s = self._sessions.pop(session, None)
         if previous is not None and previous != session:
             s = self._sessions.pop(previous, None) or s
@@ -308,8 +394,8 @@ class RetentionPolicy:
             s = _Session(last_t=t)
         s.last_t = t
         self._remember(session, s)
+        self._pop_held(session)
         if tokens <= 0:
-            self._held.pop(session, None)
             return None
         end = t + self.limits.max_retention_s
         if retention_s is not None:
@@ -320,8 +406,10 @@ class RetentionPolicy:
             end = t + lease_s
         held = Held(session, t, tokens, end, by_lease)
         self._held[session] = held
+        self._held_blocks += self.costs.blocks(tokens)
         self._schedule(held, t)
-        return held
+        self._admit(held, t)
+        return held if self._held.get(session) is held else None
 
     def _remember(self, session: str, s: _Session) -> None:
         self._sessions[session] = s
@@ -331,7 +419,39 @@ class RetentionPolicy:
     def forget(self, session: str) -> None:
         """The caller let ``session``'s handle go for a reason of its own (taken, a cap,
         D restarted, superseded): no longer held, nothing to release."""
-        self._held.pop(session, None)
+        self._pop_held(session)
+
+    def observe_engine(self, p: Pressure, now: float | None = None) -> None:
+        """D's KV as scraped at ``now``: its size, and what its running requests claim
+        (its usage less the handles held here and the releases not landed yet)."""
+        self._age_in_flight(now)
+        if p.kv_total_blocks:
+            self._total_blocks = p.kv_total_blocks
+            pinned = self._held_blocks + self._in_flight_blocks
+            self._running_blocks = max(0, p.kv_used_blocks - pinned)
+
+    def _age_in_flight(self, now: float | None) -> None:
+        if now is not None:
+            self._now = max(self._now, now)
+        horizon = self._now - self.limits.release_window_s
+        while self._in_flight and self._in_flight[0][0] <= horizon:
+            self._in_flight_blocks -= self._in_flight.popleft()[1]
+
+    def share_blocks(self) -> int | None:
+        """The blocks the held handles may fill now: D's KV to the high-water mark less
+        its running requests' claim; None until D's size is known."""
+        if not self._total_blocks:
+            return None
+        return math.floor(self.limits.kv_high_water * self._total_blocks) - self._running_blocks
+
+    @property
+    def held_blocks(self) -> int:
+        return self._held_blocks
+
+    def take_releases(self) -> list[Release]:
+        """What admission let go since the last call (the caller releases them on D)."""
+        out, self._pending = self._pending, []
+        return out
 
     def rebound(self, session: str, end: float, *, by_lease: bool, now: float) -> None:
         """A held handle's end moved (the retention in force changed): at most the
@@ -356,9 +476,11 @@ class RetentionPolicy:
         return min(order, key=key)
 
     def decide(self, now: float, pressure: Pressure = NO_PRESSURE) -> list[Release]:
-        """The handles to release at ``now``: those past their end, those whose
-        usefulness ended, then under ``pressure`` the lowest values until it is met."""
-        out: list[Release] = []
+        """The handles to release at ``now``: admission's not yet taken, those past
+        their end, those whose usefulness ended, then under ``pressure`` (D's KV as
+        scraped now) the lowest values until it is met."""
+        self.observe_engine(pressure, now)
+        out = self.take_releases()
         for h in list(self._held.values()):
             if now >= h.end:
                 out.append(self._release(h, REASON_LEASE if h.bounded_by_lease else REASON_CEILING))
@@ -514,19 +636,76 @@ class RetentionPolicy:
         h.recheck_at = math.inf
 
     def _release(self, h: Held, reason: str, value: float = 0.0) -> Release:
-        del self._held[h.session]
+        self._pop_held(h.session)
+        if self.limits.release_window_s > 0:
+            blocks = self.costs.blocks(h.tokens)
+            self._in_flight.append((self._now, blocks))
+            self._in_flight_blocks += blocks
         return Release(h.session, h.tokens, reason, value)
+
+    def _pop_held(self, session: str) -> Held | None:
+        h = self._held.pop(session, None)
+        if h is not None:
+            self._held_blocks -= self.costs.blocks(h.tokens)
+        return h
+
+    def worth(self, h: Held, now: float) -> float:
+        """Expected prefill seconds saved per second ``h`` is held: its value (per pinned
+        byte-second) times the bytes it pins."""
+        return self.value(h, now) * self.costs.pinned_bytes(h.tokens)
+
+    def _admit(self, new: Held, now: float) -> None:
+        """Admission: ``new`` (held already) stays only if it fits in the handles' share
+        of D's KV, or if the handles it would displace are each worth less per pinned
+        byte-second and all together less per second held than it is. Making room never
+        releases more value than it admits; a handle larger than the whole share goes at
+        birth (it could only flush the others and then not stay either)."""
+        share = self.share_blocks()
+        if share is None:
+            return  # D's size not known yet: nothing to weigh against
+        blocks = self.costs.blocks(new.tokens)
+        whole = math.floor(self.limits.kv_high_water * self._total_blocks)
+        if blocks > whole:
+            self._pending.append(self._release(new, REASON_ADMISSION))
+            return
+        over = self._held_blocks - share
+        if over <= 0:
+            return
+        v_new = self.value(new, now)
+        worth_new = v_new * self.costs.pinned_bytes(new.tokens)
+        ranked = sorted(
+            ((self.value(h, now), h.t, h) for h in self._held.values() if h is not new),
+            key=lambda x: (x[0], x[1]),
+        )
+        chosen: list[tuple[float, Held]] = []
+        freed = 0
+        worth = 0.0
+        for v, _, h in ranked:
+            if freed >= over:
+                break
+            if v >= v_new:
+                break
+            chosen.append((v, h))
+            freed += self.costs.blocks(h.tokens)
+            worth += v * self.costs.pinned_bytes(h.tokens)
+        if freed >= over and worth < worth_new:
+            for v, h in chosen:
+                self._pending.append(self._release(h, REASON_PRESSURE, v))
+        else:
+            self._pending.append(self._release(new, REASON_ADMISSION, v_new))
 
     def _relieve(self, now: float, p: Pressure) -> list[Release]:
         over_cap = len(self._held) - self.limits.handle_cap
         need = 0
         if p.kv_total_blocks:
             need = p.kv_used_blocks - math.floor(self.limits.kv_high_water * p.kv_total_blocks)
-        if over_cap <= 0 and need <= 0 and p.preemptions <= 0:
+            need -= self._in_flight_blocks  # met already, once those releases land
+        # A preemption asks for room: a release on its way gives it.
+        preemptions = p.preemptions - len(self._in_flight)
+        if over_cap <= 0 and need <= 0 and preemptions <= 0:
             return []
         ranked = sorted(self._held.values(), key=lambda h: (self.value(h, now), h.t))
         out: list[Release] = []
-        preemptions = p.preemptions
         for h in ranked:
             if over_cap > 0:
                 reason = REASON_CAP

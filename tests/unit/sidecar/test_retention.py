@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry_sidecar import retention as r
+from kvferry_wire import retention as r
 
 COSTS = r.Costs(
     recompute_s_per_token=2.017e-3, pull_s_per_token=5.6e-5, bytes_per_token=16_531, block_tokens=32

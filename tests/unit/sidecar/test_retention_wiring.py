@@ -10,7 +10,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry_sidecar import retention as r
+from kvferry_wire import retention as r
 from kvferry_sidecar.handles import (
     EVICT_LEASE,
     EVICT_PRESSURE,
