@@ -10,7 +10,6 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry_wire import retention as r
 from kvferry_sidecar.handles import (
     EVICT_LEASE,
     EVICT_PRESSURE,
@@ -20,6 +19,7 @@ from kvferry_sidecar.handles import (
     HandleStore,
 )
 from kvferry_sidecar.types import HandleFate, KVHandle, token_array
+from kvferry_wire import retention as r
 from kvferry_wire.protocol import Outcome
 
 T0 = 10_000.0
