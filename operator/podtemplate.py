@@ -37,7 +37,9 @@ the ``kvferry-sidecar`` container, kvferry's volumes, the ``app.kubernetes.io/*`
 :func:`forbidden` refuses deleting or nulling what is kvferry's (its containers, its
 volumes, the containers / initContainers / volumes lists, anything inside its
 containers); render re-applies kvferry's labels after the merge, for objects stored
-before the rules.
+before the rules. The lifecycle hooks of the engine and the sidecar (the engine's
+preStop is the drain) are kvferry's as its ports and command are: the CRD refuses
+them on the engine, and :func:`forbidden` on either (objects stored before the rule).
 
 **What it may set only when the operator's installer allows it** (:func:`forbidden`;
 the CRD cannot see the operator's settings): a hostPath volume outside
@@ -98,6 +100,8 @@ KVFERRY_VOLUMES = (
 # kvferry's, or is a strategic-merge directive the merge does not take.
 KVFERRY_OWN = "kvferry"
 DIRECTIVE = "directive"
+# A lifecycle hook on kvferry's containers: the engine's preStop is the drain.
+HOOK = "hook"
 
 # The operator's installer allows these (KVFERRY_POD_TEMPLATE_ALLOW, the chart's
 # settings.podTemplateAllow); none by default.
@@ -293,6 +297,12 @@ def forbidden(
     for n, item in enumerate(spec.get("containers") or []):
         if isinstance(item, dict) and item.get("name") == ENGINE_CONTAINER:
             out += [(f"{where}.containers[{n}]{p}", KVFERRY_OWN) for p in _removals(item)]
+    for at, container in _containers(spec):
+        if (
+            container.get("name") in (ENGINE_CONTAINER, SIDECAR_CONTAINER)
+            and container.get("lifecycle") is not None
+        ):
+            out.append((f"{where}.{at}.lifecycle", HOOK))
     if ALLOW_HOST_NAMESPACES not in allow:
         for name in ("hostNetwork", "hostPID", "hostIPC"):
             if spec.get(name) is True:
@@ -367,6 +377,15 @@ def refusal(
             "its settings, the containers or volumes): the StatefulSets are not applied. "
             "Merge into it instead: the overlay may add to the engine and change what the "
             "typed fields do not set"
+        )
+    hooks = [path for path, why in found if why == HOOK]
+    if hooks:
+        roles = ", ".join(dict.fromkeys(f"spec.{p.split('.')[1]}.drainSeconds" for p in hooks))
+        return (
+            f"{', '.join(hooks)}: the lifecycle hooks of kvferry's containers are kvferry's "
+            "(the engine's preStop is the drain: it holds the engine until the sidecar's "
+            "turns are done): the StatefulSets are not applied. Remove lifecycle from the "
+            f"pod template; how long the drain waits is {roles}"
         )
     fields = ", ".join(path for path, _ in found)
     fixes = []

@@ -962,6 +962,26 @@ INVALID += [
         "the engine's ports, command, args, env, image and resources are kvferry's",
     ),
     Invalid(
+        "pod-template-engine-lifecycle",
+        _overlay(
+            "decode",
+            {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "lifecycle": {
+                                "preStop": {"httpGet": {"path": "/healthz", "port": 8001}}
+                            },
+                        }
+                    ]
+                }
+            },
+        ),
+        "spec.decode.podTemplate.spec.containers",
+        "the engine's lifecycle hooks are kvferry's",
+    ),
+    Invalid(
         "pod-template-kvferry-volume",
         _overlay("decode", {"spec": {"volumes": [{"name": "dshm", "hostPath": {"path": "/"}}]}}),
         "spec.decode.podTemplate.spec.volumes",

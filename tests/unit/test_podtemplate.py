@@ -315,6 +315,67 @@ def test_a_directive_the_merge_does_not_take_is_refused_whatever_the_settings(sp
     )
 
 
+HOOKS = [
+    pytest.param(
+        "containers",
+        "engine",
+        {"preStop": {"httpGet": {"path": "/healthz", "port": 8001}}},
+        id="engine-prestop-path",
+    ),
+    pytest.param(
+        "containers", "engine", {"preStop": {"exec": {"command": ["true"]}}}, id="engine-exec"
+    ),
+    pytest.param(
+        "containers", "engine", {"postStart": {"sleep": {"seconds": 1}}}, id="engine-poststart"
+    ),
+    pytest.param("containers", "engine", {}, id="engine-empty"),
+    pytest.param(
+        "initContainers",
+        "kvferry-sidecar",
+        {"preStop": {"sleep": {"seconds": 600}}},
+        id="sidecar-prestop",
+    ),
+]
+
+
+@pytest.mark.parametrize("kind, name, lifecycle", HOOKS)
+def test_the_lifecycle_hooks_of_kvferrys_containers_are_refused_whatever_the_settings(
+    kind, name, lifecycle
+):
+    """The engine's preStop is the drain: an overlay pointing it at /healthz (or any
+    other hook) would stop the engine with turns in flight. Once only deleting it was
+    refused; the CRD refuses it first (tests/manifests.py, pod-template-engine-lifecycle)."""
+    spec = {kind: [{"name": name, "lifecycle": lifecycle}]}
+    where = f"{P}.{kind}[name={name}].lifecycle"
+    assert forbidden(spec, EVERY) == [(where, "hook")]
+    why = podtemplate.refusal({"decode": {"spec": spec}}, EVERY, (), lambda p: True)
+    assert why is not None
+    assert why.startswith(f"{where}: the lifecycle hooks of kvferry's containers are kvferry's")
+    assert "the StatefulSets are not applied" in why
+    assert "Remove lifecycle from the pod template" in why
+    assert "spec.decode.drainSeconds" in why
+
+
+def test_a_lifecycle_on_a_container_of_ones_own_is_no_refusal():
+    assert forbidden({"containers": [{"name": "logs", "lifecycle": {"preStop": {}}}]}) == []
+
+
+def test_an_engine_hook_is_refused_through_the_servers_overlays():
+    hook = {"preStop": {"httpGet": {"path": "/healthz", "port": 8001}}}
+    spec = {
+        "prefill": {
+            "podTemplate": {"spec": {"containers": [{"name": "engine", "lifecycle": hook}]}}
+        }
+    }
+    parsed = api.parse_server(server(spec))
+    allowing = Settings(
+        sidecar_image="", resync_seconds=60, pod_template_allow=frozenset(podtemplate.ALLOWS)
+    )
+    assert "spec.prefill.podTemplate.spec.containers[name=engine].lifecycle" in (
+        allowing.pod_template_refusal(parsed) or ""
+    )
+
+
 def test_patch_delete_on_an_item_of_a_keyed_list_is_no_directive_refused():
     spread = {"topologySpreadConstraints": [{"topologyKey": "x", "$patch": "delete"}]}
     assert forbidden(spread) == []
