@@ -175,7 +175,7 @@ class Replay:
         """Replay ``turns`` (sorted by time) to the last one's end."""
         if not turns:
             return self.figures
-        nexts = _next_arrivals(turns)
+        nexts = next_arrivals(turns)
         t0 = turns[0].t
         tick = self.wiring.tick_s
         next_tick = t0
@@ -195,7 +195,7 @@ class Replay:
             turn = turns[i]
             if kind == 1:
                 self._arrive(i, turn)
-                service = _service_s(turn, self.decode_s_per_token, nexts[i])
+                service = service_s(turn, self.decode_s_per_token, nexts[i])
                 heapq.heappush(events, (turn.t + service, 0, i))
             else:
                 self._finish(i, turn, at)
@@ -207,7 +207,7 @@ class Replay:
         return self.figures
 
 
-def _next_arrivals(turns: Sequence[TurnLike]) -> list[float]:
+def next_arrivals(turns: Sequence[TurnLike]) -> list[float]:
     """Each turn's session's next arrival (inf: its last)."""
     out = [math.inf] * len(turns)
     last: dict[str, int] = {}
@@ -219,7 +219,7 @@ def _next_arrivals(turns: Sequence[TurnLike]) -> list[float]:
     return out
 
 
-def _service_s(turn: TurnLike, per_token: float, next_t: float) -> float:
+def service_s(turn: TurnLike, per_token: float, next_t: float) -> float:
     service = turn.output_tokens * per_token
     if math.isfinite(next_t):
         service = min(service, (next_t - turn.t) / 2)

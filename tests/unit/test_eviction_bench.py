@@ -159,7 +159,12 @@ def test_main_reads_a_trace_and_writes_its_json(tmp_path: Path, capsys) -> None:
         == 0
     )
     data = json.loads((tmp_path / "eviction.json").read_text())
-    assert data["results"]["hand.jsonl"]["oracle"]["tokens"] == pytest.approx(256.0)
+    at = data["results"]["hand.jsonl"]["capacities"][str(CAPACITY)]
+    # The oracle on the handles' share of D (its high-water mark), D run as the replay.
+    bound = ev.oracle(HAND, ev.share_of(CAPACITY), 1785.0, running=True)
+    assert at["oracle"]["shareBlocks"] == 5
+    assert at["oracle"]["tokens"] == pytest.approx(bound.tokens)
+    assert set(at["policies"]) == set(ev.POLICIES)
     assert "recompute 2,017 us/token" in capsys.readouterr().out
 
 
