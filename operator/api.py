@@ -61,7 +61,7 @@ ANNOTATION_BUILD_HASH = "kvferry.io/engine-build"
 # change restarts the pods that read it.
 ANNOTATION_CONFIG_HASH = "kvferry.io/config-hash"
 # Multus network attachment list, on pod templates when RDMA networks are set.
-ANNOTATION_MULTUS = "k8s.v1.cni.cncf.io/networks"
+ANNOTATION_MULTUS = podtemplate.NETWORKS_ANNOTATION  # "k8s.v1.cni.cncf.io/networks"
 
 # Condition types on DisaggregatedServer.status.conditions.
 COND_READY = "Ready"
@@ -529,11 +529,13 @@ def _role(name: str, raw: dict[str, Any], device: str) -> Role:
                 'write whole or milli CPUs, e.g. "4" or "3500m"'
             ) from None
     overlay = raw.get("podTemplate")
-    if overlay is not None:
-        try:
+    try:
+        if overlay is not None:
             podtemplate.check(name, overlay)
-        except ValueError as exc:
-            raise SpecError(str(exc)) from None
+        # The template's annotation rule: they land on the same pods.
+        podtemplate.check_annotations(f"spec.{name}.podAnnotations", raw["podAnnotations"])
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     return Role(
         name=name,
         replicas=raw["replicas"],

@@ -33,7 +33,9 @@ directive (``$patch: replace`` on a map or list, ``$setElementOrder``,
 **What the overlay may not change.** The CRD's rules refuse, naming the field: the
 engine's ports, command, args, env, image and resources (the typed fields set them),
 the ``kvferry-sidecar`` container, kvferry's volumes, the ``app.kubernetes.io/*`` and
-``kvferry.io/*`` labels and annotations. CEL cannot see ``$patch`` nor a null, so
+``kvferry.io/*`` labels and annotations (and ``k8s.v1.cni.cncf.io/networks``: the one
+rule :func:`check_annotations` keeps for ``spec.<role>.podAnnotations`` too, the same
+pods' annotations). CEL cannot see ``$patch`` nor a null, so
 :func:`forbidden` refuses deleting or nulling what is kvferry's (its containers, its
 volumes, the containers / initContainers / volumes lists, anything inside its
 containers); render re-applies kvferry's labels after the merge, for objects stored
@@ -95,6 +97,19 @@ KVFERRY_VOLUMES = (
     "models",
     "hf-cache",
     "hf-token",
+)
+# Pod annotations a server may not write, in podTemplate.metadata.annotations or
+# spec.<role>.podAnnotations (one rule, the CRD's and check_annotations'): the rollout
+# hashes are kvferry's, and a Multus network is spec.network.rdma.networks' (a pod
+# must not join another tenant's network).
+OPERATOR_ANNOTATIONS = "kvferry.io/"
+NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+ANNOTATIONS_RULE = (
+    f"self.all(k, !k.startsWith('{OPERATOR_ANNOTATIONS}') && k != '{NETWORKS_ANNOTATION}')"
+)
+ANNOTATIONS_MESSAGE = (
+    f"pod annotations may not be {OPERATOR_ANNOTATIONS}* (the rollout hashes) or "
+    f"{NETWORKS_ANNOTATION} (set spec.network.rdma.networks)."
 )
 # Why an entry of forbidden() is refused whatever the settings: it removes what is
 # kvferry's, or is a strategic-merge directive the merge does not take.
@@ -215,6 +230,20 @@ def check(role: str, overlay: Any) -> None:
             raise ValueError(f"{where}.{part} must be a map")
     _check_map(overlay.get("metadata") or {}, f"{where}.metadata", {})
     _check_map(overlay.get("spec") or {}, f"{where}.spec", POD_LISTS)
+    annotations = (overlay.get("metadata") or {}).get("annotations")
+    if isinstance(annotations, dict):
+        check_annotations(f"{where}.metadata.annotations", annotations)
+
+
+def check_annotations(where: str, annotations: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the field and the keys when ``annotations`` (a pod
+    template's or ``spec.<role>.podAnnotations``) hold one that is not the author's:
+    the CRD's rule (ANNOTATIONS_RULE), for objects stored before it."""
+    reserved = sorted(
+        k for k in annotations if k.startswith(OPERATOR_ANNOTATIONS) or k == NETWORKS_ANNOTATION
+    )
+    if reserved:
+        raise ValueError(f"{where}: {', '.join(reserved)}: {ANNOTATIONS_MESSAGE}")
 
 
 def _check_map(value: Obj, where: str, lists: dict[str, Any]) -> None:

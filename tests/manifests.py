@@ -935,7 +935,20 @@ INVALID += [
         "pod-template-operator-annotation",
         _overlay("prefill", {"metadata": {"annotations": {"kvferry.io/config-hash": "x"}}}),
         "spec.prefill.podTemplate.metadata.annotations",
-        "podTemplate annotations may not be kvferry.io/*",
+        "pod annotations may not be kvferry.io/*",
+    ),
+    # podAnnotations land on the same pods: one rule for both (podtemplate.ANNOTATIONS_RULE).
+    Invalid(
+        "pod-annotations-operator-annotation",
+        _spec({"decode": {"podAnnotations": {"kvferry.io/config-hash": "x"}}}),
+        "spec.decode.podAnnotations",
+        "pod annotations may not be kvferry.io/*",
+    ),
+    Invalid(
+        "pod-annotations-networks",
+        _spec({"prefill": {"podAnnotations": {"k8s.v1.cni.cncf.io/networks": "other-tenant/net"}}}),
+        "spec.prefill.podAnnotations",
+        "or k8s.v1.cni.cncf.io/networks (set spec.network.rdma.networks)",
     ),
     Invalid(
         "pod-template-sidecar",

@@ -376,6 +376,59 @@ def test_an_engine_hook_is_refused_through_the_servers_overlays():
     )
 
 
+RESERVED_ANNOTATIONS = [
+    pytest.param({"k8s.v1.cni.cncf.io/networks": "other-tenant/net"}, id="networks"),
+    pytest.param({"kvferry.io/config-hash": "x"}, id="rollout-hash"),
+    pytest.param({"kvferry.io/anything": "x", "example.com/mine": "1"}, id="kvferry-io"),
+]
+
+
+@pytest.mark.parametrize("annotations", RESERVED_ANNOTATIONS)
+@pytest.mark.parametrize(
+    "role_patch, where",
+    [
+        (lambda a: {"podAnnotations": a}, "spec.decode.podAnnotations"),
+        (
+            lambda a: {"podTemplate": {"metadata": {"annotations": a}}},
+            "spec.decode.podTemplate.metadata.annotations",
+        ),
+    ],
+    ids=["podAnnotations", "podTemplate"],
+)
+def test_reserved_pod_annotations_are_refused_wherever_they_are_written(
+    annotations, role_patch, where
+):
+    """spec.<role>.podAnnotations once landed a Multus network of another tenant and
+    kvferry.io/* on the pods, which the pod-template rule refuses: one rule for both,
+    the CRD's (tests/manifests.py, pod-annotations-*) and the operator's for objects
+    stored before it, with the same message."""
+    with pytest.raises(api.SpecError) as err:
+        api.parse_server(server({"decode": role_patch(annotations)}))
+    reserved = sorted(k for k in annotations if not k.startswith("example.com/"))
+    assert str(err.value) == f"{where}: {', '.join(reserved)}: {podtemplate.ANNOTATIONS_MESSAGE}"
+
+
+def test_annotations_of_ones_own_are_kept():
+    mine = {"example.com/team": "llm", "prometheus.io/scrape": "true"}
+    parsed = api.parse_server(
+        server(
+            {"decode": {"podAnnotations": mine, "podTemplate": {"metadata": {"annotations": mine}}}}
+        )
+    )
+    assert parsed.spec.role("decode").pod_annotations == mine
+
+
+def test_the_crd_refuses_pod_annotations_with_the_operators_rule_and_message():
+    roles = api.openapi_schema(api.SERVER_KIND)["properties"]["spec"]["properties"]
+    for role in ("prefill", "decode"):
+        props = roles[role]["properties"]
+        template = props["podTemplate"]["properties"]["metadata"]["properties"]["annotations"]
+        for node in (props["podAnnotations"], template):
+            (rule,) = node["x-kubernetes-validations"]
+            assert rule["rule"] == podtemplate.ANNOTATIONS_RULE
+            assert " ".join(rule["message"].split()) == podtemplate.ANNOTATIONS_MESSAGE
+
+
 def test_patch_delete_on_an_item_of_a_keyed_list_is_no_directive_refused():
     spread = {"topologySpreadConstraints": [{"topologyKey": "x", "$patch": "delete"}]}
     assert forbidden(spread) == []
