@@ -88,21 +88,71 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+# What-if's flags: each a finite number in its range (NaN, inf and the absurd refused,
+# so that no figure comes out inf or nan): flag -> (least, most, least allowed).
+WHATIF_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "--recompute-us-per-token": (0.0, 1e9, False),  # up to 1,000 s a token
+    "--bytes-per-token": (0.0, 1e12, False),
+    "--bandwidth-gbps": (1e-9, 1e9, True),  # a byte a second up
+    "--pull-fixed-ms": (0.0, 1e9, True),
+    "--retention": (0.0, 1e9, False),  # seconds (~30 years)
+    "--also": (0.0, 1e9, False),
+}
+STATUS_MAX_BYTES = 16 * 2**20
+
+
+def _bounded(flag: str, value: Any, given: bool = True) -> float:
+    """``value`` if a finite number within ``flag``'s bounds, else a ValueError naming
+    the flag (``given``: from it, else from ``--status``)."""
+    lo, hi, closed = WHATIF_BOUNDS[flag]
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (lo <= value if closed else lo < value)
+        and value <= hi
+    )
+    if not ok:
+        low = f">= {lo:g}" if closed else f"> {lo:g}"
+        source = "" if given else " (the --status file's figure)"
+        raise ValueError(f"{flag}: {value!r}{source} is not a number {low} and <= {hi:g}")
+    return float(value)
+
+
+def _read_status(path: str) -> Any:
+    import json
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(STATUS_MAX_BYTES + 1)
+        if len(raw) > STATUS_MAX_BYTES:
+            raise ValueError(f"larger than {STATUS_MAX_BYTES:,} bytes")
+        obj = json.loads(raw.decode("utf-8"), parse_constant=constant)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError, big ints' digits too
+        raise ValueError(f"--status {path}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"--status {path}: not a KVCacheStatus (JSON nested too deep)") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--status {path}: not a KVCacheStatus (a JSON object)")
+    return obj
+
+
 def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
     """The costs and retention for ``what-if``: a KVCacheStatus's measured figures
     (``--status``), each overridden by its flag. Raises ValueError naming the flag."""
     from . import whatif
 
+    for flag in WHATIF_BOUNDS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None:
+                _bounded(flag, v)
     measured: dict[str, Any] = {}
     retention: float | None = None
     if args.status:
-        import json
-
-        try:
-            with open(args.status, encoding="utf-8") as f:
-                obj = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--status {args.status}: {exc}") from None
+        obj = _read_status(args.status)
 
         def section(obj: Any, key: str) -> dict[str, Any]:
             value = obj.get(key) if isinstance(obj, dict) else None
@@ -111,6 +161,8 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
         def number(obj: dict[str, Any], key: str) -> float | None:
             value = obj.get(key)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if ok and value > 1e100:  # a float would be inf, or the figures would
+                raise ValueError(f"--status {args.status}: {key} above 1e100 is past any server")
             return float(value) if ok else None
 
         status = section(obj, "status")
@@ -120,17 +172,14 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
         bpt = number(transfer, "bytesPerToken")
         per_pulled = number(fitted, "pullSecondsPerToken")
         fixed = fitted.get("pullFixedSeconds")
+        fixed_ok = isinstance(fixed, (int, float)) and not isinstance(fixed, bool)
         measured = {
             "bytes_per_token": bpt,
             # The costs the tuner fits from the pods' prefill legs (status.costs): a
             # pulled token's seconds as a bandwidth, a pull's fixed cost (0 when the fit
             # puts it below). Without them, NIXL's own GB/s.
             "bandwidth": bpt / per_pulled if bpt and per_pulled else (gbps * 1e9 if gbps else None),
-            "pull_fixed": (
-                max(0.0, float(fixed))
-                if isinstance(fixed, (int, float)) and not isinstance(fixed, bool)
-                else None
-            ),
+            "pull_fixed": max(0.0, float(fixed)) if fixed_ok and -1e100 < fixed < 1e100 else None,
             "recompute": number(fitted, "recomputeSecondsPerToken"),
         }
         retention = number(section(status, "retention"), "appliedSeconds")
@@ -153,10 +202,11 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
         raise ValueError(
             f"--recompute-us-per-token: the prefill cost per token is needed (> 0){where}"
         )
-    if pull_fixed is not None and pull_fixed < 0:
-        raise ValueError("--pull-fixed-ms: a latency >= 0")
-    if any(r <= 0 for r in args.also or ()):
-        raise ValueError("--also: retentions are seconds > 0")
+    # What --status gave, in the flags' bounds too (its flag named).
+    _bounded("--bytes-per-token", bytes_per_token, bool(args.bytes_per_token))
+    _bounded("--bandwidth-gbps", bandwidth / 1e9, bool(args.bandwidth_gbps))
+    _bounded("--recompute-us-per-token", recompute * 1e6, args.recompute_us_per_token is not None)
+    _bounded("--pull-fixed-ms", (pull_fixed or 0.0) * 1e3, args.pull_fixed_ms is not None)
     costs = whatif.Costs(
         recompute_seconds_per_token=float(recompute),
         bytes_per_token=float(bytes_per_token),
@@ -164,7 +214,8 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
         pull_fixed_seconds=float(pull_fixed or 0.0),
     )
     chosen = args.retention if args.retention is not None else retention
-    return costs, float(chosen if chosen else whatif.VLLM_TTL_SECONDS)
+    chosen = chosen if chosen else whatif.VLLM_TTL_SECONDS
+    return costs, _bounded("--retention", chosen, args.retention is not None or not retention)
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
@@ -175,9 +226,11 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
 
     try:
         costs, retention = whatif_costs(args)
-        if retention <= 0:
-            raise ValueError("--retention: seconds > 0")
-        turns = traces.read_trace(Path(args.trace))
+        if args.block_tokens is not None and not 1 <= args.block_tokens <= traces.MAX_TOKENS:
+            raise ValueError(
+                f"--block-tokens: {args.block_tokens} is not 1 to {traces.MAX_TOKENS:,}"
+            )
+        turns = traces.read_trace(Path(args.trace), args.format, args.block_tokens)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError naming line and field
         print(f"kvferry-operator what-if: {exc}", file=sys.stderr)
         return 2
@@ -186,7 +239,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
         return 2
     report = whatif.analyse(turns, costs, retention, args.also or ())
     if args.json:
-        json.dump(report.as_dict(), sys.stdout, indent=2)
+        json.dump(report.as_dict(), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(whatif.render_text(report))
@@ -224,6 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         help="what bidirectional reuse would do for a trace of your sessions (docs/what-if.md)",
     )
     p.add_argument("--trace", required=True, help="JSON lines, one turn each (docs/what-if.md)")
+    p.add_argument(
+        "--format",
+        choices=("auto", "kvferry", "mooncake", "bailian"),
+        default="auto",
+        help="the trace's format: kvferry's own, Mooncake/aiperf, Qwen-Bailian (default: "
+        "detected from its first line)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        help="tokens per hash id in a mooncake or bailian trace (default 512 and 16)",
+    )
     p.add_argument(
         "--status",
         help="a KVCacheStatus as `kubectl get kv-cache-status NAME -o json` prints it: its "

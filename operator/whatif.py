@@ -24,6 +24,7 @@ it pins errs high.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,20 +150,22 @@ def pinned_bytes(
     events: list[tuple[float, float]] = []
     for t, until_next in held:
         life = retention if until_next is None else min(until_next, retention)
+        life = min(life, sys.float_info.max - t.t)  # its end a finite time, however far
         size = t.kept_tokens * bytes_per_token
         events += [(t.t, size), (t.t + life, -size)]
     if not events:
         return 0.0, 0.0
     events.sort(key=lambda e: (e[0], e[1]))  # a release before a pin at the same time
-    now = peak = area = 0.0
+    span = events[-1][0] - events[0][0]
+    now = peak = mean = 0.0
     last_t = events[0][0]
     for when, delta in events:
-        area += now * (when - last_t)
+        if span > 0:  # each interval's share of the span, not its seconds: no product
+            mean += now * ((when - last_t) / span)  # overflows, turns 1e308 s apart
         now += delta
         peak = max(peak, now)
         last_t = when
-    span = events[-1][0] - events[0][0]
-    return peak, (area / span if span > 0 else peak)
+    return peak, (mean if span > 0 else peak)
 
 
 @dataclass
@@ -280,7 +283,12 @@ def render_text(report: Report) -> str:
     c = report.costs
 
     def secs(v: float | None) -> str:
-        return "-" if v is None else (f"{v * 1e3:.0f}ms" if v < 1 else f"{v:.2f}s")
+        if v is None:
+            return "-"
+        return f"{v * 1e3:.0f}ms" if v < 1 else (f"{v:.2f}s" if v < 1e6 else held_for(v))
+
+    def held_for(v: int) -> str:
+        return f"{v}s" if v < 1e6 else f"{v:.3g}s"
 
     def size(v: float) -> str:
         for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -338,7 +346,8 @@ def render_text(report: Report) -> str:
     ]
     for r in report.retention["byRetention"]:
         out.append(
-            f"   {r['retentionSeconds']:>9}s  {r['why']:>12}  {r['laterTurnsHeld']:>16.0%}  "
+            f"   {held_for(r['retentionSeconds']):>10}  {r['why']:>12}  "
+            f"{r['laterTurnsHeld']:>16.0%}  "
             f"{size(r['pinnedBytesPeak']):>11}  {size(r['pinnedBytesMean']):>11}"
         )
     t = report.ttft

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,112 @@ def test_cli_refuses_a_deeply_nested_line_without_a_traceback(tmp_path: Path, ca
     trace.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     assert cli.main(["what-if", "--trace", str(trace), *FLAGS]) == 2
     assert f"{trace}:1: not a turn (JSON nested too deep)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ hostile input
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--retention", "nan"], "--retention"),
+        (["--retention", "inf"], "--retention"),
+        (["--retention", "-1"], "--retention"),
+        (["--retention", "1e300"], "--retention"),
+        (["--bandwidth-gbps", "nan"], "--bandwidth-gbps"),
+        (["--bandwidth-gbps", "1e-300"], "--bandwidth-gbps"),
+        (["--bytes-per-token", "inf"], "--bytes-per-token"),
+        (["--recompute-us-per-token", "nan"], "--recompute-us-per-token"),
+        (["--pull-fixed-ms=-inf"], "--pull-fixed-ms"),
+        (["--also", "inf"], "--also"),
+        (["--also", "60", "--also", "nan"], "--also"),
+        (["--block-tokens", "0"], "--block-tokens"),
+    ],
+)
+def test_cli_refuses_a_non_finite_or_absurd_flag_by_name(
+    tmp_path: Path, capsys, extra: list[str], named: str
+) -> None:
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    code, err = run_cli(["what-if", "--trace", str(trace), *FLAGS, *extra], capsys)
+    assert code == 2 and named in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+        ('{"status": ' * 5000 + "{}" + "}" * 5000, "nested too deep"),
+        ("[]", "not a KVCacheStatus"),
+        ("5", "not a KVCacheStatus"),
+        ('"status"', "not a KVCacheStatus"),
+        ('{"status": {"transfer": {"bytesPerToken": NaN}}}', "NaN"),
+        ('{"status": {"transfer": {"bytesPerToken": Infinity}}}', "Infinity"),
+        ('{"status": {"transfer": {"bytesPerToken": 1' + "0" * 400 + "}}}", "bytesPerToken"),
+        ('{"status": {"costs": {"pullFixedSeconds": -1' + "0" * 400 + "}}}", "--status"),
+        ('{"status": {"transfer": {"gigabytesPerSecond": 1e-300}}}', "--bandwidth-gbps"),
+    ],
+)
+def test_cli_refuses_a_hostile_status_file_naming_it(
+    tmp_path: Path, capsys, text: str, says: str
+) -> None:
+    trace = write(tmp_path / "t.jsonl", TRACE)
+    status = tmp_path / "status.json"
+    status.write_text(text)
+    argv = ["what-if", "--trace", str(trace), "--status", str(status)]
+    code, err = run_cli(
+        [*argv, "--recompute-us-per-token", "1000", "--bytes-per-token", "1"], capsys
+    )
+    assert code == 2 and says in err and ("--status" in err or "--bandwidth-gbps" in err), err
+
+
+def test_cli_refuses_a_non_utf8_trace_by_its_line(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    good = '{"session": "a", "t": 0, "prompt_tokens": 1, "new_tokens": 1, "output_tokens": 0}\n'
+    trace.write_bytes(good.encode() + b'{"session": "\xff"}\n')
+    code, err = run_cli(["what-if", "--trace", str(trace), *FLAGS], capsys)
+    assert code == 2 and f"{trace}:2: not UTF-8" in err, err
+
+
+def test_cli_reads_200_epoch_stamped_turns_fast(tmp_path: Path, capsys) -> None:
+    turns = [
+        Turn(f"s{s}", 1.7e9 + s * 11 + k * 45.25, 100 * (k + 1), 100, 0)
+        for s in range(40)
+        for k in range(5)
+    ]
+    trace = write(tmp_path / "t.jsonl", turns)
+    started = time.monotonic()
+    assert cli.main(["what-if", "--trace", str(trace), *FLAGS, "--json"]) == 0
+    assert time.monotonic() - started < 10
+    got = json.loads(capsys.readouterr().out)
+    assert (got["turns"], got["sessions"]) == (200, 40)
+    assert got["retention"]["gapSeconds"]["p50"] == pytest.approx(45.25)
+
+
+def test_cli_refuses_turns_too_far_apart_and_the_model_stays_finite(tmp_path: Path, capsys) -> None:
+    far = [Turn("a", 0.0, 100, 100, 10), Turn("a", 1.7e308, 200, 90, 10)]
+    trace = write(tmp_path / "t.jsonl", far)
+    code, err = run_cli(["what-if", "--trace", str(trace), *FLAGS], capsys)
+    assert code == 2 and f"{trace}:2: field 't'" in err, err
+    # Handed such turns directly, the figures stay numbers: no inf, no nan.
+    report = whatif.analyse(
+        [*far, Turn("b", 0.0, 5, 5, 0), Turn("b", 1e308, 50, 10, 0)], COSTS, 480
+    )
+    text = whatif.render_text(report)
+    assert "inf" not in text.lower() and "nan" not in text.lower(), text
+    json.dumps(report.as_dict(), allow_nan=False)
+
+
+def test_cli_reads_the_aiperf_trace_and_takes_a_format(tmp_path: Path, capsys) -> None:
+    aiperf = Path(__file__).resolve().parents[2] / "bench" / "traces" / "aiperf-agentic-code.jsonl"
+    assert cli.main(["what-if", "--trace", str(aiperf), *FLAGS, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["sessions"], got["turns"], got["laterTurns"]) == (50, 931, 881)
+    assert got["reuse"][0]["reusableShare"] > 0.5
+    code, err = run_cli(["what-if", "--trace", str(aiperf), *FLAGS, "--format", "bailian"], capsys)
+    assert code == 2 and ":1: field 'chat_id' is missing" in err, err
