@@ -117,6 +117,15 @@ bench-eviction: bench-venv
 bench-eviction-model: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.eviction_model
 
+# GPU prices for the eviction simulator (PyTorch only, random weights; a few minutes on one
+# H100): prefill and pull per token of 8B, 70B/TP8 and MoE shapes, read by bench-eviction's
+# --costs. GPU_PYTHON is a Python with torch (a GPU machine's python3; kvferry need not be
+# installed there); GPU_CALIBRATE_ARGS='--device cpu --quick' tests it on a CPU (not prices).
+.PHONY: bench-gpu-calibrate
+GPU_PYTHON ?= python3
+bench-gpu-calibrate:
+	$(GPU_PYTHON) -m bench.gpu_calibrate --out docs/performance/gpu-calibrate.json $(GPU_CALIBRATE_ARGS)
+
 # 100 and 300 DisaggregatedServers on a kwok control plane: time to Ready, CPU, RSS, requests;
 # then the leader of two replicas killed (takeover time and requests) and a graceful handover.
 bench-operator: bench-venv
