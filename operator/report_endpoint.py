@@ -13,7 +13,9 @@ A report is accepted only when
 3. the body is a well-formed report of a version this operator reads, within
    the size limit, every field checked (``kvferry_wire.report.decode``).
 
-Anything else gets a 4xx naming the reason and changes nothing.
+Anything else gets a 4xx naming the reason and changes nothing. An accepted report
+older than the pod's last (by ``startedAt``, then ``generatedAt``: ``reports.newer``)
+is answered the same but not kept: the newest report per pod stands.
 
 An accepted report is answered 202 with ``{"accepted": true}`` and, once the
 publisher has passed over the server, ``"policy"``: the live policy of the server the
@@ -487,7 +489,15 @@ def app_factory(
             return _error(503, str(exc), retry_after=5)
         finally:
             in_flight -= 1
-        store.put(Received(report, clock(), uid))
+        if not store.put(Received(report, clock(), uid)):
+            # Out of order (two pushes in flight, a retry) or an earlier process's:
+            # the newer report stays (reports.newer); the sidecar need not retry.
+            log.debug(
+                "report older than the one kept pod=%s startedAt=%s generatedAt=%s",
+                report.pod,
+                report.started_at,
+                report.generated_at,
+            )
         answer: dict[str, Any] = {"accepted": True}
         # report.server passed check_pod and check_membership: the pod's own server.
         live = policy_for(report.namespace, report.server)

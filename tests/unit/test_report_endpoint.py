@@ -584,6 +584,47 @@ def test_the_store_prunes_rows_and_forgets_an_empty_server():
     assert store.servers() == [] and store.get(NS, SERVER) == []
 
 
+def _rep(started: float, generated: float) -> wire.Report:
+    return msgspec.json.decode(body(startedAt=started, generatedAt=generated), type=wire.Report)
+
+
+def _kept(store: ReportStore) -> tuple[float, float]:
+    (row,) = store.get(NS, SERVER)
+    return row.report.started_at, row.report.generated_at
+
+
+def test_an_older_report_never_replaces_a_newer_one():
+    """Two pushes of one pod in flight (a slow TokenReview, a retry) land out of
+    order: the earlier generatedAt once replaced the later, and KVCacheStatus went
+    back in time. Kept: the newest per pod; a restarted sidecar's first report (a
+    later startedAt: its counters start again) wins whatever its generatedAt."""
+    store = ReportStore()
+    assert store.put(Received(_rep(100.0, 500.0), NOW, UID))
+    assert not store.put(Received(_rep(100.0, 485.0), NOW + 1, UID))  # late: older
+    assert _kept(store) == (100.0, 500.0)
+    assert store.put(Received(_rep(100.0, 515.0), NOW + 2, UID))
+    assert store.put(Received(_rep(100.0, 515.0), NOW + 3, UID))  # the same again: arrived
+    assert _kept(store) == (100.0, 515.0)
+    assert store.get(NS, SERVER)[0].received_at == NOW + 3
+    # The sidecar restarted: its first report, with a clock a little behind.
+    assert store.put(Received(_rep(510.0, 512.0), NOW + 4, UID))
+    assert _kept(store) == (510.0, 512.0)
+    # The old process's last push, landing after it: refused.
+    assert not store.put(Received(_rep(100.0, 530.0), NOW + 5, UID))
+    assert _kept(store) == (510.0, 512.0)
+    # A replaced pod (another uid; another node's clock, maybe behind): the new pod wins.
+    assert store.put(Received(_rep(50.0, 60.0), NOW + 6, "pod-uid-2"))
+    assert _kept(store) == (50.0, 60.0)
+
+
+async def test_the_endpoint_keeps_the_newest_report_of_a_pod(client):
+    for generated in (20.0, 10.0):
+        status, out = await post(client, body(startedAt=5.0, generatedAt=generated))
+        assert (status, out) == (202, {"accepted": True})  # authenticated: no retry needed
+    (received,) = client.store.get(NS, SERVER)
+    assert received.report.generated_at == 20.0
+
+
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
