@@ -16,6 +16,13 @@ so a follow-up turn's prompt extends the previous prompt + answer exactly.
 The flags a decode answer depends on (``stream``, ``return_token_ids``) are read with
 pydantic in lax mode, as vLLM's request models read them (``"false"`` is false, a
 value pydantic refuses is a 400), not by the sidecar's own reading of them.
+
+Opt-in, ``KVReads`` (one object watching the fake P and D engines together): every
+handle the engines issued and its one use, as vLLM's NIXL connector frees a handle
+after its first read or empty pull. A handle presented again (or one that expired,
+was never issued, or whose engine restarted since) is a *re-read*: counted
+(``rereads``) and answered 200 with another text (``GARBAGE``), as vLLM #52234 answers
+a consumed or stale handle. Without it the fakes behave as before.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +130,113 @@ def has_handle(body: dict[str, Any]) -> bool:
     return bool(params.get("do_remote_decode") and params.get("remote_block_ids"))
 
 
+# What a fake engine answers when it read KV it should not have (KVReads): 200, and
+# not the answer the prompt gets without reuse.
+GARBAGE = "garbage read from a used handle"
+
+# How a handle was used (KVReads): P pulled D's blocks, P registered an empty pull (a
+# release), D read P's blocks (the decode leg, or the anchor of a 0.32 stream).
+USE_PULL = "pull"
+USE_RELEASE = "release"
+USE_DECODE = "decode"
+# Why a first use is a re-read all the same.
+STALE_NEVER_ISSUED = "never issued"
+STALE_RESTARTED = "its engine restarted"
+STALE_EXPIRED = "expired"
+
+HandleKey = tuple[str, str, int]
+
+
+def handle_key(params: Any) -> HandleKey | None:
+    """(engine id, request id, first block id) of the blocks ``params`` name, or None
+    when they name none. The first block survives the sidecar's alignment cut, and
+    the fake D's block ids differ for every request it answers."""
+    if not isinstance(params, Mapping):
+        return None
+    blocks = params.get("remote_block_ids")
+    if isinstance(blocks, list) and blocks and isinstance(blocks[0], list):
+        blocks = blocks[0]
+    if not isinstance(blocks, list) or not blocks or not isinstance(blocks[0], int):
+        return None
+    return (str(params.get("remote_engine_id")), str(params.get("remote_request_id")), blocks[0])
+
+
+@dataclass(frozen=True)
+class Reread:
+    """A handle presented after its one use (or stale): what, how, and by whom."""
+
+    key: HandleKey
+    first: str  # the first use (USE_*), or why it was stale (STALE_*)
+    then: str  # this use (USE_*)
+    engine: str  # the engine it was presented to
+
+
+@dataclass
+class _Issued:
+    engine: FakeEngine
+    started_at: float  # the engine's process start when it issued the handle
+    expiry: float | None  # remote_blocks_expiry_time (perf_counter), None: a lease
+    poisoned: bool  # computed from a re-read: the KV behind it is garbage
+
+
+@dataclass
+class KVReads:
+    """Every handle the watched fake engines issued, and its one use (module doc).
+    ``clock``: the clock D stamps expiry times with (a test's ``FakeClock``)."""
+
+    clock: Callable[[], float] = time.perf_counter
+    rereads: int = 0
+    log: list[Reread] = field(default_factory=list)
+    uses: dict[HandleKey, str] = field(default_factory=dict)
+    issued: dict[HandleKey, _Issued] = field(default_factory=dict)
+
+    def watch(self, *engines: FakeEngine) -> KVReads:
+        for engine in engines:
+            engine.kv_reads = self
+        return self
+
+    def count(self, how: str) -> int:
+        """First uses of one kind (USE_*)."""
+        return sum(1 for used in self.uses.values() if used == how)
+
+    def issue(self, engine: FakeEngine, params: Mapping[str, Any], *, poisoned: bool) -> None:
+        key = handle_key(params)
+        if key is None:
+            return
+        expiry = params.get("remote_blocks_expiry_time")
+        self.issued[key] = _Issued(
+            engine, engine.started_at, expiry if isinstance(expiry, float) else None, poisoned
+        )
+        self.uses.pop(key, None)  # a new handle under that name (never in vLLM)
+
+    def use(self, engine: FakeEngine, params: Any) -> bool:
+        """``engine`` was presented the blocks ``params`` name (if any): True when what
+        it reads is garbage (a re-read, or blocks computed from one)."""
+        key = handle_key(params)
+        if key is None:
+            return False
+        if engine.role == "prefill":
+            release = params.get("remote_num_tokens") == 0
+            how = USE_RELEASE if release else USE_PULL
+        else:
+            how = USE_DECODE
+        issued = self.issued.get(key)
+        stale = self.uses.get(key)
+        if stale is None and issued is None:
+            stale = STALE_NEVER_ISSUED
+        elif stale is None and issued is not None:
+            if issued.engine.started_at != issued.started_at:
+                stale = STALE_RESTARTED
+            elif issued.expiry is not None and self.clock() >= issued.expiry:
+                stale = STALE_EXPIRED
+        if stale is not None:
+            self.rereads += 1
+            self.log.append(Reread(key, stale, how, engine.name))
+            return how != USE_RELEASE
+        self.uses[key] = how
+        return issued is not None and issued.poisoned
+
+
 @dataclass
 class FakeEngine:
     role: str  # "prefill" | "decode"
@@ -167,6 +282,8 @@ class FakeEngine:
     # When each of them was returned (perf_counter, as the handles' expiry times).
     handles_at: list[float] = field(default_factory=list)
     url: str = ""
+    # Opt-in: the handles issued and used, re-reads counted and answered with garbage.
+    kv_reads: KVReads | None = None
     _count: int = 0
     # Set on every abort; waiters clear it before they wait again.
     _aborts: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -266,6 +383,9 @@ class FakeEngine:
         self.seen.append(Seen(request.path, CIMultiDict(request.headers), body))
         self._count += 1
         self._received.set()
+        # Used on receipt: a request that fails or is abandoned later may have read it.
+        params = body.get("kv_transfer_params")
+        garbage = self.kv_reads is not None and self.kv_reads.use(self, params)
         if self.delay:
             await asyncio.sleep(self.delay)
         reanchor = isinstance(body.get("prompt"), list) and body.get("max_tokens") == 1
@@ -280,16 +400,18 @@ class FakeEngine:
             return _error(self.fail_statuses.pop(0))
         if self.fail_with_handle is not None and has_handle(body):
             return _error(self.fail_with_handle, "remote KV load failed")
-        params = body.get("kv_transfer_params") or {}
+        params = params or {}
         if self.fail_with_prefill_params is not None and params.get("do_remote_prefill"):
             return _error(self.fail_with_prefill_params, "remote KV load failed")
         prompt = ids(prompt_words(body))
         rid = request.headers.get("X-Request-Id", f"req-{self._count}")
         if self.role == "prefill":
-            return web.json_response(self._prefill_answer(body, prompt, rid))
-        return await self._decode_answer(request, body, prompt, rid)
+            return web.json_response(self._prefill_answer(body, prompt, rid, garbage))
+        return await self._decode_answer(request, body, prompt, rid, garbage)
 
-    def _prefill_answer(self, body: dict[str, Any], prompt: list[int], rid: str) -> dict:
+    def _prefill_answer(
+        self, body: dict[str, Any], prompt: list[int], rid: str, garbage: bool = False
+    ) -> dict:
         params = None
         if not self.omit_params:
             blocks = -(-len(prompt) // self.block_size)
@@ -301,6 +423,8 @@ class FakeEngine:
                 "remote_num_tokens": len(prompt),
             }
             params = self._params(True, where, None)
+            if self.kv_reads is not None:
+                self.kv_reads.issue(self, params, poisoned=garbage)
         return _chat_body(body, "x", [token_id("x")], prompt, False, params, "length")
 
     def _handle(self, body: dict[str, Any], prompt: list[int], output: list[int], rid: str):
@@ -353,15 +477,22 @@ class FakeEngine:
         return Version(self.version).release[:2] >= (0, 33)
 
     async def _decode_answer(
-        self, request: web.Request, body: dict[str, Any], prompt: list[int], rid: str
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompt: list[int],
+        rid: str,
+        garbage: bool = False,
     ) -> web.StreamResponse:
         # Validated before anything is pinned, as vLLM refuses a request it cannot read.
         with_ids = vllm_flag(body, "return_token_ids")
         stream = vllm_flag(body, "stream")
         check_shapes(body)
-        words = self.reply.split()
+        words = (GARBAGE if garbage else self.reply).split()
         output = [*ids(words), token_id(EOS)]
         params = self._handle(body, prompt, output, rid)
+        if params is not None and self.kv_reads is not None:
+            self.kv_reads.issue(self, params, poisoned=garbage)
         self.handles.append(params)
         self.handles_at.append(time.perf_counter())
         if not stream:

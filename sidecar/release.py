@@ -45,6 +45,12 @@ has a test named after it, ``tests/unit/sidecar/test_releaser.py``):
 - nothing sent twice: a prefill attempt that broke off with a handle on it (P may have
   read or released it) ends the handle's ride; a queued rider is pinned
   ``pull-failed``, the turn's own handle is settled as unknown.
+- nothing sent twice after a restart: a handle pinned ``pull-failed`` or
+  ``release-failed`` (it may have reached P) is gone from the pin journal
+  (``on_freed``), so the next process of the sidecar does not release it again: it
+  stays pinned until D's deadline, as it does in this process (vLLM #52234: a used
+  handle presented again is read as garbage). Its test is in
+  ``tests/unit/sidecar/test_no_reread.py``, with the sidecar's paths end to end.
 - an unsent rider waits again: a queued rider on a prefill that never reached P goes
   back to waiting for a ride or a request.
 - settle on take: the turn's taken handle, after its prefill, is counted as released
@@ -81,6 +87,9 @@ PINNED_NO_PREFILL = "no-prefill"  # no prefill engine to release it through
 PINNED_RELEASE_FAILED = "release-failed"
 PINNED_PULL_FAILED = "pull-failed"  # P failed with it: read or not, unknown
 PINNED_EXPIRING = "expiring"  # within the expiry margin: D frees it shortly
+# Pinned for these, a handle may have reached P (read or released there, or not): it
+# is never sent again, by this process or, through the pin journal, the next one.
+MAY_HAVE_REACHED_P = frozenset({PINNED_PULL_FAILED, PINNED_RELEASE_FAILED})
 
 # How a handle nobody read left D (metric label, report key).
 RELEASE_RIDER = "rider"  # rode on the turn's own prefill request
@@ -217,7 +226,8 @@ class Releaser:
         on_freed: Callable[[KVHandle], None] | None = None,
     ) -> None:
         self._send = send
-        # D freed the handle (read or released): the pin journal's ``gone``.
+        # D freed the handle (read or released), or it may have (it reached P and
+        # nobody knows): the pin journal's ``gone``, never to be released again.
         self._on_freed = on_freed or (lambda _handle: None)
         self._clock = clock
         self._expired = expired
@@ -277,6 +287,8 @@ class Releaser:
 
     def _pin(self, handle: KVHandle, reason: str) -> None:
         self.ledger.add_handle(handle, reason, retention_s=self._retention_s)
+        if reason in MAY_HAVE_REACHED_P:
+            self._on_freed(handle)  # a restarted sidecar must not send it again
 
     # ------------------------------------------------------------ riders
 
