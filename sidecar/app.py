@@ -37,7 +37,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import DRAIN_PATH, HDR_DRAINING, HDR_REQUEST_ID
 
-from . import drain, httplog, limits, relay
+from . import drain, httplog, limits, logfmt, relay
 from .config import ROLE_DECODE, Settings
 from .handles import Clock
 from .limits import InflightBudget
@@ -155,13 +155,14 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
         )
     started = time.monotonic()
     response = await handler(request)
+    # What the client sent is one field each, whatever it holds (logfmt.value).
     log.debug(
-        "access method=%s path=%s status=%s request_id=%s client_request_id=%r seconds=%.4f",
-        request.method,
-        request.path,
+        "access method=%s path=%s status=%s request_id=%s client_request_id=%s seconds=%.4f",
+        logfmt.value(request.method),
+        logfmt.value(request.path),
         response.status,
         ours,
-        theirs,
+        logfmt.value(theirs),
         time.monotonic() - started,
     )
     return response

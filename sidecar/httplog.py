@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import http_exceptions as hx
 
+from . import logfmt
+
 log = logging.getLogger(__name__)
 
 # One line per this many seconds at most, whatever the rate of malformed requests.
@@ -95,7 +97,7 @@ class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
                 "malformed request reason=%s remote=%s quiet_since_last=%d "
                 "(counted in kvferry_malformed_requests_total, one line per %gs)",
                 reason,
-                remote,
+                logfmt.value(remote),
                 self.limiter.take_suppressed(),
                 self.limiter.window,
             )

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from kvferry_wire import report as rpt
 from kvferry_wire.protocol import Outcome, Route
 
+from . import logfmt
 from .config import ROLE_DECODE, Settings
 from .placement import BY_COLD, BY_COSTS, BY_RULE
 from .policy import InForce
@@ -227,34 +228,39 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def q(text: str | None) -> str:
+    """A free-text value of the turn line: ``logfmt.value``, and "-" for none or empty."""
+    return logfmt.value(text or None)
+
+
 def log_turn(report: TurnReport) -> None:
     t, choice = report.timings, report.choice
     log.info(
-        # The client's id is its text: quoted (%r), so it cannot pose as other fields.
-        "turn request_id=%s client_request_id=%r session=%s owner=%s api=%s stream=%s status=%s "
+        # Free text (the client's id above all) is one field each: logfmt.value.
+        "turn request_id=%s client_request_id=%s session=%s owner=%s api=%s stream=%s status=%s "
         "outcome=%s route=%s "
         "prefill_engine=%s attempts=%s prompt_tokens=%s aligned=%s reused=%s gap_s=%s "
         "handle_kept=%s not_kept=%s finish=%s queue_s=%s prefill_s=%s p_to_d_s=%s ttft_s=%s "
         "total_s=%s reanchor_s=%s decode_s=%s placed_by=%s p_path_s=%s alone_s=%s "
         "interference_s=%s decode_holds=%s error=%s",
         report.request_id,
-        report.client_request_id,
-        report.session,
-        report.owner or "-",
+        logfmt.value(report.client_request_id),
+        q(report.session),
+        q(report.owner),
         report.api.value,
         report.stream,
         report.status,
         report.outcome.value,
         report.route.value,
-        report.prefill_engine or "-",
+        q(report.prefill_engine),
         report.prefill_attempts,
         report.prompt_tokens if report.prompt_tokens is not None else "-",
         report.aligned_tokens,
         report.reused_tokens,
         _fmt(report.handle_age_s),
         report.handle_kept,
-        report.handle_not_kept_reason or "-",
-        report.finish_reason or "-",
+        q(report.handle_not_kept_reason),
+        q(report.finish_reason),
         _fmt(t.queue_s),
         _fmt(t.prefill_s),
         _fmt(t.p_to_d_s),
@@ -262,12 +268,12 @@ def log_turn(report: TurnReport) -> None:
         _fmt(t.total_s),
         _fmt(t.reanchor_s),
         _fmt(t.decode_s),
-        choice.decided_by if choice else "-",
+        q(choice.decided_by if choice else None),
         _fmt(choice.p_path_s if choice else None),
         _fmt(choice.alone_s if choice else None),
         _fmt(choice.interference_s if choice else None),
         report.decode_holds,
-        report.error or "-",
+        q(report.error),
     )
 
 

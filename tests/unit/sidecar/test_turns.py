@@ -180,12 +180,13 @@ async def test_a_client_without_a_request_id_gets_the_one_the_engines_saw(
 async def test_the_turn_log_line_carries_both_request_ids(
     make_sidecar: MakeSidecar, engines: Engines, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The client's id is logged beside the sidecar's, quoted (it is the client's text)."""
+    """The client's id is logged beside the sidecar's, JSON-quoted (it is the client's
+    text: tests/unit/sidecar/test_log_injection.py)."""
     caplog.set_level(logging.INFO, logger="kvferry_sidecar.turn")
     await Conversation(await make_sidecar()).ask("hello", headers={"X-Request-Id": "a b=c"})
     (ours,) = set(engine_request_ids(engines))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("turn ")]
-    assert f"request_id={ours} " in line and "client_request_id='a b=c' " in line
+    assert f"request_id={ours} " in line and 'client_request_id="a b=c" ' in line
 
 
 async def test_every_answer_echoes_the_clients_request_id(make_sidecar: MakeSidecar) -> None:
