@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import math
 import random
@@ -138,6 +139,8 @@ def use_costs(recompute_s: float, pull_s: float) -> None:
     global COSTS
     COSTS = retention.Costs(recompute_s, pull_s, BYTES_PER_TOKEN, BLOCK_TOKENS)
 
+
+SHIPPED_TRACES = Path(__file__).parent / "traces"
 
 REASON_NO_ROOM = "no-room"
 REASON_TTL = "ttl"
@@ -365,14 +368,39 @@ class Ledger:
 
 
 # ----------------------------------------------------------------------------- policies
+def running_claims(turns: Sequence[Turn]) -> list[int]:
+    """The blocks the other requests on D claim when each turn's answer ends, as the
+    replay runs them (``kvferry_wire.replay``: a request claims its prompt and answer
+    from its arrival until its answer ends)."""
+    nexts = replay.next_arrivals(turns)
+    ends = [
+        t.t + replay.service_s(t, replay.DECODE_S_PER_TOKEN, n)
+        for t, n in zip(turns, nexts, strict=True)
+    ]
+    out = [0] * len(turns)
+    live: list[tuple[float, int]] = []  # (end, blocks) of the requests started
+    claim = 0
+    for i, turn in enumerate(turns):
+        while live and live[0][0] <= turn.t:
+            claim -= heapq.heappop(live)[1]
+        out[i] = claim
+        blocks = COSTS.blocks(turn.kept_tokens)
+        heapq.heappush(live, (ends[i], blocks))
+        claim += blocks
+    return out
+
+
 def run_fixed(turns: Sequence[Turn], capacity: int, usable_s: float) -> Stats:
-    """A fixed TTL, single use: what vLLM alone and the reference proxy do."""
+    """A fixed TTL, single use: what vLLM alone and the reference proxy do. A handle is
+    kept when it fits beside the others and D's running requests (vLLM cannot let a
+    pinned handle go, so one that does not fit is counted as not kept: kind to it)."""
     led = Ledger(capacity)
-    for turn in turns:
+    running = running_claims(turns)
+    for i, turn in enumerate(turns):
         led.expire(turn.t)
         led.read(turn)
         blocks = COSTS.blocks(turn.kept_tokens)
-        if led.used + blocks > capacity:
+        if led.used + running[i] + blocks > capacity:
             led.stats.evictions[REASON_NO_ROOM] += 1
         else:
             led.keep(turn.session, turn.t, turn.kept_tokens, turn.t + usable_s)
@@ -390,7 +418,8 @@ def run_tuner(turns: Sequence[Turn], capacity: int) -> Stats:
     next_tune = TUNE_EVERY_S
     peak_usage = 0.0
     no_room = 0
-    for turn in turns:
+    running = running_claims(turns)
+    for i, turn in enumerate(turns):
         while turn.t >= next_tune:
             led.expire(next_tune)
             inputs = tune.TuningInputs(
@@ -430,7 +459,7 @@ def run_tuner(turns: Sequence[Turn], capacity: int) -> Stats:
         last[turn.session] = turn.t
         led.read(turn)
         blocks = COSTS.blocks(turn.kept_tokens)
-        if led.used + blocks > capacity:
+        if led.used + running[i] + blocks > capacity:
             led.stats.evictions[REASON_NO_ROOM] += 1
             no_room += 1
         else:
@@ -844,6 +873,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.trace:
         for name, (build, sessions, span) in GENERATORS.items():
             traces.append((name, build(sessions, span, args.seed)))
+        # Traces nobody here shaped (bench/traces/README.md says how each was made).
+        try:
+            for path in sorted(SHIPPED_TRACES.glob("*.jsonl")):
+                traces.append((path.name, read_trace(path)))
+        except (OSError, TraceError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     rows: list[list[Any]] = []
     for name, turns in traces:
         if args.write_traces:

@@ -218,6 +218,33 @@ def whatif_costs(args: argparse.Namespace) -> tuple[Any, float]:
     return costs, _bounded("--retention", chosen, args.retention is not None or not retention)
 
 
+def whatif_capacity(args: argparse.Namespace, costs: Any) -> Any:
+    """D's KV for ``what-if``: ``--capacity-blocks`` or ``--capacity-gb`` (at the costs'
+    bytes per token), of ``--kv-block-tokens``; None: no limit."""
+    import math
+
+    from . import whatif
+
+    block = args.kv_block_tokens
+    if block is None or not 1 <= block <= 4096:
+        raise ValueError(f"--kv-block-tokens: {block} is not 1 to 4096")
+    if args.capacity_blocks is not None and args.capacity_gb is not None:
+        raise ValueError("--capacity-blocks and --capacity-gb: give one")
+    if args.capacity_blocks is not None:
+        if not 1 <= args.capacity_blocks <= 10**9:
+            raise ValueError(f"--capacity-blocks: {args.capacity_blocks} is not 1 to 10^9")
+        return whatif.Capacity(args.capacity_blocks, block)
+    if args.capacity_gb is not None:
+        gb = args.capacity_gb
+        if not math.isfinite(gb) or not 0 < gb <= 1e6:
+            raise ValueError(f"--capacity-gb: {gb} is not a size in GB (0 to 1e6)")
+        blocks = math.floor(gb * 1e9 / (block * costs.bytes_per_token))
+        if blocks < 1:
+            raise ValueError(f"--capacity-gb: {gb} GB holds no {block}-token block")
+        return whatif.Capacity(min(blocks, 10**9), block)
+    return None
+
+
 def _cmd_whatif(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -230,6 +257,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--block-tokens: {args.block_tokens} is not 1 to {traces.MAX_TOKENS:,}"
             )
+        capacity = whatif_capacity(args, costs)
         turns = traces.read_trace(Path(args.trace), args.format, args.block_tokens)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError naming line and field
         print(f"kvferry-operator what-if: {exc}", file=sys.stderr)
@@ -237,7 +265,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     if not turns:
         print(f"kvferry-operator what-if: {args.trace}: no turns", file=sys.stderr)
         return 2
-    report = whatif.analyse(turns, costs, retention, args.also or ())
+    report = whatif.analyse(turns, costs, retention, args.also or (), capacity)
     if args.json:
         json.dump(report.as_dict(), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
@@ -305,6 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--also", type=float, action="append", help="another retention for the table (repeatable)"
+    )
+    p.add_argument(
+        "--capacity-gb",
+        type=float,
+        help="D's KV cache (GB, as vLLM logs it): replay the trace at that size as the "
+        "decode sidecar keeps handles (default: no limit)",
+    )
+    p.add_argument(
+        "--capacity-blocks", type=int, help="D's KV cache in blocks (vLLM's num_gpu_blocks)"
+    )
+    p.add_argument(
+        "--kv-block-tokens", type=int, default=16, help="D's KV block size in tokens (default 16)"
     )
     p.add_argument("--json", action="store_true", help="every figure as JSON")
     p.set_defaults(func=_cmd_whatif)

@@ -179,6 +179,7 @@ class Report:
     bandwidth: dict[str, Any] = field(default_factory=dict)
     retention: dict[str, Any] = field(default_factory=dict)
     ttft: dict[str, Any] = field(default_factory=dict)
+    capacity: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -196,15 +197,77 @@ class Report:
             "bandwidth": self.bandwidth,
             "retention": self.retention,
             "ttft": self.ttft,
+            "capacity": self.capacity,
         }
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """D's KV for handles and running requests: its blocks, of ``block_tokens`` each."""
+
+    blocks: int
+    block_tokens: int = 16  # vLLM's default block size
+
+
+def at_capacity(
+    turns: Sequence[Turn], costs: Costs, retention: float, capacity: Capacity
+) -> tuple[dict[str, Any], set[int]]:
+    """The trace replayed through a D of ``capacity`` as the decode sidecar keeps handles
+    (``kvferry_wire.replay``, the sidecar's own policy and wiring at ``retention``, the
+    CRD's 1,800 s ceiling): what it holds there against a D without limit, and the ids
+    of the turns that read a handle."""
+    from kvferry_wire import replay
+    from kvferry_wire import retention as rp
+    from kvferry_wire.settings import SidecarSettings
+
+    ordered = sorted(turns, key=lambda x: x.t)
+    wiring = rp.Wiring.of(
+        SidecarSettings(
+            retention_seconds=retention,
+            retention_ceiling_seconds=max(retention, CEILING_SECONDS),
+        )
+    )
+    pull = costs.bytes_per_token / costs.transfer_bytes_per_second
+    rc = rp.Costs(
+        costs.recompute_seconds_per_token, pull, costs.bytes_per_token, capacity.block_tokens
+    )
+    fig = replay.replay(ordered, wiring, rc, capacity.blocks)
+    free = replay.replay(ordered, wiring, rc, UNLIMITED_BLOCKS)
+    later = sum(1 for t in later_turns(ordered)[0])
+    lost = free.tokens_saved - fig.tokens_saved
+    out = {
+        "capacityBlocks": capacity.blocks,
+        "blockTokens": capacity.block_tokens,
+        "capacityBytes": rc.pinned_bytes(capacity.blocks * capacity.block_tokens),
+        "peakDemandBlocks": free.peak_pinned_blocks,
+        "demandExceedsCapacity": free.peak_pinned_blocks > capacity.blocks,
+        "laterTurnsHeld": fig.hits / later if later else 0.0,
+        "laterTurnsHeldWithoutLimit": free.hits / later if later else 0.0,
+        "tokensSaved": fig.tokens_saved,
+        "tokensSavedWithoutLimit": free.tokens_saved,
+        "prefillSecondsLost": lost * costs.recompute_seconds_per_token,
+        "pinnedBytesPeak": rc.pinned_bytes(fig.peak_pinned_blocks * capacity.block_tokens),
+        "releases": dict(sorted(fig.releases.items())),
+        "requestsFindingDFull": fig.preemptions,
+    }
+    return out, {id(ordered[i]) for i in fig.hits_at}
+
+
+CEILING_SECONDS = 1800.0  # the CRD's default maxRetentionSeconds
+UNLIMITED_BLOCKS = 2**62
+
+
 def analyse(
-    turns: Sequence[Turn], costs: Costs, retention: float, candidates: Sequence[float] = ()
+    turns: Sequence[Turn],
+    costs: Costs,
+    retention: float,
+    candidates: Sequence[float] = (),
+    capacity: Capacity | None = None,
 ) -> Report:
     """The four answers for ``turns`` under ``costs``; TTFT and hits at ``retention``
     seconds; the retention table at the gap percentiles, vLLM's 480 s, ``retention``
-    and ``candidates``."""
+    and ``candidates``. With ``capacity``, TTFT and the capacity section replay D's
+    KV at that size as the sidecar keeps handles (``at_capacity``)."""
     later, held = later_turns(turns)
     report = Report(
         sessions=len({t.session for t in turns}),
@@ -257,13 +320,18 @@ def analyse(
         "byRetention": sorted(rows, key=lambda x: x["retentionSeconds"]),
     }
 
+    hits: set[int] | None = None
+    if capacity is not None:
+        report.capacity, hits = at_capacity(turns, costs, retention, capacity)
+
     # 4. TTFT (its prefill part)
     off, on, ratio = [], [], []
     pulled = 0
     for x in later:
         t_off = costs.recompute(x.turn.prompt_tokens)
         t_on = t_off
-        if x.gap <= retention and be is not None and x.reusable >= max(be, 1):
+        still = x.gap <= retention if hits is None else id(x.turn) in hits
+        if still and be is not None and x.reusable >= max(be, 1):
             t_on = costs.recompute(x.turn.prompt_tokens - x.reusable) + costs.pull(x.reusable)
             pulled += 1
         off.append(t_off)
@@ -356,9 +424,29 @@ def render_text(report: Report) -> str:
         cells = ("-" if values[f"p{q}"] is None else fmt(values[f"p{q}"]) for q in PERCENTILES)
         return f"   {name:>10}  " + "  ".join(f"{c:>8}" for c in cells)
 
+    cap = report.capacity
+    if cap is not None:
+        releases = ", ".join(f"{k} {v}" for k, v in cap["releases"].items()) or "none"
+        out += [
+            "",
+            f"   at D's capacity, {cap['capacityBlocks']:,} blocks of {cap['blockTokens']} "
+            f"tokens ({size(cap['capacityBytes'])}), as the decode sidecar keeps handles: "
+            f"{cap['laterTurnsHeld']:.0%} of later turns held "
+            f"({cap['laterTurnsHeldWithoutLimit']:.0%} without a limit)",
+            (
+                f"   demand exceeds it: a peak of {cap['peakDemandBlocks']:,} blocks; reuse "
+                f"saves {cap['tokensSaved']:,} of {cap['tokensSavedWithoutLimit']:,} tokens, "
+                f"{cap['prefillSecondsLost']:.1f}s more prefill; "
+                f"{cap['requestsFindingDFull']} requests found D full"
+                if cap["demandExceedsCapacity"]
+                else f"   it holds the peak demand ({cap['peakDemandBlocks']:,} blocks)"
+            ),
+            f"   handles let go: {releases}; pinned peak {size(cap['pinnedBytesPeak'])}",
+        ]
+    where = "" if cap is None else f" and {cap['capacityBlocks']:,} blocks"
     out += [
         "",
-        f"4. TTFT (its prefill part) at {report.retention_seconds:g}s retention; "
+        f"4. TTFT (its prefill part) at {report.retention_seconds:g}s retention{where}; "
         f"{t['laterTurnsPulled']} of {report.later_turns} later turns pull",
         f"   {'':>10}  " + "  ".join(f"{f'p{q}':>8}" for q in PERCENTILES),
         row("without", t["withoutReuseSeconds"], secs),

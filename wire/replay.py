@@ -59,6 +59,7 @@ class Figures:
     releases: Counter[str] = field(default_factory=Counter)  # by the policy's reason
     preemptions: int = 0  # requests that found D's KV full
     peak_pinned_blocks: int = 0
+    hits_at: set[int] = field(default_factory=set)  # the turns (indexes) that read a handle
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Replay:
             self._unpin(pin, turn.t)  # read or not, a lookup frees D's blocks
             if taken is not None and turn.t < taken.end:
                 f.hits += 1
+                f.hits_at.add(i)
                 f.tokens_saved += min(taken.tokens, turn.prefix)
         need = self.costs.blocks(turn.kept_tokens)
         if self._used() + need > self.capacity:

@@ -318,6 +318,8 @@ class RetentionPolicy:
         # requests (and releases not yet landed) claim besides the held handles.
         self._total_blocks = 0
         self._running_blocks = 0
+        # Blocks kept since that scrape: they were running requests then.
+        self._kept_since_scrape = 0
         self._pending: list[Release] = []  # admission's releases, for take_releases
         # Blocks released and when, while their release may not have landed yet.
         self._in_flight: deque[tuple[float, int]] = deque()
@@ -407,6 +409,7 @@ class RetentionPolicy:
         held = Held(session, t, tokens, end, by_lease)
         self._held[session] = held
         self._held_blocks += self.costs.blocks(tokens)
+        self._kept_since_scrape += self.costs.blocks(tokens)
         self._schedule(held, t)
         self._admit(held, t)
         return held if self._held.get(session) is held else None
@@ -429,6 +432,7 @@ class RetentionPolicy:
             self._total_blocks = p.kv_total_blocks
             pinned = self._held_blocks + self._in_flight_blocks
             self._running_blocks = max(0, p.kv_used_blocks - pinned)
+            self._kept_since_scrape = 0
 
     def _age_in_flight(self, now: float | None) -> None:
         if now is not None:
@@ -442,7 +446,9 @@ class RetentionPolicy:
         its running requests' claim; None until D's size is known."""
         if not self._total_blocks:
             return None
-        return math.floor(self.limits.kv_high_water * self._total_blocks) - self._running_blocks
+        # A handle kept since the scrape was one of its running requests: not twice.
+        running = max(0, self._running_blocks - self._kept_since_scrape)
+        return math.floor(self.limits.kv_high_water * self._total_blocks) - running
 
     @property
     def held_blocks(self) -> int:

@@ -4,6 +4,7 @@ the flag or the trace line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -361,3 +362,56 @@ def test_cli_reads_the_aiperf_trace_and_takes_a_format(tmp_path: Path, capsys) -
     assert got["reuse"][0]["reusableShare"] > 0.5
     code, err = run_cli(["what-if", "--trace", str(aiperf), *FLAGS, "--format", "bailian"], capsys)
     assert code == 2 and ":1: field 'chat_id' is missing" in err, err
+
+
+def test_what_if_at_a_capacity_equals_the_bench_on_the_same_trace(tmp_path: Path) -> None:
+    """what-if --capacity-blocks replays the trace as make bench-eviction's value policy
+    does (the sidecar's policy and wiring, kvferry_wire.replay): the same hits and
+    tokens saved on the same trace, capacity and costs."""
+    from bench import eviction as ev
+
+    turns = ev.mixed_trace(10, 600.0, seed=3)
+    path = tmp_path / "mixed.jsonl"
+    ev.write_trace(turns, path)
+    turns = ev.read_trace(path)
+    out = tmp_path / "out.json"
+    for capacity in (ev.sweep(turns)[0], 4000):
+        argv = [
+            "what-if", "--trace", str(path), "--json", "--retention", "480",
+            "--recompute-us-per-token", "2017", "--bytes-per-token", str(ev.BYTES_PER_TOKEN),
+            "--bandwidth-gbps", "0.3", "--capacity-blocks", str(capacity),
+            "--kv-block-tokens", str(ev.BLOCK_TOKENS),
+        ]  # fmt: skip
+        with out.open("w") as f, contextlib.redirect_stdout(f):
+            assert cli.main(argv) == 0
+        cap = json.loads(out.read_text())["capacity"]
+        bench = ev.run_value(turns, capacity)
+        assert cap["tokensSaved"] == bench.tokens_saved
+        later = len(turns) - len({t.session for t in turns})
+        assert cap["laterTurnsHeld"] == pytest.approx(bench.hits / later)
+        assert sum(cap["releases"].values()) == sum(bench.evictions.values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--capacity-gb", "nan"], "--capacity-gb"),
+        (["--capacity-gb", "0"], "--capacity-gb"),
+        (["--capacity-blocks", "0"], "--capacity-blocks"),
+        (["--capacity-blocks", "10", "--capacity-gb", "1"], "give one"),
+        (["--capacity-blocks", "10", "--kv-block-tokens", "0"], "--kv-block-tokens"),
+    ],
+)
+def test_a_bad_capacity_is_refused_by_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], match: str
+) -> None:
+    from bench import eviction as ev
+
+    path = tmp_path / "t.jsonl"
+    ev.write_trace(ev.chat_trace(2, 60.0, seed=1), path)
+    argv = [
+        "what-if", "--trace", str(path), "--recompute-us-per-token", "2017",
+        "--bytes-per-token", "16531", "--bandwidth-gbps", "0.3", *flags,
+    ]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert match in capsys.readouterr().err
