@@ -627,13 +627,13 @@ def oracle(
 ILP_SECONDS = 20.0
 
 VALUE = "value policy"
-VALUE_AT_CEILING = "value policy, end at the ceiling"
+VALUE_BEFORE = "value policy, end at the retention (before)"
 POLICIES = (
     "vLLM 480 s",
     "proxy 450 s",
     "quantile tuner",
     VALUE,
-    VALUE_AT_CEILING,
+    VALUE_BEFORE,
     "LRU (reference)",
 )
 ONLINE_RIVALS = ("vLLM 480 s", "proxy 450 s", "quantile tuner", "LRU (reference)")
@@ -654,7 +654,7 @@ def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bo
         "proxy 450 s": run_fixed(turns, capacity, PROXY_TTL_S),
         "quantile tuner": run_tuner(turns, capacity),
         VALUE: run_value(turns, capacity),
-        VALUE_AT_CEILING: run_value(turns, capacity, wiring=sidecar_wiring(retention_s=CEILING_S)),
+        VALUE_BEFORE: run_value(turns, capacity, wiring=sidecar_wiring(end_s=float(TUNER_START_S))),
         "LRU (reference)": run_value(turns, capacity, lru=True),
     }
     bound = oracle(

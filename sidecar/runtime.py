@@ -111,7 +111,9 @@ class Sidecar:
             on_drop=self._on_drop,
             on_evict=self._on_evict,
             owner_caps=self.owner_caps if self.owner_rule is not None else None,
-            retention=lambda: self.policy.retention_seconds,
+            # A handle is offered until the ceiling; the retention in force is the
+            # policy's floor (retention.Wiring says why).
+            retention=lambda: self.policy.ceiling_seconds,
             policy=self.retention,
         )
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
@@ -175,7 +177,8 @@ class Sidecar:
 
     def _on_policy(self, in_force: InForce) -> None:
         self.metrics.bind_policy(in_force)
-        self.store.rebound()  # the handles held now end by the new retention
+        # The handles held now are judged by the new floor.
+        self.retention.set_floor(in_force.retention_seconds, self.store.now())
 
     def engine_pressure(self) -> retention.Pressure:
         """D's KV pressure as of its last scrape, and its preemptions since the last

@@ -4,8 +4,9 @@ Pure: turns in, figures out; ``make bench-eviction`` and ``kvferry-operator what
 
 What it replays is what the sidecar runs, built the same way (``retention.Wiring``):
 
-- the policy from the same constructor and settings: the handle cap, the ceiling, each
-  handle offered until its keeping plus the retention in force less the margin;
+- the policy from the same constructor and settings: the handle cap, the ceiling, the
+  retention in force as the floor, each handle offered until the ceiling less the
+  margin (``Wiring.hold_s``);
 - a turn's lookup (``arrive``: single use, a read frees D's blocks at once) and the
   keeping of its own handle when D's answer ends (``keep``: admission may refuse it or
   displace others), with the store's cap after it (the lowest value goes);

@@ -1,17 +1,17 @@
 """Per-session, value-based retention of decode KV handles. Pure.
 
 The decode sidecar keeps one handle per session: the KV of its last turn, pinned in D
-until the next turn reads it. This module decides how long each handle stays and which
-goes first when D needs the room (issue 24, item 2). The handle store holds one
-(``handles.HandleStore``, its ``policy``): every handle it keeps is ``keep``-ed here
-with its end (the retention in force or D's lease, less the expiry margin), every
-lookup is an ``arrive`` (the session's gap), its caps take the lowest value
-(``lowest``), and the sidecar's background loop applies ``decide`` each probe
-interval with D's pressure from its /metrics (``Pressure.of_engine``): releases go
-through the store's drop hook to the release path (``release.py``). The store's
-expiry rules stay the outer bound. ``bench/eviction.py`` replays traces through the
-same class (``observe_turn``: ``arrive`` and ``keep`` at one instant) against fixed
-TTLs and the offline bound.
+until the next turn reads it. This module decides whether a finished turn's handle is
+kept at all, how long each stays and which goes first when D needs the room. The
+decode sidecar's handle store holds one (``HandleStore.policy``), built from the
+sidecar's settings by ``Wiring`` (``build``): every handle it keeps is ``keep``-ed here
+with its end (the ceiling or D's lease, less the expiry margin) and admitted or not
+(``take_releases``), every lookup is an ``arrive`` (the session's gap), its caps take
+the lowest value (``lowest``), and the sidecar's background loop applies ``decide``
+each probe interval with D's pressure from its /metrics (``Pressure.of_engine``):
+releases go through the store's drop hook to the release path. The store's expiry
+rules stay the outer bound. ``replay.py`` replays traces through the same ``Wiring``
+(``make bench-eviction``, ``what-if --capacity-gb``).
 
 **Value.** A handle of n tokens saves, if the session's next turn reads it,
 ``n x (recompute - pull)`` seconds of prefill (``Costs``), and pins
@@ -51,6 +51,12 @@ ended): ``(gaps + 1) / (gaps + ended + 2)``.
 
 **Rules** (each has a test named after it, ``tests/unit/sidecar/test_retention.py``):
 
+- admission: a finished turn's handle stays only if it fits in the handles' share of
+  D's KV (``share_blocks``: the high-water mark less what D's running requests claim),
+  or if the handles it would displace are each worth less per pinned byte-second and
+  all together less per second held (``worth``) than it is; one larger than the whole
+  share goes at birth (``REASON_ADMISSION``). Making room never releases more value
+  than it admits (``tests/unit/test_replay.py``);
 - under pressure the lowest value goes first: when D's KV usage is above
   ``Limits.kv_high_water`` (the blocks above it), per preemption, or over the handle cap,
   handles are released in order of value until the need is met;
@@ -59,11 +65,14 @@ ended): ``(gaps + 1) / (gaps + ended + 2)``.
   falls below the floor: ``Limits.min_hit`` (1 %) of a hit spread over the whole ceiling,
   ``min_hit x (recompute - pull) / (bytes per token x ceiling)``. A handle whose session
   has no chance left of a turn before its end (past every gap seen) goes; a heavy tail
-  keeps it; never before ``Limits.min_retention_s`` (the server's
-  ``decodeRetentionSeconds``), so without pressure it keeps at least what that fixed
-  TTL would;
+  keeps it; never before ``Limits.min_retention_s`` (the retention in force,
+  ``decodeRetentionSeconds`` or Auto's: ``set_floor``), so without pressure it keeps at
+  least what that fixed TTL would;
 - K follows how much sessions differ (credibility), the default until they have gaps;
 - nothing outlives its end: the ceiling, or the lease of a turn D prefilled alone;
+- a release is not met twice: blocks released within ``Limits.release_window_s`` still
+  count in D's usage until their release lands, so pressure and preemptions are not
+  answered again for them;
 - single use: the turn that reads a handle takes it (``observe_turn`` and ``arrive``
   return it) and leaves its own;
 - the gaps follow the conversation: a turn that keeps its handle under another slot
@@ -77,7 +86,7 @@ import math
 from bisect import bisect_right, insort
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -217,51 +226,63 @@ MIN_POLICY_CEILING_S = 1.0
 class Wiring:
     """How a decode sidecar runs the policy, all of it from its settings: the one
     description the sidecar (``kvferry_sidecar.runtime``) and the simulator
-    (``replay.py``, ``make bench-eviction``, ``what-if --capacity-blocks``) build from,
-    so the two cannot drift (``tests/unit/test_replay.py``).
+    (``replay.py``, ``make bench-eviction``, ``what-if --capacity-gb``) build from, so
+    the two cannot drift (``tests/unit/test_replay.py``).
 
-    A handle is offered until its keeping plus the retention in force (at most the
-    ceiling, D's ``decoder_kv_blocks_ttl``) less the expiry margin; the policy runs
-    every probe tick with D's KV usage as scraped then (its running requests
-    included); a handle let go stays pinned on D until its release lands."""
+    A handle is offered until the ceiling (D's ``decoder_kv_blocks_ttl``) less the
+    expiry margin; the retention in force is its floor: no handle goes for usefulness
+    before it, only for room. The simulator showed why (``docs/performance.md``,
+    "Eviction against the best possible"): ending handles at the retention in force
+    lost every gap between it and the ceiling (chat: 13 % of the tokens saved) while
+    admission and pressure already keep D's KV in bounds. The policy runs every probe
+    tick with D's KV usage as scraped then (its running requests included); a handle
+    let go stays pinned on D until its release lands."""
 
     ceiling_s: float  # D's decoder_kv_blocks_ttl: no handle outlives it
-    retention_s: float  # the retention in force at start (decodeRetentionSeconds)
+    floor_s: float  # the retention in force (decodeRetentionSeconds): kept at least this
     tick_s: float  # probe_interval_seconds: D scraped and decide() run this often
     handle_cap: int  # handle_store_cap
     release_after_s: float  # an unread handle's release lands this long after
     margin_s: float = HANDLE_EXPIRY_MARGIN_SECONDS
     kv_high_water: float = KV_HIGH_WATER
-    floor_s: float = 0.0  # Limits.min_retention_s: no usefulness release before this
+    # The bench's "before" row only: handles ended at this (the retention in force, as
+    # the sidecar did) instead of the ceiling. None: the ceiling.
+    end_s: float | None = None
 
     @classmethod
     def of(cls, settings: SidecarSettings) -> Wiring:
         ceiling = settings.retention_ceiling_seconds
+        ceiling = settings.retention_seconds if ceiling is None else ceiling
         return cls(
-            ceiling_s=settings.retention_seconds if ceiling is None else ceiling,
-            retention_s=settings.retention_seconds,
+            ceiling_s=ceiling,
+            floor_s=min(settings.retention_seconds, ceiling),
             tick_s=settings.probe_interval_seconds,
             handle_cap=settings.handle_store_cap,
             release_after_s=settings.release_after_seconds,
         )
 
-    def hold_s(self, retention_s: float | None = None) -> float:
-        """Seconds from its keeping that a handle is offered: the retention in force
-        (``retention_s``, else the wiring's), at most the ceiling, less the margin."""
-        retention = self.retention_s if retention_s is None else retention_s
-        return min(retention, self.ceiling_s) - self.margin_s
+    def hold_s(self) -> float:
+        """Seconds from its keeping that a handle is offered at most: the ceiling less
+        the margin."""
+        end = self.ceiling_s if self.end_s is None else min(self.end_s, self.ceiling_s)
+        return end - self.margin_s
 
     def limits(self) -> Limits:
+        ceiling = max(self.ceiling_s - self.margin_s, MIN_POLICY_CEILING_S)
         return Limits(
-            max_retention_s=max(self.ceiling_s - self.margin_s, MIN_POLICY_CEILING_S),
+            max_retention_s=ceiling,
             handle_cap=self.handle_cap,
             kv_high_water=self.kv_high_water,
-            min_retention_s=min(self.floor_s, max(self.ceiling_s - self.margin_s, 0.0)),
+            min_retention_s=floor_within(self.floor_s, ceiling),
             release_window_s=self.release_after_s + self.tick_s,
         )
 
     def policy(self, costs: Costs) -> RetentionPolicy:
         return RetentionPolicy(costs, self.limits())
+
+
+def floor_within(floor_s: float, ceiling_s: float) -> float:
+    return min(max(0.0, floor_s), ceiling_s)
 
 
 def build(settings: SidecarSettings, block_tokens: int) -> RetentionPolicy:
@@ -418,6 +439,15 @@ class RetentionPolicy:
         self._sessions[session] = s
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
+
+    def set_floor(self, floor_s: float, now: float) -> None:
+        """The retention in force changed: no handle goes for usefulness before it."""
+        floor = floor_within(floor_s, self.limits.max_retention_s)
+        if floor == self.limits.min_retention_s:
+            return
+        self.limits = replace(self.limits, min_retention_s=floor)
+        for h in self._held.values():
+            self._schedule(h, now)
 
     def forget(self, session: str) -> None:
         """The caller let ``session``'s handle go for a reason of its own (taken, a cap,

@@ -195,6 +195,7 @@ def test_evictions_by_cap_are_summed_over_pods():
         "usefulness": 0,
         "retention": 0,
         "lease": 0,
+        "admission": 0,
     }
 
 

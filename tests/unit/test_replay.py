@@ -55,7 +55,9 @@ def test_the_sidecar_and_the_simulator_build_one_policy(
     hold, by_lease = sidecar.store._bound(handle)
     assert not by_lease
     assert hold is not None and math.isclose(hold, wiring.hold_s())
-    assert wiring.hold_s() == min(retention_s, wiring.ceiling_s) - HANDLE_EXPIRY_MARGIN_SECONDS
+    # Offered until the ceiling; the retention in force is the floor of usefulness.
+    assert wiring.hold_s() == wiring.ceiling_s - HANDLE_EXPIRY_MARGIN_SECONDS
+    assert sidecar.retention.limits.min_retention_s == min(retention_s, wiring.hold_s())
 
 
 def held_policy(total: int, handles: list[tuple[str, float, int]]) -> retention.RetentionPolicy:
@@ -130,10 +132,10 @@ def test_a_newcomer_worth_less_than_the_kept_handle_is_refused_not_kept_by_flush
     assert value.evictions[retention.REASON_ADMISSION] == 1
 
 
-def test_the_replay_offers_a_handle_until_the_retention_in_force_less_the_margin() -> None:
-    wiring = ev.sidecar_wiring()  # 480 s in force, ceiling 1800
+def test_the_replay_offers_a_handle_until_the_ceiling_less_the_margin() -> None:
+    wiring = ev.sidecar_wiring()  # 480 s in force (the floor), ceiling 1800
     hold = wiring.hold_s()
-    assert hold == 480 - HANDLE_EXPIRY_MARGIN_SECONDS
+    assert hold == 1800 - HANDLE_EXPIRY_MARGIN_SECONDS
     for gap, hits in ((hold - 1, 1), (hold + 1, 0)):
         turns = [
             ev.Turn("A", 0.0, prompt_tokens=64, new_tokens=64, output_tokens=0),
