@@ -646,9 +646,11 @@ def share_of(capacity: int) -> int:
 
 
 def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bound]:
-    """Every policy on a D of ``capacity`` blocks, and the oracle on the handles' share
-    of it. The fixed TTLs and the tuner get the whole capacity (vLLM alone has no
-    high-water mark; a request that finds no room waits): kind to them."""
+    """Every policy on a D of ``capacity`` blocks, and the oracle on the same D (its
+    blocks less its running requests' at every point). The fixed TTLs and the tuner keep
+    a handle wherever it fits beside the others and the running requests (vLLM alone
+    has no high-water mark): kind to them; the value policy fills at most its
+    high-water share (``share_of``)."""
     out = {
         "vLLM 480 s": run_fixed(turns, capacity, VLLM_TTL_S - VLLM_READ_MARGIN_S),
         "proxy 450 s": run_fixed(turns, capacity, PROXY_TTL_S),
@@ -657,9 +659,7 @@ def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bo
         VALUE_BEFORE: run_value(turns, capacity, wiring=sidecar_wiring(end_s=float(TUNER_START_S))),
         "LRU (reference)": run_value(turns, capacity, lru=True),
     }
-    bound = oracle(
-        turns, share_of(capacity), CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS, running=True
-    )
+    bound = oracle(turns, capacity, CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS, running=True)
     return out, bound
 
 
