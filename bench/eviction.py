@@ -504,17 +504,33 @@ class _LeastRecent(retention.RetentionPolicy):
                 self._pending.append(self._release(h, retention.REASON_PRESSURE))
 
 
+class _Before(retention.RetentionPolicy):
+    """The sidecar's policy as it ran before admission: every finished turn's handle
+    kept (room made at the next look), releases in flight met again, handles ended at
+    the retention in force, no floor."""
+
+    def _admit(self, new: retention.Held, now: float) -> None:
+        return None
+
+
 def run_value(
     turns: Sequence[Turn],
     capacity: int,
     *,
     lru: bool = False,
+    before: bool = False,
     wiring: retention.Wiring | None = None,
 ) -> Stats:
     """The value policy as the decode sidecar runs it (``kvferry_wire.replay``, the
-    sidecar's wiring unless ``wiring``); ``lru``: the least-recently-stored reference."""
+    sidecar's wiring unless ``wiring``); ``lru``: the least-recently-stored reference;
+    ``before``: the policy as the sidecar ran it before admission (``_Before``)."""
     w = wiring or sidecar_wiring()
-    pol = _LeastRecent(COSTS, w.limits()) if lru else None
+    pol: retention.RetentionPolicy | None = None
+    if lru:
+        pol = _LeastRecent(COSTS, w.limits())
+    elif before:
+        w = sidecar_wiring(end_s=float(TUNER_START_S), floor_s=0.0)
+        pol = _Before(COSTS, dataclasses.replace(w.limits(), release_window_s=0.0))
     fig = replay.Replay(w, COSTS, capacity, policy=pol).run(turns)
     stats = Stats(
         tokens_saved=fig.tokens_saved,
@@ -627,7 +643,7 @@ def oracle(
 ILP_SECONDS = 20.0
 
 VALUE = "value policy"
-VALUE_BEFORE = "value policy, end at the retention (before)"
+VALUE_BEFORE = "value policy before (no admission, end at the retention)"
 POLICIES = (
     "vLLM 480 s",
     "proxy 450 s",
@@ -656,7 +672,7 @@ def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bo
         "proxy 450 s": run_fixed(turns, capacity, PROXY_TTL_S),
         "quantile tuner": run_tuner(turns, capacity),
         VALUE: run_value(turns, capacity),
-        VALUE_BEFORE: run_value(turns, capacity, wiring=sidecar_wiring(end_s=float(TUNER_START_S))),
+        VALUE_BEFORE: run_value(turns, capacity, before=True),
         "LRU (reference)": run_value(turns, capacity, lru=True),
     }
     bound = oracle(turns, capacity, CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS, running=True)
