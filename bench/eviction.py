@@ -556,17 +556,17 @@ def oracle(
     turns: Sequence[Turn], capacity: int, ceiling_s: float, *, running: bool = False
 ) -> Bound:
     """The LP relaxation of keeping handles under the capacity (module docstring), and
-    the integer optimum where HiGHS proves it within ``ILP_SECONDS``. ``running``: as
-    the replay runs D (``kvferry_wire.replay``): a handle is kept from its answer's end,
-    and the running requests' blocks come off the capacity while they run."""
+    the integer optimum where HiGHS proves it within ``ILP_SECONDS``. A handle is a
+    candidate from its answer's end, as the replay keeps it (``kvferry_wire.replay``);
+    ``running``: the running requests' blocks also come off the capacity while they run
+    (a tighter model than the replay's, which lets them overcommit for a tick)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, linprog, milp
     from scipy.sparse import csr_matrix
 
     nexts = replay.next_arrivals(turns)
     service = [
-        replay.service_s(t, replay.DECODE_S_PER_TOKEN, n) if running else 0.0
-        for t, n in zip(turns, nexts, strict=True)
+        replay.service_s(t, replay.DECODE_S_PER_TOKEN, n) for t, n in zip(turns, nexts, strict=True)
     ]
     prev: dict[str, int] = {}
     items: list[tuple[float, float, int, int, int]] = []  # start, end, blocks, value, bytes
@@ -662,8 +662,10 @@ def share_of(capacity: int) -> int:
 
 
 def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bound]:
-    """Every policy on a D of ``capacity`` blocks, and the oracle on the same D (its
-    blocks less its running requests' at every point). The fixed TTLs and the tuner keep
+    """Every policy on a D of ``capacity`` blocks, and the oracle keeping handles in all
+    of its blocks (as if nothing ran: every policy here keeps its handles within them,
+    so it bounds them all; the running requests only cost the policies). The fixed TTLs
+    and the tuner keep
     a handle wherever it fits beside the others and the running requests (vLLM alone
     has no high-water mark): kind to them; the value policy fills at most its
     high-water share (``share_of``)."""
@@ -675,7 +677,7 @@ def simulate(turns: Sequence[Turn], capacity: int) -> tuple[dict[str, Stats], Bo
         VALUE_BEFORE: run_value(turns, capacity, before=True),
         "LRU (reference)": run_value(turns, capacity, lru=True),
     }
-    bound = oracle(turns, capacity, CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS, running=True)
+    bound = oracle(turns, capacity, CEILING_S - HANDLE_EXPIRY_MARGIN_SECONDS)
     return out, bound
 
 

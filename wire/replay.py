@@ -15,14 +15,14 @@ What it replays is what the sidecar runs, built the same way (``retention.Wiring
   D's preemptions (a request that found no room) since the last tick;
 - a handle let go stays pinned on D until its release lands ``release_after_s`` later.
 
-A request that finds D's KV full (``preemptions``) waits in vLLM until the sidecar's
-next look releases handles for the pressure; the replay releases them at its arrival
-(the releases still land late), so D never holds more than its blocks in handles and
-running requests. The running request of a turn claims its prompt and answer
-(``kept_tokens``) from its arrival until its answer ends, ``decode_s_per_token`` per output token (at most half
-the time to the session's next turn: a client waits for the answer before it sends the
-next). Its blocks then become the handle, or are released. D's size is known from the
-first tick on, as the sidecar knows it from its first scrape.
+A request that finds D's KV full counts as a preemption, which the policy answers at
+its next tick (the replay does not delay the request: D's running requests may then
+claim more than its blocks for a moment; the handles never do, admission keeps them
+within the share). The running request of a turn claims its prompt and answer
+(``kept_tokens``) from its arrival until its answer ends, ``decode_s_per_token`` per
+output token (at most half the time to the session's next turn: a client waits for the
+answer before it sends the next). Its blocks then become the handle, or are released.
+D's size is known from the first tick on, as the sidecar knows it from its first scrape.
 """
 
 from __future__ import annotations
@@ -150,14 +150,11 @@ class Replay:
                 f.hits_at.add(i)
                 f.tokens_saved += min(taken.tokens, turn.prefix)
         need = self.costs.blocks(turn.kept_tokens)
-        held = sum(p.blocks for p in self._held.values())
-        if held + self._running_blocks + need > self.capacity:
-            # D has no room for the request: it waits (vLLM cannot preempt a pinned
-            # handle) until the sidecar's next look releases handles for the pressure.
-            # The replay gives it that room at once; the releases still land late.
+        if self._used() + need > self.capacity:
+            # D has no room for the request: vLLM makes it wait or preempts another;
+            # the sidecar sees it at its next look (one release per preemption).
+            self._preempted += 1
             f.preemptions += 1
-            used = self._used() + need
-            self._let_go(self.policy.decide(turn.t, rp.Pressure(used, self.capacity)), turn.t)
         self._running[i] = need
         self._running_blocks += need
 

@@ -160,8 +160,8 @@ def test_main_reads_a_trace_and_writes_its_json(tmp_path: Path, capsys) -> None:
     )
     data = json.loads((tmp_path / "eviction.json").read_text())
     at = data["results"]["hand.jsonl"]["capacities"][str(CAPACITY)]
-    # The oracle on D's blocks less its running requests, D run as the replay.
-    bound = ev.oracle(HAND, CAPACITY, 1785.0, running=True)
+    # The oracle keeps handles in all of D's blocks, each from its answer's end.
+    bound = ev.oracle(HAND, CAPACITY, 1785.0)
     assert at["oracle"]["shareBlocks"] == 5  # what the sidecar's policy fills (90 %)
     assert at["oracle"]["tokens"] == pytest.approx(bound.tokens)
     assert set(at["policies"]) == set(ev.POLICIES)
