@@ -177,6 +177,13 @@ class Replay:
             victim = self.policy.lowest(others, now)
             self.policy.forget(victim)
             self._let_go([rp.Release(victim, 0, rp.REASON_CAP, 0.0)], now)
+        pinned = sum(p.blocks for p in self._held.values()) + self._pending_blocks
+        if pinned > self.capacity:
+            # More pinned than D has: its request could not have finished without D
+            # making room. A policy that admits only what fits never gets here; one
+            # that keeps every handle releases now what its next look would.
+            self.figures.preemptions += 1
+            self._let_go(self.policy.decide(now, rp.Pressure(pinned, self.capacity)), now)
         self._note_peak()
 
     def run(self, turns: Sequence[TurnLike]) -> Figures:
