@@ -13,11 +13,7 @@ from .conftest import Engines, MakeSidecar, sidecar_of
 from .test_turns import (
     LONG_QUESTION,
     Conversation,
-    kv,
     outcome,
-    prefill_bodies,
-    releases_done,
-    rider,
 )
 
 
