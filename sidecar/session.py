@@ -1,9 +1,11 @@
 """Which session a request belongs to, and which decode pod owns that session.
 
 Key order is configurable (``routing.sessionKeys``); each entry is a body field name
-(``session_id``, ``conversation_id``, ``user``, ...) or ``header:<Name>``. When none
-is present, the key is a digest of the model and the first messages (or the start of
-the prompt), so a client that resends its growing history still lands on one owner.
+(``session_id``, ``conversation_id``, ``user``, ...) or ``header:<Name>``. A header
+that is present wins over every body key (a gateway may set it; the body is always
+the client's), then the body keys in their order. When none is present, the key is
+a digest of the model and the first messages (or the start of the prompt), so a
+client that resends its growing history still lands on one owner.
 
 The owner is chosen by rendezvous (highest-random-weight) hashing over the decode
 StatefulSet's ordinals: stable across processes and restarts (no Python ``hash()``),
@@ -120,15 +122,26 @@ def fallback_key(body: Mapping[str, Any]) -> SessionKey:
 def session_key(
     body: Mapping[str, Any], headers: Mapping[str, str], order: Iterable[str]
 ) -> SessionKey:
-    """The first key present in ``order``, namespaced by its source."""
+    """The session's key, namespaced by its source: the first header key of ``order``
+    that is present, else the first body key present, else :func:`fallback_key`.
+
+    Headers first, wherever ``order`` puts them: a header may be a gateway's (set after
+    it authenticated the client), a body field is always the client's, so a body key
+    must never outrank a header that is there (issue 38: a ``session_id`` in the body
+    would otherwise pick any session behind a gateway that sets ``X-Session-Id``). The
+    body's key is then ignored, not merged. Where no gateway sets the header the client
+    chooses the session either way, so nothing is lost."""
+    order = tuple(order)
     for source in order:
         if source.startswith("header:"):
-            name = source.removeprefix("header:")
-            value = _as_key(headers.get(name))
-        else:
+            value = _as_key(headers.get(source.removeprefix("header:")))
+            if value is not None:
+                return f"{source}={value}"
+    for source in order:
+        if not source.startswith("header:"):
             value = _as_key(body.get(source))
-        if value is not None:
-            return f"{source}={value}"
+            if value is not None:
+                return f"{source}={value}"
     return fallback_key(body)
 
 

@@ -28,13 +28,13 @@ Q2 = {"role": "user", "content": "more"}
     [
         pytest.param(
             {"session_id": "s", "conversation_id": "c", "user": "u"},
-            {"X-Session-Id": "h"},
+            {},
             "session_id=s",
             id="session_id-first",
         ),
         pytest.param(
             {"conversation_id": "c", "user": "u"},
-            {"X-Session-Id": "h"},
+            {},
             "conversation_id=c",
             id="conversation_id-second",
         ),
@@ -47,6 +47,36 @@ Q2 = {"role": "user", "content": "more"}
 def test_session_key_order(body: dict, headers: dict, expected: str) -> None:
     """The first present source in the configured order names the session."""
     assert session_key(body, headers, DEFAULT_SESSION_KEYS) == expected
+
+
+@pytest.mark.parametrize("body_key", ["session_id", "conversation_id", "user"])
+def test_a_session_header_wins_over_every_body_key(body_key: str) -> None:
+    """Issue 38 (7): a gateway that sets X-Session-Id decides the session, not the
+    client's body. Before, ``session_id`` (first in the default order) won, so a client
+    behind such a gateway picked any session it liked by sending one; the body's key
+    is ignored, not merged (the key names the header's session alone)."""
+    body = {body_key: "someone-else", "model": "m"}
+    headers = {"X-Session-Id": "gw-set"}
+    assert session_key(body, headers, DEFAULT_SESSION_KEYS) == "header:X-Session-Id=gw-set"
+    assert (
+        session_key(
+            {**body, "session_id": "x", "conversation_id": "y"}, headers, DEFAULT_SESSION_KEYS
+        )
+        == "header:X-Session-Id=gw-set"
+    )
+
+
+def test_a_header_key_wins_wherever_it_stands_in_the_order() -> None:
+    """A header key configured last still wins when the header is there (a body key
+    can never outrank what the gateway set); without the header the body keys decide
+    in their configured order, and the first header present wins among headers."""
+    order = ["user", "session_id", "header:X-Tenant-Session", "header:X-Session-Id"]
+    body = {"user": "u", "session_id": "s"}
+    assert session_key(body, {"X-Session-Id": "h"}, order) == "header:X-Session-Id=h"
+    both = {"X-Session-Id": "h", "X-Tenant-Session": "t"}
+    assert session_key(body, both, order) == "header:X-Tenant-Session=t"
+    assert session_key(body, {}, order) == "user=u"
+    assert session_key(body, {"X-Session-Id": "  "}, order) == "user=u"
 
 
 def test_session_key_order_is_configurable() -> None:
