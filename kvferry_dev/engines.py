@@ -431,6 +431,7 @@ def start_pair(
     extra_args: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
     prefill_prefix_caching: bool = False,
+    decode_extra_args: list[str] | None = None,
 ) -> EnginePair:
     """Start P and D together and wait for both; on failure both are stopped.
 
@@ -439,7 +440,8 @@ def start_pair(
     then holds no session's KV of its own, as a turn landing on a P that never saw the
     session (many P replicas, or its cache evicted under load) -- the case where
     pulling the history back from D pays. D always has one. Usable as a context
-    manager: ``with start_pair(...) as pair: ...``.
+    manager: ``with start_pair(...) as pair: ...``. ``decode_extra_args``: more engine
+    arguments for D alone (``--num-gpu-blocks-override N``: a D whose KV is small).
     """
     log_dir = Path(log_dir)
     if server is None and (prefill_kv_config is None or decode_kv_config is None):
@@ -458,7 +460,8 @@ def start_pair(
             kv_transfer_config=configs[role],
             log_path=log_dir / f"{role}{suffix}.log",
             cpu=cpu,
-            extra_args=list(extra_args or []),
+            extra_args=list(extra_args or [])
+            + (list(decode_extra_args or []) if role == "decode" else []),
             extra_env=dict(extra_env or {}),
             prefix_caching=role == "decode" or prefill_prefix_caching,
         )
