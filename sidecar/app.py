@@ -14,6 +14,11 @@ connection opening or of the last answer (aiohttp's keep-alive deadline, which
 closes the connection: there is no request yet to answer); a body within
 ``body_timeout_seconds`` (408, ``relay.serve_turn``).
 
+A body not read whole (a refusal before its end) closes its connection after the
+answer, a 408's at once (``relay.refuse_unread``); one address holds at most
+``limits.MAX_CONNECTIONS_PER_CLIENT`` connections on the client port
+(``client_connections_middleware``: 503 and close past it).
+
 Three ports. ``listen_port`` is what the entry Service exposes to clients: turns,
 models and probes. ``internal_port`` is for peers only: ``/metrics`` and
 ``/v1/residency`` answer there alone, and a turn carrying ``X-Kvferry-Forwarded-By``
@@ -68,6 +73,8 @@ DRAIN_ON_SIGTERM = web.AppKey("drain_on_sigterm", bool)
 
 # Request bodies held by the turns in progress (limits.InflightBudget).
 BODY_BUDGET = web.AppKey("body_budget", InflightBudget)
+# The connections each address holds on the client port (limits.ClientConnections).
+CLIENT_CONNECTIONS = web.AppKey("client_connections", limits.ClientConnections)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -122,6 +129,35 @@ def scrape(sc: Sidecar) -> web.Response:
     return web.Response(
         body=sc.metrics.render() + engine.encode(), content_type="text/plain", charset="utf-8"
     )
+
+
+@web.middleware
+async def client_connections_middleware(
+    request: web.Request, handler: Handler
+) -> web.StreamResponse:
+    """One address holds at most ``limits.MAX_CONNECTIONS_PER_CLIENT`` connections on
+    the client port (``listen_port``; peers and scrapers come in on the others). The
+    first request of one more is a 503 with ``Retry-After`` and ``Connection: close``
+    rather than a reset at accept: aiohttp has no hook there (under uvloop libuv
+    accepts), and an HTTP answer is one a client or a gateway retries, where a reset
+    reads as the pod failing."""
+    settings = request.app[SIDECAR].settings
+    if _local_port(request) != settings.listen_port or request.app[CLIENT_CONNECTIONS].admit(
+        request.remote, request.protocol, request.task
+    ):
+        return await handler(request)
+    cap = request.app[CLIENT_CONNECTIONS].cap
+    message = (
+        f"this address holds {cap} connections to the sidecar already, the most one may "
+        "hold open; reuse them, or retry once one is closed"
+    )
+    response = web.json_response(
+        relay.error_body(message, "server_busy", 503),
+        status=503,
+        headers={"Retry-After": str(limits.RETRY_AFTER_SECONDS)},
+    )
+    response.force_close()
+    return response
 
 
 @web.middleware
@@ -328,7 +364,12 @@ def app_factory(
     for reason in httplog.REASONS:
         sc.metrics.malformed.labels(reason)
     app = web.Application(
-        middlewares=[metrics_port_middleware, request_id_middleware, port_middleware],
+        middlewares=[
+            metrics_port_middleware,
+            request_id_middleware,
+            client_connections_middleware,
+            port_middleware,
+        ],
         # A turn's body is read by relay.serve_turn within its own caps (limits.py);
         # other routes take aiohttp's default (1 MiB).
         handler_args={
@@ -346,6 +387,7 @@ def app_factory(
     )
     app[SIDECAR] = sc
     app[BODY_BUDGET] = InflightBudget(limits.inflight_capacity(settings))
+    app[CLIENT_CONNECTIONS] = limits.ClientConnections(limits.MAX_CONNECTIONS_PER_CLIENT)
     app[DRAIN_ON_SIGTERM] = drain_on_sigterm
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(echo_request_id)

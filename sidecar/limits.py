@@ -29,7 +29,15 @@ So, before any engine sees a request:
   every request behind it, and clients and gateways retry a 503 with backoff anyway
   (the operator's report endpoint answers its own excess the same way).
 - **Time** (``app.py``, ``relay.py``): a request head must arrive within
-  ``header_timeout_seconds``, its body within ``body_timeout_seconds`` (408).
+  ``header_timeout_seconds``, its body within ``body_timeout_seconds`` (408). A
+  refusal before the body was read whole says ``Connection: close``; after a 408 the
+  connection is closed as soon as the answer is out (nothing is arriving: aiohttp
+  would go on reading for its lingering time, and a sender that finished the body
+  then would keep the connection for the keep-alive time).
+- **Connections per client** (``ClientConnections``, ``app.py``): one address holds
+  at most ``MAX_CONNECTIONS_PER_CLIENT`` connections open on the client port,
+  counted from their first request to their close; the first request of one more is
+  a 503 with ``Retry-After`` and its connection is closed.
 
 Each refusal is a ``Refusal``: status, a message that names the limit and the
 setting (by its file key), and the request field at fault where there is one.
@@ -40,6 +48,7 @@ event loop keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,6 +82,52 @@ FALLBACK_INFLIGHT_BODY_BYTES: Final = 64 * 2**20
 # Never more: a container without a memory limit gets the node's allocatable memory
 # from the downward API (2 TiB would afford ~85 GiB of bodies).
 MAX_INFLIGHT_BODY_BYTES: Final = 2**30
+
+
+# Connections one address (the peer's IP) may hold open on the client port. Not a
+# setting, and not small: behind a gateway every client is the gateway's address, and
+# over HTTP/1.1 a gateway holds one connection per turn in flight to this pod, which
+# may run as many turns as vLLM's max_num_seqs (1024 on large GPUs). It bounds what
+# one host alone can hold (each socket up to the keep-alive time), not a crowd.
+MAX_CONNECTIONS_PER_CLIENT: Final = 1024
+
+
+class ClientConnections:
+    """The connections each address holds open on the client port, to cap them.
+
+    A connection counts from its first request (the middleware sees no connection
+    before that: aiohttp offers no hook at accept, and under uvloop the accept is
+    libuv's) until it closes (``closed``: aiohttp's task that serves it, done when
+    the connection is). A connection that never sends a whole head is not counted;
+    ``header_timeout_seconds`` alone bounds it."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._open: dict[str, set[object]] = {}
+
+    def admit(self, address: str | None, connection: object, closed: asyncio.Future[Any]) -> bool:
+        """Whether a request on ``connection`` from ``address`` is served: always on a
+        connection already counted, else while the address holds fewer than the cap."""
+        if address is None:
+            return True
+        held = self._open.get(address)
+        if held is not None and connection in held:
+            return True
+        if held is not None and len(held) >= self.cap:
+            return False
+        self._open.setdefault(address, set()).add(connection)
+        closed.add_done_callback(lambda _: self._release(address, connection))
+        return True
+
+    def _release(self, address: str, connection: object) -> None:
+        held = self._open.get(address)
+        if held is not None:
+            held.discard(connection)
+            if not held:
+                del self._open[address]
+
+    def held(self, address: str) -> int:
+        return len(self._open.get(address, ()))
 
 
 def key(name: str) -> str:

@@ -710,6 +710,26 @@ def refuse(refusal: limits.Refusal) -> web.Response:
     )
 
 
+async def refuse_unread(request: web.Request, refusal: limits.Refusal) -> web.StreamResponse:
+    """The answer to a request refused while reading its body. Its body not read whole,
+    the connection is not kept (``Connection: close``): aiohttp reads what still
+    arrives for its lingering time, so a client still sending gets this answer and not
+    a reset, then closes. A 408's connection is closed as soon as the answer is out:
+    nothing is arriving, and a sender that finished the body during the lingering
+    time would otherwise keep the connection for the keep-alive time (an hour)."""
+    response = refuse(refusal)
+    if request.content.is_eof():
+        return response
+    response.force_close()
+    if refusal.status == 408:
+        await response.prepare(request)
+        await response.write_eof()
+        # Closes the transport once what is written has gone out, and ends aiohttp's
+        # work on the connection: no lingering read.
+        request.protocol.force_close()
+    return response
+
+
 async def read_body(
     sc: Sidecar, request: web.Request, caps: limits.BodyCaps, held: limits.Hold
 ) -> tuple[bytes, dict[str, Any]] | limits.Refusal:
@@ -781,7 +801,7 @@ async def serve_turn(
     with budget.hold() as held:
         read = await read_body(sc, request, caps, held)
         if isinstance(read, limits.Refusal):
-            return refuse(read)
+            return await refuse_unread(request, read)
         raw, body = read
         field = session.invalid_text_field(body, request.headers, sc.settings.session_keys)
         if field is not None:

@@ -19,10 +19,11 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from kvferry_sidecar import limits, upstream
-from kvferry_sidecar.app import BODY_BUDGET
+from kvferry_sidecar.app import BODY_BUDGET, app_factory
 from kvferry_sidecar.config import ConfigError, build
+from tests.kube import free_port
 
-from .conftest import Engines, MakeSidecar
+from .conftest import Engines, MakeSidecar, sidecar_settings
 from .test_turns import CHAT, LONG_QUESTION
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -372,6 +373,84 @@ async def test_a_body_that_does_not_arrive_in_time_gets_408(
     assert client.app[BODY_BUDGET].in_use == 0
 
 
+KEEP_ALIVE_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+)
+
+
+async def answer_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status and the headers (lower-cased names) of a raw answer, its body read
+    by its Content-Length; bounded."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v for k, _, v in (h.partition(": ") for h in lines[1:] if h)}
+    await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    return int(lines[0].split()[1]), headers
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the server closes the connection (EOF, or a reset) within ``within``
+    seconds, nothing more arriving before."""
+    try:
+        rest = await asyncio.wait_for(reader.read(), within)
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return rest == b""
+
+
+async def test_a_408_closes_the_connection_at_once(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """Issue 38 (9): a body that never finishes gets its 408 with ``Connection: close``
+    and the server closes the socket as soon as the answer is out. Before, aiohttp
+    went on reading the unread body for its lingering time (10 s), and a sender that
+    finished it then kept the connection for the keep-alive time (an hour by
+    default): each slow sender held a socket that long."""
+    client = await make_sidecar(body_timeout_seconds=0.2)
+    reader, writer = await open_raw(client, KEEP_ALIVE_HEAD + b'{"model"')
+    try:
+        status, headers = await answer_head(reader)
+        assert status == 408
+        assert headers.get("connection", "").lower() == "close", headers
+        # The rest of the body, late: it must not buy the connection more time.
+        writer.write(b" " * 92)
+        # Far below aiohttp's 10 s lingering time.
+        assert await closed_by_server(reader, 5.0)
+    finally:
+        writer.close()
+    nothing_reached_an_engine(engines)
+    assert client.app[BODY_BUDGET].in_use == 0
+
+
+async def test_a_refusal_before_the_body_is_read_whole_closes_the_connection(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """A declared length past what may ever be in flight is refused (413) before its
+    body is read:
+    ``Connection: close``, so the rest of the body is never read as a next request
+    and the connection is not kept for the keep-alive time (aiohttp still reads
+    what arrives for a moment, so a client still sending gets its answer, not a
+    reset). A refusal after the whole body (invalid JSON) keeps the connection."""
+    client = await make_sidecar(max_inflight_body_bytes=50)
+    reader, writer = await open_raw(client, KEEP_ALIVE_HEAD)
+    try:
+        status, headers = await answer_head(reader)
+        assert status == 413 and headers.get("connection", "").lower() == "close", headers
+    finally:
+        writer.close()
+    head = KEEP_ALIVE_HEAD.replace(b"Content-Length: 100", b"Content-Length: 3")
+    reader, writer = await open_raw(client, head + b"{x}")
+    try:
+        status, headers = await answer_head(reader)
+        assert status == 400 and headers.get("connection", "").lower() != "close", headers
+    finally:
+        writer.close()
+    nothing_reached_an_engine(engines)
+
+
 async def test_a_request_head_that_does_not_arrive_in_time_is_cut(
     make_sidecar: MakeSidecar,
 ) -> None:
@@ -423,3 +502,80 @@ async def test_a_big_body_is_parsed_off_the_loop_while_other_turns_flow(
     error = await refusal(await refused, 413)
     assert "maxMediaBytes" in error["message"]
     assert held_to_the_end == [False]
+
+
+# ------------------------------------------------------------------ connections per client
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: sidecar\r\n\r\n"
+
+
+async def test_one_address_holds_at_most_the_cap_of_client_connections(
+    aiohttp_client: Any, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38 (9): past ``MAX_CONNECTIONS_PER_CLIENT`` connections open from one
+    address on the client port, the next connection's request is a 503 with
+    ``Retry-After`` and the connection is closed; the held ones go on being served,
+    another address is not counted with it, and a closed connection frees its place.
+    Before, one address could hold any number of sockets (each for the keep-alive
+    time, an hour by default)."""
+    monkeypatch.setattr(limits, "MAX_CONNECTIONS_PER_CLIENT", 2, raising=False)
+    port = free_port()
+    settings = sidecar_settings(engines, listen_host="127.0.0.1", listen_port=port)
+    client = await aiohttp_client(
+        app_factory(settings, clock=engines.clock), server_kwargs={"port": port}
+    )
+    opened: list[Any] = []
+
+    async def connect(source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, int, dict]:
+        reader, writer = await asyncio.open_connection(
+            client.host, client.port, local_addr=(source, 0)
+        )
+        opened.append(writer)
+        writer.write(HEALTHZ)
+        await writer.drain()
+        status, headers = await answer_head(reader)
+        return reader, status, headers
+
+    try:
+        held = []
+        for _ in range(2):
+            reader, status, _ = await connect()
+            assert status == 200
+            held.append((reader, opened[-1]))
+        reader, status, headers = await connect()
+        assert status == 503, headers
+        assert headers.get("connection", "").lower() == "close" and "retry-after" in headers
+        assert await closed_by_server(reader, 5.0)
+        # The held connections are still served.
+        held[1][1].write(HEALTHZ)
+        assert (await answer_head(held[1][0]))[0] == 200
+        # Another address is not counted with this one (127/8 is all loopback).
+        _, status, _ = await connect("127.0.0.2")
+        assert status == 200
+        # A held connection closed (by the server, at the client's asking) frees its place.
+        held[0][1].write(HEALTHZ.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        assert (await answer_head(held[0][0]))[0] == 200
+        assert await closed_by_server(held[0][0], 5.0)
+        _, status, _ = await connect()
+        assert status == 200
+    finally:
+        for writer in opened:
+            writer.close()
+
+
+async def test_peers_on_the_internal_port_are_not_capped(
+    make_sidecar: MakeSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cap is the client port's: peers' relays (a few pods, each with many turns
+    in flight) come in on the internal port, which ``make_sidecar``'s server is."""
+    monkeypatch.setattr(limits, "MAX_CONNECTIONS_PER_CLIENT", 1, raising=False)
+    client = await make_sidecar()
+    opened = []
+    try:
+        for _ in range(3):
+            reader, writer = await open_raw(client, HEALTHZ)
+            opened.append(writer)
+            assert (await answer_head(reader))[0] == 200
+    finally:
+        for writer in opened:
+            writer.close()
