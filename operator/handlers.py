@@ -290,11 +290,17 @@ def _seen(memo: kopf.Memo) -> Seen | None:
         return None
 
     def lookup(key: tuple[str, str]) -> dict[str, dict[str, Any]]:
+        # The index is keyed on labels anyone may copy (issue 38, item 3): the server's
+        # RoleScaler is the one of its name, <server>-<role>; a look-alike of another
+        # name is never it, whatever its labels or controller reference say (it would
+        # make the count not known, a ChildConflict, or lend its own replicas).
         out = {}
         for role in api.ROLES:
-            found = list(index.get((*key, role), []))
-            if found:
-                out[role] = found[0]
+            name = render.name_for(key[1], role)
+            for obj in index.get((*key, role), []):
+                if (obj.get("metadata") or {}).get("name") == name:
+                    out[role] = obj
+                    break
         return out
 
     return lookup
@@ -1468,7 +1474,11 @@ def _to_apply(
         # seeded at the count running now; under Static the apply deletes a left-over
         # one. Our own status writes change no count: nothing is applied for those.
         role = labels.get(api.LABEL_ROLE)
-        found = list(statefulsets.get((namespace, labels.get(api.LABEL_INSTANCE), role), []))
+        instance = labels.get(api.LABEL_INSTANCE)
+        if role not in api.ROLES or name != render.name_for(instance or "", role):
+            # A look-alike (another name, the server's labels): never the server's count.
+            return False, None
+        found = list(statefulsets.get((namespace, instance, role), []))
         running = found[0].spec_replicas if found else None
         count = scaler.replicas_of(dict(body))
         if type != "DELETED" and count == running:

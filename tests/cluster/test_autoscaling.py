@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.cluster.conftest import Kubectl, Operator, wait_until
@@ -309,3 +310,79 @@ def test_the_example_hpas_reach_the_example_rolescalers(
         )
         assert conditions["AbleToScale"] == "True", conditions
         assert conditions["ScalingActive"] == "False", conditions  # no metrics adapter here
+
+
+def lookalike(ns: str, uid: str | None) -> dict[str, Any]:
+    """A RoleScaler of another name carrying server tiny's decode labels, with a
+    controller reference to tiny when ``uid`` is given (issue 38, item 3)."""
+    meta: dict[str, Any] = {
+        "name": "evil-decode",
+        "namespace": ns,
+        "labels": {
+            "app.kubernetes.io/name": "kvferry",
+            "app.kubernetes.io/instance": "tiny",
+            "app.kubernetes.io/component": "scaler",
+            "app.kubernetes.io/managed-by": "kvferry-operator",
+            "app.kubernetes.io/part-of": "kvferry",
+            "kvferry.io/role": "decode",
+        },
+    }
+    if uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "kvferry.io/v1alpha1",
+                "kind": "DisaggregatedServer",
+                "name": "tiny",
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": False,
+            }
+        ]
+    return {
+        "apiVersion": "kvferry.io/v1alpha1",
+        "kind": "RoleScaler",
+        "metadata": meta,
+        "spec": {"serverName": "tiny", "role": "decode", "replicas": 3},
+    }
+
+
+@pytest.mark.parametrize("controlled", [True, False], ids=["controller-ref", "no-ref"])
+def test_a_lookalike_rolescaler_changes_nothing_for_the_server(
+    kubectl: Kubectl, operator: Operator, ns: str, controlled: bool
+):
+    # The look-alike is there before the server's own RoleScaler, so the watch's index
+    # holds it first under the server's labels.
+    kubectl.apply(make(ns), "--server-side")
+    wait_scaled(kubectl, ns, prefill=1, decode=1)
+    uid = kubectl.get("dserver", "tiny", ns)["metadata"]["uid"]
+    kubectl.apply(lookalike(ns, uid if controlled else None), "--server-side")
+    kubectl.run(
+        "patch", "dserver", "tiny", "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"decode": EXTERNAL}}),
+    )  # fmt: skip
+    wait_until(
+        lambda: (s := scaler(kubectl, ns, "decode")) and s["spec"]["replicas"] == 1,
+        TIMEOUT,
+        "RoleScaler tiny-decode created at the running 1",
+    )
+    # The StatefulSet keeps being applied, from tiny-decode's count (not evil-decode's 3).
+    kubectl.run("scale", "rolescaler", "tiny-decode", "--replicas=2", "-n", ns)
+    wait_scaled(kubectl, ns, prefill=1, decode=2)
+    wait_until(
+        lambda: (
+            (kubectl.get("dserver", "tiny", ns).get("status") or {})
+            .get("decode", {})
+            .get("scaledBy")
+            == "RoleScaler tiny-decode"
+        ),
+        TIMEOUT,
+        "status.decode.scaledBy names tiny-decode",
+    )
+    conditions = {c["type"]: c for c in kubectl.get("dserver", "tiny", ns)["status"]["conditions"]}
+    for ctype in ("Ready", "Progressing", "Degraded"):
+        assert conditions[ctype]["reason"] != "ChildConflict", conditions[ctype]
+        assert "evil-decode" not in conditions[ctype]["message"]
+    # The look-alike is left as it was: neither deleted nor written.
+    evil = kubectl.get("rolescaler", "evil-decode", ns)
+    assert evil is not None and evil["spec"]["replicas"] == 3
+    assert "status" not in evil

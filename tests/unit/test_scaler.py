@@ -380,3 +380,70 @@ class TestScalerEvents:
 def run_child(handler, **kwargs):
     """A child handler (a coroutine function) run to its end."""
     return asyncio.run(handler(**kwargs))
+
+
+EXT_DECODE = {"decode": EXTERNAL}
+
+
+class TestScalerLookup:
+    """A server's RoleScaler is the one of its name (``<server>-<role>``) that it
+    controls; the labels only narrow the watch (issue 38, item 3). A look-alike of
+    another name carrying the server's labels, with or without a controller reference
+    to it, is never the server's."""
+
+    def lookalike(self, *, controlled: bool, replicas: int = 7) -> dict:
+        body = scaler.build_role_scaler(make(EXT_DECODE), "decode", replicas)
+        body["metadata"]["name"] = "evil-decode"
+        if not controlled:
+            body["metadata"].pop("ownerReferences")
+        return body
+
+    def seen(self, *bodies: dict) -> handlers.Seen:
+        memo = kopf.Memo(indexes={"rolescalers": {("ns", "tiny", "decode"): list(bodies)}})
+        lookup = handlers._seen(memo)
+        assert lookup is not None
+        return lookup
+
+    @pytest.mark.parametrize("controlled", [True, False], ids=["controller-ref", "no-ref"])
+    def test_a_lookalike_first_in_the_index_is_passed_over(self, controlled: bool):
+        ours = scaler.build_role_scaler(make(EXT_DECODE), "decode", 2)
+        seen = self.seen(self.lookalike(controlled=controlled), ours)
+        assert seen(("ns", "tiny")) == {"decode": ours}
+        body = server(EXT_DECODE, name="tiny", namespace="ns", uid=UID, generation=1)
+        assert handlers._scaled(body, seen) == {"decode": 2}
+
+    @pytest.mark.parametrize("controlled", [True, False], ids=["controller-ref", "no-ref"])
+    def test_a_lookalike_alone_is_not_the_servers(self, controlled: bool):
+        seen = self.seen(self.lookalike(controlled=controlled))
+        assert seen(("ns", "tiny")) == {}
+        body = server(EXT_DECODE, name="tiny", namespace="ns", uid=UID, generation=1)
+        assert handlers._scaled(body, seen) == {}
+
+    def test_a_lookalikes_count_never_resolves_the_role(self):
+        # resolve_scalers reads the server's own RoleScaler by name past the look-alike,
+        # reports no conflict, and never deletes the look-alike.
+        srv = make(EXT_DECODE)
+        ours = scaler.build_role_scaler(srv, "decode", 2)
+        ours["metadata"]["uid"] = "ours"
+
+        class FakeKube:
+            def __init__(self) -> None:
+                self.deleted: list = []
+
+            def get(self, api_version, kind, ns, name):
+                return ours if (kind, name) == (api.SCALER_KIND, "tiny-decode") else None
+
+            def create(self, obj):
+                raise AssertionError(f"created {obj['metadata']['name']}")
+
+            def delete(self, *args):
+                self.deleted.append(args)
+
+        kube = FakeKube()
+        claims = ownership.Claims()
+        got, counted, why = handlers.resolve_scalers(
+            srv, kube, claims, self.seen(self.lookalike(controlled=True)), logging.getLogger("t")
+        )
+        assert (got.scaled, counted, why) == ({"decode": 2}, True, "")
+        assert claims.conflicts(("ns", "tiny")) == ()
+        assert kube.deleted == []
