@@ -70,6 +70,8 @@ COND_DEGRADED = "Degraded"
 COND_KV_TRANSPORT = "KVTransport"
 # What the server needs from the cluster (GPU/RDMA nodes, Multus networks, Pod Security).
 COND_PREREQUISITES = "Prerequisites"
+# Only with spec.owners.header: whether only restricted clients reach the client port.
+COND_OWNER_BOUNDARY = "OwnerBoundary"
 
 # Ports are part of the wire contract with the sidecar: kvferry_wire.protocol.
 

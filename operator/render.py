@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -696,6 +697,52 @@ def network_policy_name(server: Server) -> str:
     return server.name
 
 
+def _selects_all(selector: Any) -> bool:
+    """A label selector with no requirement: every object."""
+    return isinstance(selector, dict) and not (
+        selector.get("matchLabels") or selector.get("matchExpressions")
+    )
+
+
+def unrestricted_clients(server: Server) -> list[str]:
+    """The ``spec.networkPolicy.clients`` entries that admit any pod of any namespace
+    to the client port: a ``namespaceSelector`` with no requirement and no
+    ``podSelector`` requirement (the CRD's default, ``[{namespaceSelector: {}}]``), or
+    an ``ipBlock`` of every address (``/0``, no ``except``). Each as ``entry i: ...``."""
+    out = []
+    for i, peer in enumerate(server.spec.network_policy.clients):
+        block = peer.get("ipBlock")
+        if isinstance(block, dict):
+            cidr = str(block.get("cidr", ""))
+            if cidr.endswith("/0") and not block.get("except"):
+                out.append(f"entry {i}: ipBlock {cidr}")
+        elif _selects_all(peer.get("namespaceSelector")) and (
+            "podSelector" not in peer or _selects_all(peer.get("podSelector"))
+        ):
+            out.append(f"entry {i}: namespaceSelector {{}}")
+    return out
+
+
+def owner_boundary_open(server: Server) -> str | None:
+    """Why the owner boundary is not enforced, or None (no ``spec.owners.header``, or
+    clients restricted). With owners, a handle is its owner's only if no one but the
+    gateway, which overwrites the header, reaches the client port: a pod that does can
+    send another owner's header and session id (issue 38, item 1)."""
+    if not server.spec.owners.header:
+        return None
+    wide = unrestricted_clients(server)
+    if not wide:
+        return None
+    return (
+        f"spec.owners.header is {server.spec.owners.header} but spec.networkPolicy.clients "
+        f"admits every pod of every namespace to port {protocol.SIDECAR_PORT} "
+        f"({'; '.join(wide)}): any pod can send another owner's header and session id "
+        "and take its handles. Set spec.networkPolicy.clients to your gateway alone, "
+        "e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: "
+        "<gateway namespace>}}, podSelector: {matchLabels: {<gateway labels>}}}]"
+    )
+
+
 def build_network_policy(server: Server, ctx: Context | None = None) -> Obj:
     """Ingress to the server's pods: everything from the server's own pods (engine
     HTTP, the sidecars' internal port, NIXL's side channel and UCX's data
@@ -756,7 +803,17 @@ def render(server: Server, ctx: Context | None = None) -> list[Obj]:
     """All children of ``server``, in the order they should be applied.
 
     ``ctx`` carries what the operator adds (its sidecar image, its report endpoint).
+    Without it (``kvferry-operator render``, offline) an owner boundary the
+    NetworkPolicy leaves open is a warning on stderr; the operator says it in the
+    server's OwnerBoundary condition and a Warning Event instead.
     """
+    if ctx is None:
+        open_boundary = owner_boundary_open(server)
+        if open_boundary:
+            # Unconfigured logging (the CLI) prints a warning on stderr by itself.
+            logging.getLogger(__name__).warning(
+                "warning: %s %s: %s", api.SERVER_KIND, server.name, open_boundary
+            )
     ctx = ctx or Context()
     roles = [server.spec.prefill, server.spec.decode]
     return [

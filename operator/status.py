@@ -19,7 +19,7 @@ from kvferry_wire.report import TRANSPORT_NONE, TRANSPORT_TCP_FALLBACK, TRANSPOR
 from . import api, hostpaths, ownership, podtemplate, prerequisites
 from .api import Server
 from .prerequisites import Finding
-from .render import entry_url, selector_labels
+from .render import entry_url, owner_boundary_open, selector_labels
 from .scaler import scaler_name
 
 # Condition reasons (also Event reasons).
@@ -36,6 +36,8 @@ REASON_NO_REPORTS = "NoReports"
 REASON_NODE_LOST = "NodeLost"
 # A child's name is held by an object the server does not control (ownership.py).
 REASON_CHILD_CONFLICT = "ChildConflict"
+REASON_CLIENTS_RESTRICTED = "ClientsRestricted"  # OwnerBoundary True
+REASON_CLIENTS_NOT_RESTRICTED = "ClientsNotRestricted"  # OwnerBoundary False: a Warning
 REASON_APPLY_FAILED = "ApplyFailed"  # the API server refused a child of this generation
 # hostpaths.REASON: spec.model.source.hub.cache.hostPath is not under an allowed folder.
 # KVTransport reasons are the reported transports (kvferry_wire.report.TRANSPORTS).
@@ -329,9 +331,28 @@ def prerequisites_condition(server: Server, observed: Observed) -> tuple[str, st
     return prerequisites.condition(list(found or []), checked=found is not None)
 
 
+def owner_boundary_condition(server: Server) -> tuple[str, str, str] | None:
+    """OwnerBoundary, only where spec.owners.header is set (None otherwise): False
+    (a Warning Event) while spec.networkPolicy.clients admits every pod, so any pod
+    could send another owner's header; True once it names who may reach the port."""
+    if not server.spec.owners.header:
+        return None
+    open_boundary = owner_boundary_open(server)
+    if open_boundary:
+        return ("False", REASON_CLIENTS_NOT_RESTRICTED, open_boundary)
+    return (
+        "True",
+        REASON_CLIENTS_RESTRICTED,
+        "only spec.networkPolicy.clients reach the client port; make them your gateway "
+        f"alone, which overwrites {server.spec.owners.header} (enforced by a CNI that "
+        "implements NetworkPolicy)",
+    )
+
+
 def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any]]:
-    """Ready, Progressing, Degraded, KVTransport and Prerequisites, without
-    transition times. A child conflict makes the server Degraded and not Ready."""
+    """Ready, Progressing, Degraded, KVTransport, Prerequisites and, with owners,
+    OwnerBoundary, without transition times. A child conflict makes the server
+    Degraded and not Ready."""
     roles = observed.roles
     unschedulable = unschedulable_summary(server, observed.pods)
     crashing = [f"{p.name} ({p.waiting_reason})" for p in observed.pods if p.waiting_reason]
@@ -412,6 +433,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         degraded = ("False", REASON_HEALTHY, "no unschedulable, lost or crashing pods")
 
     transport = transport_condition(server, observed)
+    boundary = owner_boundary_condition(server)
     out = []
     for ctype, (status, reason, message) in (
         (api.COND_READY, ready),
@@ -419,6 +441,7 @@ def compute_conditions(server: Server, observed: Observed) -> list[dict[str, Any
         (api.COND_DEGRADED, degraded),
         (api.COND_KV_TRANSPORT, transport),
         (api.COND_PREREQUISITES, prereqs),
+        *([(api.COND_OWNER_BOUNDARY, boundary)] if boundary else []),
     ):
         out.append(
             {
@@ -519,6 +542,8 @@ INITIAL_CONDITIONS = {
     api.COND_DEGRADED: ("False", REASON_HEALTHY),
     api.COND_KV_TRANSPORT: ("Unknown", REASON_NO_REPORTS),
     api.COND_PREREQUISITES: ("Unknown", prerequisites.REASON_NOT_CHECKED),
+    # Restricted is no news; a server that starts open gets its Warning.
+    api.COND_OWNER_BOUNDARY: ("True", REASON_CLIENTS_RESTRICTED),
 }
 
 

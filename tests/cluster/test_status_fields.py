@@ -211,7 +211,8 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
     # test runs the operator's own code in-process instead.
     operator.stop()
     try:
-        spec = {"cacheTuning": {"mode": "Auto"}}
+        # owners with every pod a client: OwnerBoundary (False) is written too.
+        spec = {"cacheTuning": {"mode": "Auto"}, "owners": {"header": "X-Authenticated-User"}}
         kubectl.apply(make(ns, spec=spec), "--server-side")
         body = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")
         server = api.parse_server(body)
@@ -231,6 +232,7 @@ def test_every_status_field_the_operator_writes_reads_back_unchanged(
         )
         written = server_status(server, claims.last_apply((ns, "tiny")))
         assert {"observedGeneration", "renderHash"} <= set(written)
+        assert api.COND_OWNER_BOUNDARY in {c["type"] for c in written["conditions"]}
         kube.patch_status(api.API_VERSION, api.SERVER_KIND, ns, "tiny", written)
         back = kube.get(api.API_VERSION, api.SERVER_KIND, ns, "tiny")["status"]
         assert differences(written, back) == []

@@ -648,3 +648,101 @@ def test_the_status_patch_holds_only_what_changed_and_never_retention():
     assert status.status_patch(old, new) == {"conditions": [{"type": "Degraded"}]}
     assert status.status_patch(old, {**old, "retention": {"applied": 9}}) == {}
     assert status.status_patch(None, {"endpoint": "a"}) == {"endpoint": "a"}
+
+
+# Issue 38, item 1: with spec.owners.header, the owner boundary holds only if no one
+# but the gateway reaches the client port.
+OWNER_HEADER = {"owners": {"header": "X-Authenticated-User"}}
+GATEWAY_NS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}
+
+
+def with_clients(clients: list[dict] | None, owners: bool = True) -> api.Server:
+    spec: dict[str, Any] = dict(OWNER_HEADER) if owners else {}
+    if clients is not None:
+        spec["networkPolicy"] = {"clients": clients}
+    body = server(spec, name="tiny", namespace="ns", generation=3)
+    if clients is None:  # the CRD's default, as the API server stores it
+        body["spec"].setdefault("networkPolicy", {})["clients"] = [{"namespaceSelector": {}}]
+    return api.parse_server(body)
+
+
+@pytest.mark.parametrize(
+    ("clients", "wide"),
+    [
+        (None, "entry 0: namespaceSelector {}"),
+        ([{"namespaceSelector": {}, "podSelector": {}}], "entry 0: namespaceSelector {}"),
+        ([GATEWAY_NS, {"ipBlock": {"cidr": "0.0.0.0/0"}}], "entry 1: ipBlock 0.0.0.0/0"),
+        ([{"ipBlock": {"cidr": "::/0"}}], "entry 0: ipBlock ::/0"),
+    ],
+    ids=["default", "empty-selectors", "ipv4-any", "ipv6-any"],
+)
+def test_owners_with_unrestricted_clients_say_the_boundary_is_open(clients, wide):
+    srv = with_clients(clients)
+    got = cond(status.compute_conditions(srv, observed()), api.COND_OWNER_BOUNDARY)
+    assert (got["status"], got["reason"]) == ("False", status.REASON_CLIENTS_NOT_RESTRICTED)
+    assert wide in got["message"]
+    assert "spec.networkPolicy.clients" in got["message"]
+    assert "another owner's header" in got["message"]
+    # A Warning Event, also when it is the new server's first state.
+    c = status.ConditionChange(got["type"], got["status"], got["reason"], got["message"])
+    assert status.event_type(c) == "Warning" and status.worth_an_event(c)
+
+
+@pytest.mark.parametrize(
+    "clients",
+    [
+        [GATEWAY_NS],
+        [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "gateway"}}}],
+        [{"podSelector": {}}],
+        [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+        [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8"]}}],
+        [],
+    ],
+    ids=["gateway-ns", "gateway-pods", "this-namespace", "ipblock", "ipblock-except", "none"],
+)
+def test_owners_with_restricted_clients_hold_the_boundary(clients):
+    got = cond(status.compute_conditions(with_clients(clients), observed()), "OwnerBoundary")
+    assert (got["status"], got["reason"]) == ("True", status.REASON_CLIENTS_RESTRICTED)
+    # Restricted from the start is no news: no Event.
+    c = status.ConditionChange(got["type"], got["status"], got["reason"], got["message"])
+    assert not status.worth_an_event(c)
+
+
+def test_without_owners_there_is_no_owner_boundary_condition():
+    conditions = status.compute_conditions(with_clients(None, owners=False), observed())
+    assert api.COND_OWNER_BOUNDARY not in {c["type"] for c in conditions}
+
+
+CLI = "import sys; from kvferry_operator.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_render_offline_warns_of_an_open_boundary_on_stderr(tmp_path):
+    # kvferry-operator render: a warning on stderr, the children on stdout, exit 0 (a
+    # refusal, exit 2, is for what the API server or the operator would refuse).
+    import subprocess
+    import sys
+
+    import yaml
+
+    body = server(OWNER_HEADER, name="tiny", namespace="ns")
+    body["spec"]["networkPolicy"] = {"clients": [{"namespaceSelector": {}}]}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(body))
+    run = subprocess.run(
+        [sys.executable, "-c", CLI, "render", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "warning: DisaggregatedServer tiny: spec.owners.header" in run.stderr
+    assert "ClientsNotRestricted" not in run.stdout and "kind: NetworkPolicy" in run.stdout
+    body["spec"]["networkPolicy"] = {"clients": [GATEWAY_NS]}
+    path.write_text(yaml.safe_dump(body))
+    run = subprocess.run(
+        [sys.executable, "-c", CLI, "render", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0 and "warning" not in run.stderr
