@@ -13,6 +13,9 @@ Names as vLLM 0.32 registers them (``v1/metrics/loggers.py``,
   engine received from another vLLM instance, i.e. NIXL pulls)
 - ``vllm:cache_config_info{block_size=..., num_gpu_blocks=..., prefix_caching_hash_algo=...}``
   (info gauge)
+- ``vllm:num_requests_running`` and ``vllm:num_requests_waiting_by_reason{reason="capacity"}``
+  (gauges): requests waiting for room while none runs wait for KV blocks (a request
+  waiting for its KV transfer is ``deferred``, not ``capacity``)
 
 Every series is summed over its label sets (engines, models), except the KV usage
 fraction, where the highest engine counts (the pressure the tuner must see).
@@ -40,6 +43,9 @@ CACHE_CONFIG = "vllm:cache_config_info"
 # restarts, and only then (a slow /health is not a restart).
 PROCESS_START = "process_start_time_seconds"
 P2P_SOURCE = "p2p"
+RUNNING = "vllm:num_requests_running"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+WAITING_CAPACITY = "capacity"
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,17 @@ class EngineFigures:
     num_gpu_blocks: int | None = None
     prefix_hash_algo: str | None = None  # e.g. sha256_cbor (reproducible block hashes)
     started_at: float | None = None  # the engine process's start (its identity)
+    running: float | None = None  # requests in the engine's batches now
+    waiting_for_capacity: float | None = None  # requests waiting for room now
+
+    @property
+    def stalled(self) -> int:
+        """Requests waiting for room on an engine that runs none: they wait for KV
+        blocks (nothing else can hold an empty batch back). vLLM counts no preemption
+        for them, and its usage may be under the high-water mark."""
+        if not self.running and self.waiting_for_capacity:
+            return max(0, int(self.waiting_for_capacity))
+        return 0
 
 
 def parse(text: str) -> EngineFigures:
@@ -71,6 +88,8 @@ def parse(text: str) -> EngineFigures:
     num_gpu_blocks: int | None = None
     hash_algo: str | None = None
     started_at: float | None = None
+    running: float | None = None
+    waiting: float | None = None
     for s in samples(text):
         name, value = s.name, s.value
         if value != value:  # NaN: an engine with nothing observed yet
@@ -93,6 +112,10 @@ def parse(text: str) -> EngineFigures:
             sums["failed"] += value
         elif is_sample_of(CACHED_BY_SOURCE, name) and s.labels.get("source") == P2P_SOURCE:
             sums["p2p"] += value
+        elif name == RUNNING:
+            running = (running or 0.0) + value
+        elif name == WAITING_BY_REASON and s.labels.get("reason") == WAITING_CAPACITY:
+            waiting = (waiting or 0.0) + value
         elif name == PROCESS_START and started_at is None:
             started_at = value
         elif name == CACHE_CONFIG and block_size is None:
@@ -114,6 +137,8 @@ def parse(text: str) -> EngineFigures:
         num_gpu_blocks=num_gpu_blocks,
         prefix_hash_algo=hash_algo,
         started_at=started_at,
+        running=running,
+        waiting_for_capacity=waiting,
     )
 
 

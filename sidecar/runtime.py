@@ -189,7 +189,9 @@ class Sidecar:
         figures = self._engine_figures
         if figures is None:
             return retention.Pressure(preemptions=max(0, new))
-        return retention.Pressure.of_engine(figures.kv_usage, figures.num_gpu_blocks, new)
+        return retention.Pressure.of_engine(
+            figures.kv_usage, figures.num_gpu_blocks, new, figures.stalled
+        )
 
     def release_due(self) -> int:
         """Let go the handles the retention policy releases now (handles.release_due)."""

@@ -58,7 +58,8 @@ ended): ``(gaps + 1) / (gaps + ended + 2)``.
   share goes at birth (``REASON_ADMISSION``). Making room never releases more value
   than it admits (``tests/unit/test_replay.py``);
 - under pressure the lowest value goes first: when D's KV usage is above
-  ``Limits.kv_high_water`` (the blocks above it), per preemption, or over the handle cap,
+  ``Limits.kv_high_water`` (the blocks above it), per preemption or request waiting
+  for KV blocks (``Pressure.stalled``), or over the handle cap,
   handles are released in order of value until the need is met;
 - usefulness ends: without pressure a handle is released when the best expected saving
   per pinned byte-second of keeping it any longer, ``max_T saving x P(a, T) / (bytes x (T - a))``,
@@ -201,18 +202,21 @@ class Pressure:
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
     preemptions: int = 0  # since the last decide
+    # Requests waiting for KV blocks now (enginemetrics.EngineFigures.stalled): each
+    # asks for room as a preemption does, whatever the usage.
+    stalled: int = 0
 
     @classmethod
     def of_engine(
-        cls, kv_usage: float | None, total_blocks: int | None, preemptions: int
+        cls, kv_usage: float | None, total_blocks: int | None, preemptions: int, stalled: int = 0
     ) -> Pressure:
         """From D's /metrics (``enginemetrics``): its KV usage fraction of its
         ``num_gpu_blocks``, and the preemptions since the last look. An unknown usage
         or size is no KV pressure (preemptions still count)."""
         if kv_usage is None or not total_blocks:
-            return cls(preemptions=max(0, preemptions))
+            return cls(preemptions=max(0, preemptions), stalled=max(0, stalled))
         used = math.ceil(min(1.0, max(0.0, kv_usage)) * total_blocks)
-        return cls(used, total_blocks, max(0, preemptions))
+        return cls(used, total_blocks, max(0, preemptions), max(0, stalled))
 
 
 NO_PRESSURE = Pressure()
@@ -736,8 +740,9 @@ class RetentionPolicy:
         if p.kv_total_blocks:
             need = p.kv_used_blocks - math.floor(self.limits.kv_high_water * p.kv_total_blocks)
             need -= self._in_flight_blocks  # met already, once those releases land
-        # A preemption asks for room: a release on its way gives it.
-        preemptions = p.preemptions - len(self._in_flight)
+        # A preemption or a request waiting for blocks asks for room: a release on its
+        # way gives it.
+        preemptions = p.preemptions + p.stalled - len(self._in_flight)
         if over_cap <= 0 and need <= 0 and preemptions <= 0:
             return []
         ranked = sorted(self._held.values(), key=lambda h: (self.value(h, now), h.t))

@@ -224,6 +224,18 @@ def test_each_preemption_releases_the_lowest_value() -> None:
     assert [(x.session, x.reason) for x in out] == [("human", r.REASON_PREEMPTION)]
 
 
+def test_a_request_waiting_for_blocks_releases_the_lowest_value_once() -> None:
+    # D runs nothing and a request waits for room, under the high-water mark: vLLM
+    # counts no preemption, but the request waits for KV blocks all the same.
+    pol = policy(release_window_s=4.0)
+    feed(pol, "human", [0, 300, 600])
+    feed(pol, "agent", [590, 592, 594, 596, 598, 600])
+    stalled = r.Pressure(kv_used_blocks=10, kv_total_blocks=100, stalled=1)
+    out = pol.decide(601, stalled)
+    assert [(x.session, x.reason) for x in out] == [("human", r.REASON_PREEMPTION)]
+    assert pol.decide(601.5, stalled) == []  # its release is on its way
+
+
 def test_the_chance_blends_the_session_with_the_server() -> None:
     """Dirichlet-process predictive: K pseudo-gaps of the server's distribution, then
     the session's own; with none of its own the session is the server's."""

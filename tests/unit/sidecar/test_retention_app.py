@@ -93,6 +93,36 @@ async def test_each_new_preemption_on_d_releases_one_handle(
     assert 'kvferry_handle_evictions_total{reason="preemption"} 1.0' in text
 
 
+async def test_a_request_waiting_for_blocks_on_an_idle_d_releases_one_handle(
+    make_sidecar: MakeSidecar, engines: Engines
+) -> None:
+    """D runs nothing while a request waits for room (KV usage under the high-water
+    mark, no preemption counted): one handle is released for it; a request waiting for
+    its KV transfer (``deferred``) or beside running ones asks for nothing."""
+    client, _ = await two_sessions(make_sidecar)
+    sc = sidecar_of(client)
+
+    def waiting(running: int, reason: str) -> str:
+        return engine_metrics(0.5, 0) + (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}.0\n'
+            "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+            "vllm:num_requests_waiting_by_reason"
+            f'{{engine="0",model_name="m",reason="{reason}"}} 1.0\n'
+        )
+
+    for running, reason in ((0, "deferred"), (1, "capacity")):
+        engines.decode.metrics_text = waiting(running, reason)
+        assert await sc.scrape_engine() is True
+        assert sc.release_due() == 0
+    engines.decode.metrics_text = waiting(0, "capacity")
+    assert await sc.scrape_engine() is True
+    assert sc.release_due() == 1
+    await releases_done(client)
+    rep = await residency(client)
+    assert rep.evictions.preemption == 1 and len(sc.store) == 1
+
+
 async def test_without_engine_figures_nothing_is_released_for_pressure(
     make_sidecar: MakeSidecar, engines: Engines
 ) -> None:
