@@ -238,10 +238,10 @@ def whatif_capacity(args: argparse.Namespace, costs: Any) -> Any:
         gb = args.capacity_gb
         if not math.isfinite(gb) or not 0 < gb <= 1e6:
             raise ValueError(f"--capacity-gb: {gb} is not a size in GB (0 to 1e6)")
-        blocks = math.floor(gb * 1e9 / (block * costs.bytes_per_token))
-        if blocks < 1:
+        blocks = gb * 1e9 / (block * costs.bytes_per_token)
+        if not blocks >= 1:
             raise ValueError(f"--capacity-gb: {gb} GB holds no {block}-token block")
-        return whatif.Capacity(min(blocks, 10**9), block)
+        return whatif.Capacity(math.floor(min(blocks, 1e9)), block)
     return None
 
 
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--capacity-gb",
         type=float,
-        help="D's KV cache (GB, as vLLM logs it): replay the trace at that size as the "
-        "decode sidecar keeps handles (default: no limit)",
+        help="D's KV cache (GB of 10^9 bytes; vLLM logs GiB): replay the trace at that size "
+        "as the decode sidecar keeps handles (default: no limit)",
     )
     p.add_argument(
         "--capacity-blocks", type=int, help="D's KV cache in blocks (vLLM's num_gpu_blocks)"

@@ -6,10 +6,11 @@ Rules (each has a test named after it):
 - expiry: a handle is dropped ``margin`` seconds before D frees its blocks; P would
   decline the read anyway (vLLM's own 5 s margin) or, without the deadline, read
   freed blocks.
-- live retention: a handle is also dropped ``margin`` seconds before its receipt plus
-  the retention in force *now* (``retention``, the live policy's), so a policy
-  change reaches the handles already held; D's deadline (``expires_at``, at most the
-  ceiling) stays the bound. ``engine_expiring`` tells the two apart: a handle the
+- live bound: a handle is also dropped ``margin`` seconds before its receipt plus
+  ``retention()`` *now* (the runtime passes the ceiling once D's size is known, the
+  retention in force until then: ``Sidecar._offered_seconds``), so a change reaches
+  the handles already held; D's deadline (``expires_at``, at most the ceiling) stays
+  the bound. ``engine_expiring`` tells the two apart: a handle the
   policy let go while D still holds it must be released, one near D's deadline not.
 - cap: at most ``cap`` handles; the lowest value goes first (the retention policy's
   ranking, ``retention.py``), the least recently stored without a policy.
@@ -59,7 +60,7 @@ from .types import K_REMOTE_EXPIRY, HandleFate, KVHandle, SessionTag
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-Retention = Callable[[], float]  # the retention in force now (policy.LivePolicy)
+Retention = Callable[[], float]  # how long a handle is offered now (Sidecar._offered_seconds)
 # A deadline further than retention + this from "now" is not on a clock we know.
 CLOCK_SLACK_S = 60.0
 
@@ -246,18 +247,19 @@ class HandleStore:
             owned = self._owned.setdefault(handle.owner, _Owned())
             owned.slots[handle.session] = handle
             owned.tokens += handle.num_tokens
-        if self.policy is not None:
+        if handle.owner is not None and self._owner_caps is not None:
+            # The owner's caps first: admission must not make room for a handle its
+            # owner's caps then throw out.
+            self._enforce(self._owned[handle.owner], self._owner_caps(), handle)
+            if self._items.get(handle.session) is not handle:
+                self.refused_by = EVICT_OWNER_TOKENS
+        if self.policy is not None and self._items.get(handle.session) is handle:
             # Admission: kept only if worth what it displaces (kvferry_wire.retention).
             self._observe(handle, previous)
             releases = self.policy.take_releases()
             if any(r.session == handle.session for r in releases):
                 self.refused_by = EVICT_ADMISSION
             self._apply(releases)
-        if handle.owner is not None and self._items.get(handle.session) is handle:
-            if self._owner_caps is not None:
-                self._enforce(self._owned[handle.owner], self._owner_caps(), handle)
-            if self._items.get(handle.session) is not handle:
-                self.refused_by = EVICT_OWNER_TOKENS
         while len(self._items) > self._cap:
             self._evict(self._first_to_evict(self._items.values(), handle), EVICT_STORE_CAP)
         return self._items.get(handle.session) is handle

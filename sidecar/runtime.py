@@ -111,9 +111,10 @@ class Sidecar:
             on_drop=self._on_drop,
             on_evict=self._on_evict,
             owner_caps=self.owner_caps if self.owner_rule is not None else None,
-            # A handle is offered until the ceiling; the retention in force is the
-            # policy's floor (retention.Wiring says why).
-            retention=lambda: self.policy.ceiling_seconds,
+            # A handle is offered until the ceiling, the retention in force the policy's
+            # floor (retention.Wiring says why); until D's size is known (no admission,
+            # no KV pressure) the retention in force ends it, as before.
+            retention=self._offered_seconds,
             policy=self.retention,
         )
         self.decode_sidecars: tuple[str, ...] = settings.decode_sidecars
@@ -175,10 +176,17 @@ class Sidecar:
         self.metrics.bind_settings(settings)
         self.metrics.bind_policy(self.policy.current)
 
+    def _offered_seconds(self) -> float:
+        if self.retention.share_blocks() is None:
+            return self.policy.retention_seconds
+        return self.policy.ceiling_seconds
+
     def _on_policy(self, in_force: InForce) -> None:
         self.metrics.bind_policy(in_force)
-        # The handles held now are judged by the new floor.
+        # The handles held now are judged by the new floor (and, while D's size is
+        # unknown, end by the new retention).
         self.retention.set_floor(in_force.retention_seconds, self.store.now())
+        self.store.rebound()
 
     def engine_pressure(self) -> retention.Pressure:
         """D's KV pressure as of its last scrape, and its preemptions since the last

@@ -16,13 +16,14 @@ What it replays is what the sidecar runs, built the same way (``retention.Wiring
 - a handle let go stays pinned on D until its release lands ``release_after_s`` later.
 
 A request that finds D's KV full counts as a preemption, which the policy answers at
-its next tick (the replay does not delay the request: D's running requests may then
-claim more than its blocks for a moment; the handles never do, admission keeps them
-within the share). The running request of a turn claims its prompt and answer
-(``kept_tokens``) from its arrival until its answer ends, ``decode_s_per_token`` per
-output token (at most half the time to the session's next turn: a client waits for the
-answer before it sends the next). Its blocks then become the handle, or are released.
-D's size is known from the first tick on, as the sidecar knows it from its first scrape.
+its next tick (the replay does not delay the request: D's running requests, and so the
+releases that follow them, may claim more than its blocks for a moment; the handles
+held never do, admission keeps them within the share). The running request of a turn
+claims its prompt and answer (``kept_tokens``) from its arrival until its answer
+ends, ``decode_s_per_token`` per output token (at most half the time to the session's
+next turn: a client waits for the answer before it sends the next). Its blocks then
+become the handle, or are released. D's size is known from the first tick on, as the
+sidecar knows it from its first scrape.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class Replay:
             self._pending_blocks += pin.blocks
 
     def _land(self, now: float) -> None:
-        while self._pending and self._pending[0][0] <= now:
+        # A release sent at a tick lands after the next tick's look (the sidecar waits
+        # release_after for a ride, then P takes the release request).
+        while self._pending and self._pending[0][0] < now:
             at, _, pin = heapq.heappop(self._pending)
             self._pending_blocks -= pin.blocks
             self._unpin(pin, at)
@@ -177,13 +180,13 @@ class Replay:
             victim = self.policy.lowest(others, now)
             self.policy.forget(victim)
             self._let_go([rp.Release(victim, 0, rp.REASON_CAP, 0.0)], now)
-        pinned = sum(p.blocks for p in self._held.values()) + self._pending_blocks
-        if pinned > self.capacity:
-            # More pinned than D has: its request could not have finished without D
-            # making room. A policy that admits only what fits never gets here; one
-            # that keeps every handle releases now what its next look would.
-            self.figures.preemptions += 1
-            self._let_go(self.policy.decide(now, rp.Pressure(pinned, self.capacity)), now)
+        if sum(p.blocks for p in self._held.values()) > self.capacity:
+            # More held than D has: its request could not have finished without D
+            # making room. Admission keeps the handles within its share, so only a
+            # policy that keeps every handle (the bench's "before") gets here: it
+            # releases now what its next look would.
+            used = min(self._used(), 2**62)
+            self._let_go(self.policy.decide(now, rp.Pressure(used, self.capacity)), now)
         self._note_peak()
 
     def run(self, turns: Sequence[TurnLike]) -> Figures:

@@ -212,9 +212,11 @@ class Pressure:
     ) -> Pressure:
         """From D's /metrics (``enginemetrics``): its KV usage fraction of its
         ``num_gpu_blocks``, and the preemptions since the last look. An unknown usage
-        or size is no KV pressure (preemptions still count)."""
-        if kv_usage is None or not total_blocks:
+        or size is no KV pressure (preemptions still count); a known size is kept."""
+        if not total_blocks:
             return cls(preemptions=max(0, preemptions), stalled=max(0, stalled))
+        if kv_usage is None:  # D's size without its usage: no KV pressure known
+            return cls(0, total_blocks, max(0, preemptions), max(0, stalled))
         used = math.ceil(min(1.0, max(0.0, kv_usage)) * total_blocks)
         return cls(used, total_blocks, max(0, preemptions), max(0, stalled))
 
@@ -305,6 +307,7 @@ class Held:
     end: float  # the ceiling or the lease, whichever is first
     bounded_by_lease: bool
     recheck_at: float = math.inf  # when usefulness is looked at again
+    blocks: int = 0  # D's blocks it pins, counted at its keeping (the block size may change)
 
 
 @dataclass(frozen=True)
@@ -431,10 +434,12 @@ class RetentionPolicy:
         if by_lease:
             assert lease_s is not None
             end = t + lease_s
-        held = Held(session, t, tokens, end, by_lease)
+        # A release admission queued for this session's earlier handle is moot now.
+        self._pending = [r for r in self._pending if r.session != session]
+        held = Held(session, t, tokens, end, by_lease, blocks=self.costs.blocks(tokens))
         self._held[session] = held
-        self._held_blocks += self.costs.blocks(tokens)
-        self._kept_since_scrape += self.costs.blocks(tokens)
+        self._held_blocks += held.blocks
+        self._kept_since_scrape += held.blocks
         self._schedule(held, t)
         self._admit(held, t)
         return held if self._held.get(session) is held else None
@@ -678,7 +683,7 @@ class RetentionPolicy:
     def _release(self, h: Held, reason: str, value: float = 0.0) -> Release:
         self._pop_held(h.session)
         if self.limits.release_window_s > 0:
-            blocks = self.costs.blocks(h.tokens)
+            blocks = h.blocks
             self._in_flight.append((self._now, blocks))
             self._in_flight_blocks += blocks
         return Release(h.session, h.tokens, reason, value)
@@ -686,7 +691,7 @@ class RetentionPolicy:
     def _pop_held(self, session: str) -> Held | None:
         h = self._held.pop(session, None)
         if h is not None:
-            self._held_blocks -= self.costs.blocks(h.tokens)
+            self._held_blocks -= h.blocks
         return h
 
     def worth(self, h: Held, now: float) -> float:

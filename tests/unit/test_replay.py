@@ -52,10 +52,16 @@ def test_the_sidecar_and_the_simulator_build_one_policy(
         created_at=100.0,
         expires_at=None,
     )
+    # Until D's size is known (no admission, no KV pressure) the retention in force
+    # ends a handle; from then on, as in the replay (which knows D from its first
+    # tick), the ceiling does, the retention in force the floor of usefulness.
+    hold, by_lease = sidecar.store._bound(handle)
+    assert not by_lease and hold is not None
+    assert math.isclose(hold, wiring.floor_s - HANDLE_EXPIRY_MARGIN_SECONDS)
+    sidecar.retention.observe_engine(retention.Pressure(0, 1000), now=0.0)
     hold, by_lease = sidecar.store._bound(handle)
     assert not by_lease
     assert hold is not None and math.isclose(hold, wiring.hold_s())
-    # Offered until the ceiling; the retention in force is the floor of usefulness.
     assert wiring.hold_s() == wiring.ceiling_s - HANDLE_EXPIRY_MARGIN_SECONDS
     assert sidecar.retention.limits.min_retention_s == min(retention_s, wiring.hold_s())
 

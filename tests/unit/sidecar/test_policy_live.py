@@ -34,6 +34,8 @@ async def test_a_lower_retention_lowers_the_floor_not_the_end(
     is offered until the ceiling less the margin, as D holds it."""
     client = await make_sidecar(retention_seconds=480, retention_ceiling_seconds=1800)
     sc = sidecar_of(client)
+    assert await sc.scrape_engine() is True  # D's size known: the ceiling ends a handle
+    sc.release_due()
     conv = Conversation(client)
     await conv.ask(LONG_QUESTION)
     assert sc.retention.limits.min_retention_s == 480

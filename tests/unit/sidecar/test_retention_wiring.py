@@ -272,9 +272,10 @@ def test_a_lease_bounded_handle_is_in_the_same_accounting() -> None:
 
 
 def test_pressure_of_engine_reads_usage_in_blocks_and_preemptions() -> None:
-    """D's KV usage fraction of its blocks, rounded up; unknown usage is no pressure."""
+    """D's KV usage fraction of its blocks, rounded up; unknown usage is no pressure
+    (its size is still told: admission needs it)."""
     assert r.Pressure.of_engine(0.5, 1001, 2) == r.Pressure(501, 1001, 2)
-    assert r.Pressure.of_engine(None, 1000, 1) == r.Pressure(preemptions=1)
+    assert r.Pressure.of_engine(None, 1000, 1) == r.Pressure(0, 1000, preemptions=1)
     assert r.Pressure.of_engine(0.9, None, -3) == r.Pressure()
 
 
