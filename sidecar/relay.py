@@ -50,7 +50,7 @@ from aiohttp import web
 
 from kvferry_wire.protocol import HDR_FORWARDED_BY, Outcome, Route
 
-from . import anchor, fields, forward, limits, offload, owners, plan, rewrite, session
+from . import anchor, fields, forward, limits, logfmt, offload, owners, plan, rewrite, session
 from .release import PINNED_PULL_FAILED, Ride
 from .runtime import Sidecar
 from .types import (
@@ -93,7 +93,11 @@ async def prompt_tokens(sc: Sidecar, turn: TurnInput) -> list[int] | None:
     try:
         return await sc.local.client.tokenize(body, request_id=turn.request_id, heavy=turn.heavy)
     except UpstreamError as exc:
-        log.info("tokenize failed; no reuse this turn request_id=%s err=%s", turn.request_id, exc)
+        log.info(
+            "tokenize failed; no reuse this turn request_id=%s err=%s",
+            logfmt.value(turn.request_id),
+            logfmt.value(exc),
+        )
         return None
 
 
@@ -148,14 +152,22 @@ async def _attempt(sc: Sidecar, engine: PrefillEngine, turn: TurnInput, ride: Ri
         raise
     except EngineUnavailable as exc:
         sc.pool.mark_down(engine.url)
-        log.warning("prefill engine unavailable request_id=%s err=%s", turn.request_id, exc)
+        log.warning(
+            "prefill engine unavailable request_id=%s err=%s",
+            logfmt.value(turn.request_id),
+            logfmt.value(exc),
+        )
         # Never connected: what it carried is untouched, the next engine gets it.
         reached = not isinstance(exc, EngineUnreachable)
         return _Attempt(
             ATTEMPT_UNAVAILABLE, broke_off=reached, fails_pull=reached, next_engine=True
         )
     except EngineTimeout as exc:
-        log.warning("prefill timed out request_id=%s err=%s", turn.request_id, exc)
+        log.warning(
+            "prefill timed out request_id=%s err=%s",
+            logfmt.value(turn.request_id),
+            logfmt.value(exc),
+        )
         return _Attempt(ATTEMPT_TIMEOUT, broke_off=True, fails_pull=True, next_engine=True)
     params = _valid_prefill_params(data) if status == 200 else None
     if params is not None:
@@ -294,9 +306,9 @@ def not_ready(sc: Sidecar, request_id: str, detail: str) -> web.Response:
     message = "the decode engine is not ready; the request was not served, retry shortly"
     log.warning(
         "upstream not ready request_id=%s engine=%s detail=%s",
-        request_id,
+        logfmt.value(request_id),
         sc.settings.engine_url,
-        detail,
+        logfmt.value(detail),
     )
     # X-Request-Id: app.echo_request_id, as on every response.
     return web.json_response(error_body(message, "upstream_not_ready", 502), status=502)
@@ -323,7 +335,11 @@ def timed_out(sc: Sidecar, request_id: str, detail: str) -> web.Response:
         f"the decode engine did not answer within the sidecar's budget ({detail}); "
         "the request was aborted"
     )
-    log.warning("decode timed out request_id=%s detail=%s", request_id, detail)
+    log.warning(
+        "decode timed out request_id=%s detail=%s",
+        logfmt.value(request_id),
+        logfmt.value(detail),
+    )
     return web.json_response(error_body(message, "upstream_timeout", 504), status=504)
 
 
@@ -412,10 +428,10 @@ async def run_decode(
             raw = await upstream.read()
             report.error = f"decode answered {upstream.status}"
             log.warning(
-                "decode answered %d request_id=%s body=%r",
+                "decode answered %d request_id=%s body=%s",
                 upstream.status,
-                turn.request_id,
-                raw[:2000],
+                logfmt.value(turn.request_id),
+                logfmt.value(raw[:2000].decode("utf-8", "replace")),
             )
             return web.json_response(
                 engine_error(upstream.status, raw), status=upstream.status, headers=headers
@@ -521,8 +537,8 @@ async def _relay_body(
         report.status, report.error = 502, "decode answered a body that is not a JSON object"
         log.warning(
             "decode answer not a JSON object request_id=%s content_type=%s",
-            turn.request_id,
-            upstream.content_type,
+            logfmt.value(turn.request_id),
+            logfmt.value(upstream.content_type),
         )
         message = "the decode engine's answer could not be read; the request was not served"
         return web.json_response(
@@ -592,7 +608,11 @@ async def _relay_stream(
             finish(sse.capture)
         upstream.close()
         report.error = f"stream broken: {type(exc).__name__}: {exc}"
-        log.warning("stream broken request_id=%s err=%r", turn.request_id, exc)
+        log.warning(
+            "stream broken request_id=%s err=%s",
+            logfmt.value(turn.request_id),
+            logfmt.value(repr(exc)),
+        )
         why = "timed out" if isinstance(exc, TimeoutError) else "broke off"
         event = error_body(f"the decode engine {why} mid-answer", "upstream_error", 502)
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientError, RuntimeError):
