@@ -96,6 +96,7 @@ def test_a_handle_is_held_past_the_retention_and_ends_at_the_ceiling(
     assert third.reply.token_ids == reference(prefill, messages), third.why()
     say(
         f"retention policy: reused {HOLD_S + 2:.0f}s after a {RETENTION_S:.0f}s retention, "
-        f"ended {held_for:.1f}s after its keeping (ceiling {CEILING_S:.0f}s less the margin); "
+        f"not offered past the ceiling less the margin, D freed it {held_for:.1f}s after "
+        f"its keeping (ceiling {CEILING_S:.0f}s); "
         f"evictions {rep['evictions']}"
     )
