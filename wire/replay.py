@@ -95,6 +95,7 @@ class Replay:
         self.decode_s_per_token = decode_s_per_token
         self.figures = Figures()
         self._held: dict[str, _Pin] = {}
+        self._held_blocks = 0
         self._pending: list[tuple[float, int, _Pin]] = []  # (lands at, seq, pin)
         self._pending_blocks = 0
         self._running: dict[int, int] = {}  # turn index -> blocks
@@ -104,8 +105,13 @@ class Replay:
 
     # ------------------------------------------------------------------ D's KV
     def _used(self) -> int:
-        held = sum(p.blocks for p in self._held.values())
-        return held + self._pending_blocks + self._running_blocks
+        return self._held_blocks + self._pending_blocks + self._running_blocks
+
+    def _unhold(self, session: str) -> _Pin | None:
+        pin = self._held.pop(session, None)
+        if pin is not None:
+            self._held_blocks -= pin.blocks
+        return pin
 
     def _unpin(self, pin: _Pin, now: float) -> None:
         self.figures.pinned_byte_s += pin.bytes * max(0.0, now - pin.t)
@@ -113,7 +119,7 @@ class Replay:
     def _let_go(self, releases: Sequence[rp.Release], now: float) -> None:
         """The policy released these: each stays pinned until its release lands."""
         for r in releases:
-            pin = self._held.pop(r.session, None)
+            pin = self._unhold(r.session)
             if pin is None:
                 continue
             self.figures.releases[r.reason] += 1
@@ -130,7 +136,7 @@ class Replay:
             self._unpin(pin, at)
 
     def _note_peak(self) -> None:
-        pinned = sum(p.blocks for p in self._held.values()) + self._pending_blocks
+        pinned = self._held_blocks + self._pending_blocks
         self.figures.peak_pinned_blocks = max(self.figures.peak_pinned_blocks, pinned)
 
     # ------------------------------------------------------------------ events
@@ -145,7 +151,7 @@ class Replay:
         f = self.figures
         f.turns += 1
         taken = self.policy.arrive(turn.session, turn.t)
-        pin = self._held.pop(turn.session, None)
+        pin = self._unhold(turn.session)
         if pin is not None:
             self._unpin(pin, turn.t)  # read or not, a lookup frees D's blocks
             if taken is not None and turn.t < taken.end:
@@ -170,7 +176,9 @@ class Replay:
         blocks = self.costs.blocks(tokens)
         pin = _Pin(now, blocks, self.costs.pinned_bytes(tokens))
         if tokens > 0:
+            self._unhold(turn.session)
             self._held[turn.session] = pin
+            self._held_blocks += pin.blocks
         releases = self.policy.take_releases()
         self._let_go(releases, now)
         # The store's cap: the lowest value goes, never the handle just kept while
@@ -180,7 +188,7 @@ class Replay:
             victim = self.policy.lowest(others, now)
             self.policy.forget(victim)
             self._let_go([rp.Release(victim, 0, rp.REASON_CAP, 0.0)], now)
-        if sum(p.blocks for p in self._held.values()) > self.capacity:
+        if self._held_blocks > self.capacity:
             # More held than D has: its request could not have finished without D
             # making room. Admission keeps the handles within its share, so only a
             # policy that keeps every handle (the bench's "before") gets here: it
