@@ -290,7 +290,7 @@ def _seen(memo: kopf.Memo) -> Seen | None:
         return None
 
     def lookup(key: tuple[str, str]) -> dict[str, dict[str, Any]]:
-        # The index is keyed on labels anyone may copy (issue 38, item 3): the server's
+        # The index is keyed on labels anyone may copy: the server's
         # RoleScaler is the one of its name, <server>-<role>; a look-alike of another
         # name is never it, whatever its labels or controller reference say (it would
         # make the count not known, a ChildConflict, or lend its own replicas).

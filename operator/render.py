@@ -727,7 +727,7 @@ def owner_boundary_open(server: Server) -> str | None:
     """Why the owner boundary is not enforced, or None (no ``spec.owners.header``, or
     clients restricted). With owners, a handle is its owner's only if no one but the
     gateway, which overwrites the header, reaches the client port: a pod that does can
-    send another owner's header and session id (issue 38, item 1)."""
+    send another owner's header and session id."""
     if not server.spec.owners.header:
         return None
     wide = unrestricted_clients(server)

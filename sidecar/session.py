@@ -127,8 +127,8 @@ def session_key(
 
     Headers first, wherever ``order`` puts them: a header may be a gateway's (set after
     it authenticated the client), a body field is always the client's, so a body key
-    must never outrank a header that is there (issue 38: a ``session_id`` in the body
-    would otherwise pick any session behind a gateway that sets ``X-Session-Id``). The
+    must never outrank a header that is there (a ``session_id`` in the body would
+    pick any session behind a gateway that sets ``X-Session-Id``). The
     body's key is then ignored, not merged. Where no gateway sets the header the client
     chooses the session either way, so nothing is lost."""
     order = tuple(order)

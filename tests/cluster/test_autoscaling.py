@@ -314,7 +314,7 @@ def test_the_example_hpas_reach_the_example_rolescalers(
 
 def lookalike(ns: str, uid: str | None) -> dict[str, Any]:
     """A RoleScaler of another name carrying server tiny's decode labels, with a
-    controller reference to tiny when ``uid`` is given (issue 38, item 3)."""
+    controller reference to tiny when ``uid`` is given."""
     meta: dict[str, Any] = {
         "name": "evil-decode",
         "namespace": ns,

@@ -387,7 +387,7 @@ EXT_DECODE = {"decode": EXTERNAL}
 
 class TestScalerLookup:
     """A server's RoleScaler is the one of its name (``<server>-<role>``) that it
-    controls; the labels only narrow the watch (issue 38, item 3). A look-alike of
+    controls; the labels only narrow the watch. A look-alike of
     another name carrying the server's labels, with or without a controller reference
     to it, is never the server's."""
 
